@@ -1,0 +1,35 @@
+# Two entry points: `make run` (the main job) and `make test` (lint + the whole suite).
+# Both create .venv and install what they need on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+# GPU users: TORCH_SPEC='torch' (or skip by pre-installing their CUDA build into $(VENV)).
+TORCH_SPEC ?= torch==2.13.0
+TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
+BIN := $(VENV)/bin
+
+.PHONY: install run test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch first, from the exact spec, so the project's looser range never pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(BIN)/raykv bench policy --trace $(TRACE) --capacity-tokens 1000000,3000000,10000000 --policies all
+
+lint: install
+	$(BIN)/ruff check raykv tests scripts
+	$(BIN)/ruff format --check raykv tests scripts
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,118 @@
+"""The ``raykv`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from raykv.config import ConfigError, load_config
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v.replace("_", "")) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.policy import bench_work, prepare_accesses, run_policy_bench
+    from raykv.offload.policies import policy_names, resolve_policy
+    from raykv.report import policy_table, progress_bar
+    from raykv.workload.trace import read_trace
+
+    names = policy_names() if args.policies.strip() == "all" else args.policies.split(",")
+    names = [n.strip() for n in names if n.strip()]
+    for name in names:
+        resolve_policy(name)  # unknown names fail before the replay starts
+    requests = read_trace(args.trace, args.block_tokens, limit=args.limit)
+    accesses = prepare_accesses(requests, args.block_tokens)
+    total = bench_work(len(accesses), len(args.capacity_tokens), len(names), args.repeat)
+    err = Console(stderr=True)
+    with progress_bar(err, total, "replaying") as advance:
+        report = run_policy_bench(
+            accesses,
+            args.capacity_tokens,
+            names,
+            trace=str(args.trace),
+            block_tokens=args.block_tokens,
+            repeat=args.repeat,
+            progress=advance,
+        )
+    console.print(policy_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_json(), indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
+    config = load_config(args.file, args.set or ())
+    console.print(f"{args.file}: ok", highlight=False)
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raykv", description="Ray-native KV-cache offloading engine."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    pol = bench.add_parser(
+        "policy", help="eviction policies against the offline optimum on a request trace"
+    )
+    pol.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    pol.add_argument(
+        "--capacity-tokens",
+        type=_int_list,
+        required=True,
+        help="CPU tier sizes in tokens, comma-separated (e.g. 1000000,3000000)",
+    )
+    pol.add_argument(
+        "--policies", default="all", help="comma-separated policy names, or 'all' (default)"
+    )
+    pol.add_argument("--json", help="write the results to this JSON file")
+    pol.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block")
+    pol.add_argument(
+        "--repeat", type=int, default=3, help="timed replays per row; the fastest counts"
+    )
+    pol.add_argument("--limit", type=int, help="replay only the first N requests")
+    pol.set_defaults(func=_cmd_bench_policy)
+
+    cfg = sub.add_parser("config", help="configuration tools").add_subparsers(
+        dest="config", required=True
+    )
+    check = cfg.add_parser("check", help="validate a config and print the resolved values")
+    check.add_argument("file")
+    check.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override")
+    check.set_defaults(func=_cmd_config_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: do not squeeze tables into 80 columns
+        console = Console(width=140)
+    try:
+        return args.func(args, console)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"raykv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The CPU-tier directory: which chunks the CPU tier holds, in which slot, in which state.
+
+Plain Python with no knowledge of GPU blocks or jobs. One directory serves all tensor-parallel
+ranks: a slot id names the same position in every rank's CPU pool shard.
+
+Every resident key has a slot. Its state is one of:
+
+- being written: not readable (``lookup`` answers HIT_PENDING), not evictable;
+- ready: readable and evictable;
+- being read by n loads: readable, not evictable.
+
+Keys being written sit in the ``_writing`` set and keys being read in the ``_readers`` table (key
+-> reader count); a resident key in neither is ready. Most keys are ready most of the time, so the
+common paths touch one table, and the busy ones use C-level set operations in bulk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+
+from raykv.offload.events import EventLog, KVEvent
+from raykv.offload.filter import FrequencyFilter
+from raykv.offload.policies import CachePolicy, make_policy
+from raykv.offload.slots import SlotAllocator
+
+_NOTHING: frozenset[int] = frozenset()
+
+
+class LookupResult(IntEnum):
+    """What the CPU tier can do for one key right now."""
+
+    MISS = 0
+    HIT = 1
+    HIT_PENDING = 2
+
+
+MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """The outcome of ``prepare_store``: the keys to copy, their slots (same order), and the keys
+    evicted to make room. An empty plan means nothing needs storing; it is not a failure."""
+
+    keys: list[int]
+    slots: list[int]
+    evicted: list[int]
+
+
+@dataclass(slots=True)
+class DirectoryStats:
+    """A snapshot of the directory's gauges and cumulative counters (counted in keys)."""
+
+    capacity: int
+    used: int
+    ready_idle: int
+    writing: int
+    reading: int
+    lookups: int
+    hits: int
+    hit_pending: int
+    misses: int
+    keys_offered: int
+    keys_stored: int
+    keys_deduped: int
+    keys_filtered: int
+    keys_not_admitted: int
+    evictions: int
+    allocation_failures: int
+    store_failures: int
+    loads: int
+    policy: str
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.capacity
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class Directory:
+    """The CPU tier's directory of chunks (the "offloading manager").
+
+    Args:
+        num_slots: CPU slots, each holding one chunk of one KV group on every rank.
+        policy: a registered policy name, ``module:Class``, or a ready ``CachePolicy``.
+        store_threshold: when >= 2, store only keys looked up at least this many times.
+        max_tracker_size: how many keys the lookup-frequency tracker remembers.
+        events: record ``BlockStored``/``BlockRemoved`` events for ``take_events``.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        policy: str | CachePolicy = "lru",
+        *,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+        events: bool = True,
+    ) -> None:
+        self._slots = SlotAllocator(num_slots)
+        self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
+        self._filter = (
+            FrequencyFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
+        )
+        self._events = EventLog(events)
+        self._slot: dict[int, int] = {}  # every resident key -> its slot
+        self._writing: set[int] = set()
+        self._readers: dict[int, int] = {}
+        self._admits = type(self.policy).admit is not CachePolicy.admit
+        self._lookups = self._hits = self._pending = 0
+        self._offered = self._stored = self._deduped = self._filtered = self._not_admitted = 0
+        self._evictions = self._alloc_failures = self._store_failures = self._loads = 0
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._slots.capacity
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._slot
+
+    def lookup(self, key: int) -> LookupResult:
+        """HIT if readable, HIT_PENDING if still being written, MISS if absent. Counts towards
+        the frequency filter."""
+        self._lookups += 1
+        if self._filter is not None:
+            self._filter.bump(key)
+        if key not in self._slot:
+            return MISS
+        if key in self._writing:
+            self._pending += 1
+            return HIT_PENDING
+        self._hits += 1
+        return HIT
+
+    def match_prefix(self, keys: Sequence[int]) -> tuple[int, int]:
+        """Look keys up in order until the first MISS. The scan goes on past keys still being
+        written, so one call tells a caller the whole reachable prefix.
+
+        Returns ``(present, pending)``: how many leading keys are present, and how many of those
+        are still being written (the caller must wait for them before loading). Each key examined
+        counts as one ``lookup``."""
+        slot, writing = self._slot, self._writing
+        present = pending = 0
+        if writing:
+            for key in keys:
+                if key not in slot:
+                    break
+                present += 1
+                if key in writing:
+                    pending += 1
+        else:  # nothing in flight: no key can be pending
+            for key in keys:
+                if key not in slot:
+                    break
+                present += 1
+        examined = present + (present < len(keys))
+        self._lookups += examined
+        self._hits += present - pending
+        self._pending += pending
+        if self._filter is not None:
+            bump = self._filter.bump
+            for key in keys[:examined]:
+                bump(key)
+        return present, pending
+
+    def is_readable(self, key: int) -> bool:
+        """True if the key is ready; unlike ``lookup`` it counts nothing."""
+        return key in self._slot and key not in self._writing
+
+    def slot_of(self, key: int) -> int:
+        return self._slot[key]
+
+    def readable_keys(self) -> set[int]:
+        return self._slot.keys() - self._writing
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[int]) -> list[int]:
+        """Pin the keys for reading (not evictable until ``complete_load``) and return their
+        slots. Every key must be ready; otherwise nothing changes and KeyError names the key."""
+        slot, writing, readers = self._slot, self._writing, self._readers
+        for key in keys:
+            if key not in slot or key in writing:
+                state = "absent" if key not in slot else "still being written"
+                raise KeyError(f"cannot load key {key:#x}: {state}")
+        first: list[int] = []
+        for key in keys:
+            n = readers.get(key, 0)
+            if n == 0:
+                first.append(key)
+            readers[key] = n + 1
+        if first:
+            self.policy.pin(first)
+        self._loads += len(keys)
+        return [slot[k] for k in keys]
+
+    def complete_load(self, keys: Sequence[int]) -> None:
+        """Release the read pins taken by ``prepare_load``."""
+        readers = self._readers
+        for key in keys:
+            if key not in readers:
+                raise KeyError(f"complete_load for key {key:#x} that is not being read")
+        last: list[int] = []
+        for key in keys:
+            n = readers[key] - 1
+            if n:
+                readers[key] = n
+            else:
+                del readers[key]
+                last.append(key)
+        if last:
+            self.policy.unpin(last)
+
+    def touch(self, keys: Sequence[int]) -> None:
+        """Mark keys (in prefix order) as used now; absent keys are ignored."""
+        self.policy.touch(keys)
+
+    # ---- stores ----------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[int]) -> StorePlan | None:
+        """Allocate slots for the keys (prefix order) that need storing.
+
+        Keys already present (ready or not) are dropped, as are keys the frequency filter or the
+        policy's admission rejects. Every input key, including the dropped ones, is protected from
+        the eviction that makes room. Eviction is atomic: returns None, with nothing changed, when
+        enough room cannot be made. The new keys are being written until ``complete_store``.
+        """
+        self._offered += len(keys)
+        slot = self._slot
+        candidates: Sequence[int] = keys
+        if self._filter is not None:
+            candidates = self._filter.passes(candidates)
+            self._filtered += len(keys) - len(candidates)
+        missing = [k for k in candidates if k not in slot]
+        if len(missing) > 1:
+            missing = list(dict.fromkeys(missing))  # a key listed twice is stored once
+        self._deduped += len(candidates) - len(missing)
+        if not missing:
+            return StorePlan([], [], [])
+        free = self._slots.num_free
+        protected = set(keys) if len(missing) > free else _NOTHING
+        to_store = missing
+        if self._admits:
+            to_store = self.policy.admit(missing, free, protected)
+            self._not_admitted += len(missing) - len(to_store)
+            if not to_store:
+                return StorePlan([], [], [])
+        need = len(to_store) - free
+        evicted: list[int] = []
+        if need > 0:
+            idle = len(slot) - len(self._writing) - len(self._readers)
+            victims = self.policy.evict(need, protected) if need <= idle else None
+            if victims is None:
+                self._alloc_failures += 1
+                return None
+            slot_pop = slot.pop
+            self._slots.release([slot_pop(k) for k in victims])
+            self._evictions += len(victims)
+            self._events.removed(victims)
+            evicted = victims
+        slots = self._slots.allocate(len(to_store))
+        slot.update(zip(to_store, slots, strict=True))
+        self._writing.update(to_store)
+        self._stored += len(to_store)
+        self.policy.insert(to_store)
+        return StorePlan(to_store, slots, evicted)
+
+    def complete_store(self, keys: Iterable[int], success: bool = True) -> None:
+        """Finish writes started by ``prepare_store``. On success the keys become readable and
+        evictable (one ``BlockStored`` event); on failure they are dropped and their slots freed,
+        never having been readable. Keys not being written are left alone."""
+        writing = self._writing
+        keys = list(keys)
+        if writing.issuperset(keys):  # the usual case: one job's keys, all still being written
+            before = len(writing)
+            writing.difference_update(keys)
+            done = keys if before - len(writing) == len(keys) else list(dict.fromkeys(keys))
+        else:
+            done = list(dict.fromkeys(k for k in keys if k in writing))
+            if not done:
+                return
+            writing.difference_update(done)
+        if success:
+            self.policy.ready(done)
+            self._events.stored(done)
+        else:
+            self._store_failures += len(done)
+            slot_pop = self._slot.pop
+            self._slots.release([slot_pop(k) for k in done])
+            self.policy.remove(done)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget everything. Announced keys get one ``BlockRemoved``. The caller guarantees no
+        completion for earlier work arrives afterwards (the connector's reset epoch)."""
+        writing = self._writing
+        self._events.removed([k for k in self._slot if k not in writing])
+        self._slot.clear()
+        writing.clear()
+        self._readers.clear()
+        self._slots.reset()
+        self.policy.clear()
+        if self._filter is not None:
+            self._filter.clear()
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the buffered events, oldest first."""
+        return self._events.take()
+
+    def has_pending_work(self) -> bool:
+        """True while any write or read is in flight."""
+        return bool(self._writing) or bool(self._readers)
+
+    def stats(self) -> DirectoryStats:
+        writing, reading = len(self._writing), len(self._readers)
+        return DirectoryStats(
+            capacity=self.capacity,
+            used=len(self._slot),
+            ready_idle=len(self._slot) - writing - reading,
+            writing=writing,
+            reading=reading,
+            lookups=self._lookups,
+            hits=self._hits,
+            hit_pending=self._pending,
+            misses=self._lookups - self._hits - self._pending,
+            keys_offered=self._offered,
+            keys_stored=self._stored,
+            keys_deduped=self._deduped,
+            keys_filtered=self._filtered,
+            keys_not_admitted=self._not_admitted,
+            evictions=self._evictions,
+            allocation_failures=self._alloc_failures,
+            store_failures=self._store_failures,
+            loads=self._loads,
+            policy=self.policy.name or type(self.policy).__name__,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the directory's books disagree (used by tests and fuzzers)."""
+        slot, writing, readers = self._slot, self._writing, self._readers
+        assert writing <= slot.keys(), "a key being written has no slot"
+        assert readers.keys() <= slot.keys(), "a key being read has no slot"
+        assert not writing & readers.keys(), "a key is written and read at once"
+        assert all(n > 0 for n in readers.values()), "a reader count is not positive"
+        slots = list(slot.values())
+        assert len(set(slots)) == len(slots), "a slot is owned by two keys"
+        assert all(0 <= s < self.capacity for s in slots), "slot id out of range"
+        assert len(slot) + self._slots.num_free == self.capacity, "slots leaked or double-freed"
+        assert not self._slots.free_slots() & set(slots), "a slot is both free and owned"

@@ -1,0 +1,1 @@
+"""Workloads: request traces and synthetic generators."""

@@ -1,0 +1,28 @@
+"""Shared test settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# CI replays the same examples every run (derandomized) so a red build is reproducible; locally
+# hypothesis explores new examples each run.
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+MOONCAKE_TRACE = SHARED / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="session")
+def mooncake_trace() -> Path:
+    if not MOONCAKE_TRACE.exists():
+        pytest.skip(f"shipped trace not found at {MOONCAKE_TRACE}")
+    return MOONCAKE_TRACE
