@@ -185,9 +185,9 @@ def test_recall_sends_a_key_returning_after_a_long_gap_to_t2() -> None:
     assert 999 in recall._t1  # a never-seen key still starts in T1
 
 
-def test_recall_touch_remembers_only_resident_keys() -> None:
+def test_recall_touch_of_an_absent_key_does_not_make_it_returning() -> None:
     recall = RecallPolicy(4)
-    recall.touch([7])  # absent: must not count as seen, or its first store would look returning
+    recall.touch([7])
     add_ready(recall, [7])
     assert 7 in recall._t1
 
@@ -223,6 +223,7 @@ def test_seen_filter_forgets_beyond_two_generations_and_has_few_false_positives(
     rng = random.Random(7)
     fresh = [rng.getrandbits(64) for _ in range(20_000)]
     # two generations at 16 bits per key: about 2 x 1.4% false positives
+    assert seen.check_and_add(fresh[:100], add=False) <= set(fresh[:100])
     assert sum(1 for k in fresh if k in seen) / len(fresh) < 0.04
 
 

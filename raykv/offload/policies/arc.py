@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from itertools import islice
 
 from raykv.offload.policies.base import CachePolicy
 
@@ -37,6 +38,7 @@ class ARCPolicy(CachePolicy):
 
     def insert(self, keys: list[int]) -> None:
         t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        returning = self._returning(keys)
         for key in reversed(keys):
             if key in b1:
                 self.target = min(self.target + max(1.0, len(b2) / len(b1)), self.capacity)
@@ -46,16 +48,16 @@ class ARCPolicy(CachePolicy):
                 self.target = max(self.target - max(1.0, len(b1) / len(b2)), 0.0)
                 del b2[key]
                 t2[key] = None
-            elif self._returning(key):
+            elif key in returning:
                 t2[key] = None
             else:
                 t1[key] = None
         self._busy.update(keys)
         self._writing.update(keys)
 
-    def _returning(self, key: int) -> bool:
-        """Whether a key absent from the ghost lists still counts as used before (T2)."""
-        return False
+    def _returning(self, keys: list[int]) -> Collection[int]:
+        """Keys that count as used before (so enter T2) even when absent from the ghost lists."""
+        return ()
 
     def ready(self, keys: list[int]) -> None:
         self._busy.difference_update(keys)
@@ -88,28 +90,24 @@ class ARCPolicy(CachePolicy):
 
     def _candidates(self, lst: OrderedDict[int, None], protected: Collection[int]) -> Iterator[int]:
         busy = self._busy
-        for key in lst:
-            if key not in busy and key not in protected:
-                yield key
+        return (k for k in lst if k not in busy and k not in protected)
 
     def evict(self, n: int, protected: Collection[int]) -> list[int] | None:
         if n <= 0:
             return []
-        from1, from2 = [], []
-        it1, it2 = self._candidates(self._t1, protected), self._candidates(self._t2, protected)
+        # ARC takes from T1 while T1, less what was already taken from it, is at least the target
+        # size; otherwise from T2; and from the other list when the preferred one runs dry.
+        threshold = max(self.target, 1.0)
         len_t1 = len(self._t1)
-        while len(from1) + len(from2) < n:
-            prefer_t1 = len_t1 - len(from1) >= max(self.target, 1.0)
-            first, second = (it1, it2) if prefer_t1 else (it2, it1)
-            out_first, out_second = (from1, from2) if prefer_t1 else (from2, from1)
-            key = next(first, None)
-            if key is not None:
-                out_first.append(key)
-                continue
-            key = next(second, None)
-            if key is None:
+        prefer_t1 = 0 if len_t1 < threshold else min(n, int(len_t1 - threshold) + 1)
+        it1 = self._candidates(self._t1, protected)
+        it2 = self._candidates(self._t2, protected)
+        from1 = list(islice(it1, prefer_t1))
+        from2 = list(islice(it2, n - len(from1)))
+        if len(from1) + len(from2) < n:
+            from1.extend(islice(it1, n - len(from1) - len(from2)))
+            if len(from1) + len(from2) < n:
                 return None
-            out_second.append(key)
         self._commit(from1, self._t1, self._b1)
         self._commit(from2, self._t2, self._b2)
         return from1 + from2
