@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from raykv.config import ConfigError, load_config
+from raykv.config import ConfigError, RaykvConfig, load_config
 
 
 def _int_list(text: str) -> list[int]:
@@ -57,6 +57,48 @@ def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _run_config(args: argparse.Namespace) -> RaykvConfig:
+    overrides = list(args.set or [])
+    if args.num_requests is not None:
+        overrides.append(f"workload.num_requests={args.num_requests}")
+    if args.workload:
+        kind, _, path = args.workload.partition(":")
+        if kind == "synthetic" and not path:
+            overrides.append("workload.kind=synthetic")
+        elif kind == "trace" and path:
+            overrides += ["workload.kind=trace", f"workload.trace={path}"]
+        else:
+            raise ConfigError(f"--workload {args.workload!r}: expected synthetic or trace:FILE")
+    if args.no_offload:
+        overrides.append("offload.enabled=false")
+    return load_config(args.config, overrides)
+
+
+def _cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from raykv.engine.core import EngineCore
+    from raykv.engine.run import run_workload
+    from raykv.engine.workers import LocalWorkerGroup
+    from raykv.report import print_run_report, run_progress
+    from raykv.workload.requests import make_workload
+
+    if args.engine != "local":
+        raise ConfigError(f"--engine {args.engine}: only 'local' exists in this build")
+    cfg = _run_config(args)
+    specs = make_workload(cfg)
+    err = Console(stderr=True)
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        engine = EngineCore(cfg, workers, verify=args.verify)
+        with run_progress(err, len(specs)) as progress:
+            report = run_workload(engine, specs, progress=progress)
+    report["config"] = cfg.model_dump(mode="json")
+    print_run_report(console, report, verify=args.verify)
+    if args.json_report:
+        Path(args.json_report).write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {args.json_report}")
+    bad = report["integrity"]["mismatches"]
+    return 1 if bad else 0
+
+
 def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.file, args.set or ())
     console.print(f"{args.file}: ok", highlight=False)
@@ -91,6 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pol.add_argument("--limit", type=int, help="replay only the first N requests")
     pol.set_defaults(func=_cmd_bench_policy)
+
+    run = sub.add_parser("run", help="run a workload through the engine and report")
+    run.add_argument("--engine", choices=["local"], default="local", help="local: one process")
+    run.add_argument("--config", help="YAML config (defaults apply to everything left out)")
+    run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    run.add_argument("--workload", help="synthetic, or trace:FILE (Mooncake JSONL)")
+    run.add_argument("--num-requests", type=int, help="how many requests to run")
+    run.add_argument("--no-offload", action="store_true", help="run without the CPU tier")
+    run.add_argument("--verify", action="store_true", help="check every loaded block's bytes")
+    run.add_argument("--json-report", help="write the report to this JSON file")
+    run.set_defaults(func=_cmd_run)
 
     cfg = sub.add_parser("config", help="configuration tools").add_subparsers(
         dest="config", required=True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -121,21 +121,169 @@ class OffloadConfig(_Strict):
         return self
 
 
+class ModelConfig(_Strict):
+    """The (synthetic) model whose KV is cached."""
+
+    num_layers: int = Field(default=4, gt=0)
+    num_kv_heads: int = Field(default=4, gt=0, description="KV heads in total, split over ranks.")
+    head_dim: int = Field(default=32, gt=0)
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    vocab_size: int = Field(default=32000, ge=16)
+    eos_every: int = Field(
+        default=0, ge=0, description="EOS is sampled about once per this many tokens (0: never)."
+    )
+
+
+class GroupConfig(_Strict):
+    """One KV-cache group: layers sharing an attention pattern."""
+
+    kind: Literal["full_attention", "sliding_window"] = "full_attention"
+    window_tokens: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _window(self) -> GroupConfig:
+        if self.kind == "sliding_window" and self.window_tokens is None:
+            raise ValueError("a sliding_window group needs window_tokens")
+        if self.kind == "full_attention" and self.window_tokens is not None:
+            raise ValueError("window_tokens applies only to sliding_window groups")
+        return self
+
+
+class CacheConfig(_Strict):
+    """The paged GPU KV cache."""
+
+    block_size: int = Field(default=16, gt=0, description="Tokens per GPU block.")
+    num_gpu_blocks: int = Field(default=192, ge=2, description="Blocks per rank (block 0 is null).")
+    groups: list[GroupConfig] = Field(default_factory=lambda: [GroupConfig()], min_length=1)
+
+
+class ParallelConfig(_Strict):
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class EngineConfig(_Strict):
+    max_num_seqs: int = Field(default=32, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+
+
+class WorkloadConfig(_Strict):
+    """What ``raykv run`` replays."""
+
+    kind: Literal["synthetic", "trace"] = "synthetic"
+    trace: str | None = Field(default=None, description="Mooncake JSONL file (kind: trace).")
+    num_requests: int = Field(default=200, gt=0)
+    seed: int = 0
+    arrival_rate: float = Field(
+        default=2.0, ge=0, description="Requests arriving per engine step (0: all at once)."
+    )
+    max_tokens: int = Field(default=24, gt=0, description="Tokens generated per request.")
+    system_prompts: int = Field(default=6, gt=0)
+    system_prompt_tokens: int = Field(default=192, gt=0)
+    user_tokens: int = Field(default=48, gt=0, description="Mean new user tokens per turn.")
+    answer_tokens: int = Field(default=32, gt=0, description="Answer tokens kept in history.")
+    mean_turns: float = Field(default=4.0, ge=1)
+    concurrent_conversations: int = Field(default=16, gt=0)
+    trace_tokens_per_block: int = Field(
+        default=512, gt=0, description="Tokens per trace hash id (512 in Mooncake traces)."
+    )
+
+    @model_validator(mode="after")
+    def _trace(self) -> WorkloadConfig:
+        if self.kind == "trace" and not self.trace:
+            raise ValueError("kind: trace needs a trace file (workload.trace)")
+        return self
+
+
 class RaykvConfig(_Strict):
     """The whole configuration file."""
 
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
     offload: OffloadConfig = OffloadConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    engine: EngineConfig = EngineConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RaykvConfig:
+        tp = self.parallel.tensor_parallel_size
+        if self.model.num_kv_heads % tp:
+            raise ValueError(
+                f"parallel.tensor_parallel_size ({tp}) must divide model.num_kv_heads "
+                f"({self.model.num_kv_heads})"
+            )
+        groups = len(self.cache.groups)
+        if self.model.num_layers % groups:
+            raise ValueError(
+                f"model.num_layers ({self.model.num_layers}) must split evenly over the "
+                f"{groups} cache.groups"
+            )
+        for i, g in enumerate(self.cache.groups):
+            if g.window_tokens is not None and g.window_tokens < 2:
+                raise ValueError(f"cache.groups.{i}.window_tokens must be at least 2")
+        if self.offload.enabled and self.offload.cpu_bytes is not None:
+            chunk = self.chunk_bytes_total()
+            if self.offload.cpu_bytes < chunk:
+                raise ValueError(
+                    f"offload.cpu_bytes ({self.offload.cpu_bytes}) is smaller than one chunk "
+                    f"({chunk} bytes across {tp} ranks)"
+                )
+        return self
+
+    # ---- derived sizes (plain arithmetic, shared by every layer) ----
+
+    @property
+    def layers_per_group(self) -> int:
+        return self.model.num_layers // len(self.cache.groups)
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.model.num_kv_heads // self.parallel.tensor_parallel_size
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float16": 2, "bfloat16": 2, "float32": 4}[self.model.dtype]
+
+    def page_bytes(self) -> int:
+        """Bytes of one block of one KV group on one rank (all of that group's layers)."""
+        m, c = self.model, self.cache
+        return (
+            self.layers_per_group
+            * 2
+            * self.kv_heads_per_rank
+            * c.block_size
+            * m.head_dim
+            * (self.dtype_bytes)
+        )
+
+    def chunk_bytes_total(self) -> int:
+        """Bytes one CPU slot holds across all ranks."""
+        return (
+            self.page_bytes() * self.offload.blocks_per_chunk * self.parallel.tensor_parallel_size
+        )
+
+    def cpu_slots(self) -> int:
+        """CPU slots: ``cpu_slots``, or ``cpu_bytes`` divided by a chunk's bytes on all ranks,
+        or by default four times the GPU blocks' worth."""
+        o = self.offload
+        if o.cpu_slots is not None:
+            return o.cpu_slots
+        if o.cpu_bytes is not None:
+            return max(1, o.cpu_bytes // self.chunk_bytes_total())
+        return max(1, 4 * self.cache.num_gpu_blocks // o.blocks_per_chunk)
 
 
 def _format_errors(exc: ValidationError, source: str) -> ConfigError:
     lines = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        path = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         got = err.get("input")
-        lines.append(f"{path}: {msg}" if isinstance(got, dict) else f"{path}: {msg} (got {got!r})")
+        line = f"{path}: {msg}" if path else msg  # cross-field checks name their own keys
+        lines.append(line if isinstance(got, dict) else f"{line} (got {got!r})")
     head = f"invalid configuration{f' in {source}' if source else ''}"
     return ConfigError(head + ":\n  " + "\n  ".join(lines))
 

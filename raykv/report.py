@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,90 @@ from rich.progress import (
 from rich.table import Table
 
 from raykv.bench.policy import BASELINE_LRU, BELADY, PolicyBenchReport
+
+
+@contextmanager
+def run_progress(console: Console, total: int) -> Iterator[callable]:
+    """A progress bar for ``raykv run``: requests done, tokens/s and hit rate so far."""
+    bar = Progress(
+        TextColumn("[bold]running"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task("run", total=total, stats="")
+        start = time.perf_counter()
+
+        def update(done: int, engine) -> None:
+            totals, sched = engine.totals, engine.scheduler.stats
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            hits = sched.gpu_hit_tokens + sched.cpu_hit_tokens
+            stats = (
+                f"{totals.generated_tokens / elapsed:7.0f} tok/s  "
+                f"hit {hits / max(totals.prompt_tokens, 1):6.1%}  "
+                f"cpu {sched.cpu_hit_tokens / max(totals.prompt_tokens, 1):6.1%}"
+            )
+            bar.update(task, completed=done, stats=stats)
+
+        yield update
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def print_run_report(console: Console, r: dict, verify: bool) -> None:
+    """The final table of ``raykv run``."""
+    table = Table(title="raykv run", title_justify="left", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    prompt = max(r["prompt_tokens"], 1)
+    rows = [
+        ("requests finished", f"{r['requests_finished']} / {r['requests']}"),
+        ("prompt tokens", f"{r['prompt_tokens']:,}"),
+        ("generated tokens", f"{r['generated_tokens']:,}"),
+        (
+            "GPU prefix-cache hits",
+            f"{r['gpu_hit_tokens']:,} tokens ({r['gpu_hit_tokens'] / prompt:.1%})",
+        ),
+        ("CPU-tier hits", f"{r['cpu_hit_tokens']:,} tokens ({r['cpu_hit_tokens'] / prompt:.1%})"),
+        ("recomputed tokens", f"{r['recomputed_tokens']:,}"),
+    ]
+    for name in ("loads", "stores"):
+        x = r[name]
+        bw = x["bytes"] / x["seconds"] / 1e9 if x["seconds"] else 0.0
+        rows.append(
+            (
+                name,
+                f"{x['jobs']:,} jobs, {x['blocks']:,} blocks, {_size(x['bytes'])}, {bw:.1f} GB/s",
+            )
+        )
+    f = r["flushes"]
+    rows += [
+        ("fence flushes", f"reuse {f['reuse']}, preemption {f['preemption']}, reset {f['reset']}"),
+        ("preemptions", f"{r['preemptions']:,}"),
+        ("steps", f"{r['steps']:,} ({r['idle_steps']:,} polling only)"),
+        ("wall time", f"{r['wall_seconds']:.2f} s"),
+        ("output digest", r["output_digest"][:16]),
+    ]
+    if verify:
+        i = r["integrity"]
+        rows.append(("verified blocks", f"{i['blocks_verified']:,}, mismatches {i['mismatches']}"))
+    if r.get("rejected"):
+        rows.append(("rejected requests", str(len(r["rejected"]))))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    for item in r.get("rejected", [])[:10]:
+        console.print(f"[yellow]rejected[/] {item['request']}: {item['error']}")
 
 
 @contextmanager

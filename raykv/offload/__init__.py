@@ -1,5 +1,6 @@
 """The CPU tier's directory and its eviction policies (plain Python: no torch, no ray)."""
 
+from raykv.core.keys import key_group, key_hash, make_key
 from raykv.offload.directory import (
     HIT,
     HIT_PENDING,
@@ -10,7 +11,6 @@ from raykv.offload.directory import (
     StorePlan,
 )
 from raykv.offload.events import MEDIUM_CPU, BlockRemoved, BlockStored, EventLog, KVEvent
-from raykv.offload.keys import key_group, key_hash, make_key
 from raykv.offload.policies import CachePolicy, make_policy, policy_names, register_policy
 
 __all__ = [

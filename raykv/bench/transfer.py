@@ -1,0 +1,199 @@
+"""``raykv bench transfer``: transfer-engine bandwidth against one large copy of the same bytes.
+
+For each page size it builds a KV tensor and a pool of ``blocks`` pages, times one job of all the
+blocks through :class:`~raykv.transfer.CpuTransferEngine` (submit + flush, best of ``repeat``) and
+the same number of bytes moved by a single ``dst.copy_(src)`` between the same two tensors (the
+copy limit of this machine, measured in the same run). ``ratio`` is the engine's share of it.
+
+Directions: ``store`` (kv -> pool), ``load`` (pool -> kv), ``both`` (a store over one half of the
+blocks and a load over the other half, submitted together; the baseline copies the two halves
+back to back).
+
+Patterns: ``random`` (GPU block ids a seeded random permutation, slots consecutive, as a scattered
+GPU cache against a freshly allocated CPU range) or ``contiguous`` (both sides consecutive).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from raykv.connector.plan import BlockCopy, TransferSpec
+from raykv.transfer import CpuTransferEngine, KVLayout, allocate_kv, allocate_pool
+
+DIRECTIONS = ("store", "load", "both")
+PATTERNS = ("random", "contiguous")
+# kv + pool of one page size stay under this unless the caller raises it, so a bench run of large
+# pages does not take GiBs (the block count shrinks instead; each result reports the count used)
+DEFAULT_MAX_BYTES = 512 * 2**20
+_SEED = 20240601
+
+
+def bench_layout(page_kib: int, blocks: int) -> KVLayout:
+    """A float16 layout whose page is exactly ``page_kib`` KiB, with ``blocks`` GPU blocks and
+    as many one-block slots."""
+    if page_kib <= 0:
+        raise ValueError(f"page_kib must be positive, got {page_kib}")
+    elems = page_kib * 1024 // 2
+    # a plausible shape (16-token blocks, 128-dim heads) when the size allows; else one long row
+    if elems % (2 * 16 * 128) == 0:
+        layers, block_size, head_dim = elems // (2 * 16 * 128), 16, 128
+    else:
+        layers, block_size, head_dim = 1, 1, elems // 2
+    return KVLayout(
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+        num_groups=1,
+        layers_per_group=layers,
+        kv_heads=1,
+        head_dim=head_dim,
+        dtype="float16",
+        blocks_per_chunk=1,
+        num_slots=blocks,
+    )
+
+
+def _best_pair(
+    first: Callable[[], None], second: Callable[[], None], repeat: int
+) -> tuple[float, float]:
+    """Best times of two functions, run alternately after one untimed round of each: the machine's
+    bandwidth drifts by tens of percent from second to second, and alternating exposes both to the
+    same drift."""
+    first()
+    second()
+    best = [float("inf"), float("inf")]
+    for _ in range(repeat):
+        for i, fn in enumerate((first, second)):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return max(best[0], 1e-9), max(best[1], 1e-9)
+
+
+def _bench_page(
+    page_kib: int, blocks: int, directions: list[str], pattern: str, repeat: int
+) -> list[dict[str, float | int | str]]:
+    layout = bench_layout(page_kib, blocks)
+    kv = allocate_kv(layout)  # zero-filled: touched
+    pool = allocate_pool(layout, zero=True)
+    kv.fill_(1.0)
+    flat_kv, flat_pool = kv.view(-1), pool.view(-1)
+
+    gpu = list(range(blocks))
+    if pattern == "random":
+        random.Random(_SEED + page_kib).shuffle(gpu)
+    slots = list(range(blocks))
+    half = blocks // 2
+    job_ids = iter(range(1, 1 << 30))
+
+    def spec(is_store: bool, lo: int, hi: int) -> TransferSpec:
+        copy = BlockCopy(gpu[lo:hi], slots[lo:hi], [0] * (hi - lo))
+        return TransferSpec(job_id=next(job_ids), is_store=is_store, copy=copy)
+
+    # (is_store, first, end) per job, and the (dst, src) flat ranges the baseline copies
+    jobs_of = {
+        "store": [(True, 0, blocks)],
+        "load": [(False, 0, blocks)],
+        "both": [(True, 0, half), (False, half, blocks)],
+    }
+    split = half * layout.page_elems
+    copies_of = {
+        "store": [(flat_pool, flat_kv)],
+        "load": [(flat_kv, flat_pool)],
+        "both": [(flat_pool[:split], flat_kv[:split]), (flat_kv[split:], flat_pool[split:])],
+    }
+
+    results: list[dict[str, float | int | str]] = []
+    with CpuTransferEngine(kv, pool, layout) as engine:
+        for direction in directions:
+            jobs = jobs_of[direction]
+            copies = copies_of[direction]
+
+            def run_engine(jobs: list[tuple[bool, int, int]] = jobs) -> None:
+                built = [spec(*job) for job in jobs]
+                for s in built:
+                    engine.submit(s)
+                engine.flush([s.job_id for s in built])
+
+            def baseline(copies: list[tuple[torch.Tensor, torch.Tensor]] = copies) -> None:
+                for dst, src in copies:
+                    dst.copy_(src)
+
+            moved = sum(end - first for _, first, end in jobs)
+            total = moved * layout.page_bytes
+            engine_s, base_s = _best_pair(run_engine, baseline, repeat)
+            engine.poll()
+            gbps = total / engine_s / 1e9
+            base = total / base_s / 1e9
+            results.append(
+                {
+                    "page_kib": page_kib,
+                    "direction": direction,
+                    "blocks": blocks,
+                    "bytes": total,
+                    "gbps": gbps,
+                    "baseline_gbps": base,
+                    "ratio": gbps / base,
+                }
+            )
+    return results
+
+
+def run_transfer_bench(
+    device: str,
+    page_kib: list[int],
+    blocks: int,
+    directions: list[str],
+    pattern: str = "random",
+    repeat: int = 3,
+    max_bytes: int | None = DEFAULT_MAX_BYTES,
+) -> dict[str, object]:
+    """Measure transfer bandwidth per page size and direction against one large ``copy_``.
+
+    Returns ``{"device", "pattern", "results": [{"page_kib", "direction", "blocks", "bytes",
+    "gbps", "baseline_gbps", "ratio"}, ...]}`` (GB = 10^9 bytes). ``blocks`` is capped per page size
+    so kv + pool stay within ``max_bytes`` (None: no cap), but never below 2.
+    """
+    if device == "cuda":
+        raise NotImplementedError(
+            "the CUDA transfer engine is not built yet; run the transfer bench with device 'cpu'"
+        )
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+    for direction in directions:
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if blocks < 2:
+        raise ValueError(f"blocks must be >= 2, got {blocks}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+
+    results: list[dict[str, float | int | str]] = []
+    for kib in page_kib:
+        n = blocks
+        if max_bytes is not None:
+            n = max(2, min(blocks, max_bytes // (2 * kib * 1024)))
+        results.extend(_bench_page(kib, n, directions, pattern, repeat))
+    return {"device": device, "pattern": pattern, "results": results}
+
+
+def format_transfer_table(result: dict[str, object]) -> str:
+    """The bench result as a plain-text table."""
+    header = (
+        f"{'page KiB':>9} {'direction':>9} {'blocks':>7} {'GB/s':>8} {'copy_ GB/s':>10} "
+        f"{'ratio':>6}"
+    )
+    lines = [f"transfer bench on {result['device']} ({result.get('pattern', '?')} pattern)", header]
+    rows = result["results"]
+    assert isinstance(rows, list)
+    for row in rows:
+        lines.append(
+            f"{row['page_kib']:>9} {row['direction']:>9} {row['blocks']:>7} "
+            f"{row['gbps']:>8.2f} {row['baseline_gbps']:>10.2f} {row['ratio']:>6.2f}"
+        )
+    return "\n".join(lines)

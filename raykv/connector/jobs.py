@@ -1,0 +1,106 @@
+"""Transfer jobs and their acknowledgements.
+
+A job is one request's transfer in one direction for one step. It is final only when every rank
+has reported it (success or failure): a rank that failed still holds a claim on the job's CPU
+slots until every other rank is done with them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TransferJobStatus:
+    """One in-flight job, as the scheduler tracks it."""
+
+    job_id: int
+    req_id: str
+    pending_count: int  # ranks that have not reported yet
+    keys: list[int]
+    is_store: bool
+    # GPU source blocks in the fence since the job was created (sliding-window groups, and every
+    # block of a store built after its request finished)
+    fenced_block_ids: list[int] = field(default_factory=list)
+    # full-attention source blocks, protected by the running request; fenced when it finishes
+    deferred_fence_block_ids: list[int] = field(default_factory=list)
+    deferred_fenced: bool = False
+    acked_ranks: int = 0  # bitmask: a rank counts at most once
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class AckStats:
+    acks: int = 0
+    unknown: int = 0
+    stale: int = 0
+    duplicate: int = 0
+    bad_rank: int = 0
+
+
+class JobTable:
+    """Job ids from one counter; acks counted at most once per (job, rank).
+
+    ``reset`` starts a new epoch: ids below the threshold belong to work from before the reset and
+    their acks are counted as stale and ignored.
+    """
+
+    def __init__(self, num_ranks: int) -> None:
+        if num_ranks <= 0:
+            raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.jobs: dict[int, TransferJobStatus] = {}
+        self.next_id = 0
+        self.stale_below = 0
+        self.stats = AckStats()
+
+    def create(
+        self,
+        req_id: str,
+        keys: list[int],
+        is_store: bool,
+        fenced: list[int] | None = None,
+        deferred: list[int] | None = None,
+    ) -> TransferJobStatus:
+        job = TransferJobStatus(
+            self.next_id, req_id, self.num_ranks, keys, is_store, fenced or [], deferred or []
+        )
+        self.jobs[job.job_id] = job
+        self.next_id += 1
+        return job
+
+    def ack(self, job_id: int, rank: int, ok: bool = True) -> TransferJobStatus | None:
+        """Count one rank's report; returns the job when this report made it final (it is then
+        removed from the table)."""
+        if not 0 <= rank < self.num_ranks:
+            self.stats.bad_rank += 1
+            return None
+        job = self.jobs.get(job_id)
+        if job is None:
+            if job_id < self.stale_below:
+                self.stats.stale += 1
+            else:
+                self.stats.unknown += 1
+            return None
+        bit = 1 << rank
+        if job.acked_ranks & bit:
+            self.stats.duplicate += 1
+            return None
+        self.stats.acks += 1
+        job.acked_ranks |= bit
+        job.failed |= not ok
+        job.pending_count -= 1
+        if job.pending_count:
+            return None
+        del self.jobs[job_id]
+        return job
+
+    def reset(self) -> list[int]:
+        """Forget every job (returning their ids) and start a new epoch."""
+        ids = list(self.jobs)
+        self.jobs.clear()
+        self.stale_below = self.next_id
+        return ids
+
+    def __len__(self) -> int:
+        return len(self.jobs)

@@ -1,0 +1,117 @@
+"""What the scheduler sends to every rank each step, and what each rank sends back.
+
+Plain data: ints and lists, cheap to build, to pickle for Ray, and to check in tests. Workers see
+job ids, GPU block ids and CPU slots; they never see requests' fence bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class BlockCopy:
+    """The blocks one transfer job moves, as parallel lists (one entry per GPU block).
+
+    ``sub_blocks[i]`` is the position of ``gpu_blocks[i]`` inside the chunk stored in
+    ``cpu_slots[i]`` (0 .. blocks_per_chunk-1). A store copies GPU block -> slot position; a load
+    copies slot position -> GPU block.
+    """
+
+    gpu_blocks: list[int]
+    cpu_slots: list[int]
+    sub_blocks: list[int]
+
+    def __len__(self) -> int:
+        return len(self.gpu_blocks)
+
+
+@dataclass(slots=True)
+class BlockContent:
+    """What a GPU block must hold: its KV group, the chained hash of the blocks before it, and
+    its tokens. The synthetic model's KV is a function of exactly this (plus layer and rank)."""
+
+    group: int
+    parent_hash: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class TransferSpec:
+    """One job: one request's transfer in one direction for one step, on every rank."""
+
+    job_id: int
+    is_store: bool
+    copy: BlockCopy
+    # loads in verify mode: the expected content of each destination block (same order)
+    expect: list[BlockContent] | None = None
+
+
+@dataclass(slots=True)
+class WriteSpan:
+    """KV the model writes this step for one request in one KV group: tokens at positions
+    ``start .. start+len(tokens)-1`` go to ``blocks`` (one entry per block the span touches, in
+    order) whose parent hashes are ``parent_hashes``."""
+
+    group: int
+    start: int
+    tokens: list[int]
+    blocks: list[int]
+    parent_hashes: list[int]
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One request in this step's model batch."""
+
+    req_index: int  # the request's position in the batch reply
+    writes: list[WriteSpan]
+    # blocks whose KV the model reads to sample (all groups; null blocks excluded); empty when
+    # the request does not sample this step (chunked prefill not yet at the end of its prompt)
+    read_blocks: list[int]
+    position: int  # position of the token being sampled (mixed into the sample)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The whole plan for one step, identical for every rank."""
+
+    step: int
+    flush: list[int] = field(default_factory=list)
+    loads: list[TransferSpec] = field(default_factory=list)
+    stores: list[TransferSpec] = field(default_factory=list)
+    batch: list[ModelEntry] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Per rank, per step: bytes and seconds spent copying, per direction."""
+
+    store_jobs: int = 0
+    store_blocks: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    load_jobs: int = 0
+    load_blocks: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    flushes: int = 0
+    flush_seconds: float = 0.0
+    blocks_verified: int = 0
+    mismatches: int = 0
+
+    def add(self, other: TransferStats) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass(slots=True)
+class StepReport:
+    """One rank's reply to one step."""
+
+    rank: int
+    step: int
+    completed: list[int]
+    failed: list[int]
+    samples: list[int]  # per batch entry that samples: this rank's partial checksum
+    stats: TransferStats

@@ -1,0 +1,515 @@
+"""The connector's scheduler half: what to load, what to store, what to flush, and the books.
+
+It never touches tensors. Each step the engine tells it about every GPU block allocation (from
+every path: admissions, loads, running requests' growth), asks it how much of a waiting request
+the CPU tier can supply, and asks it for the step's transfer plan. Workers' reports come back
+through ``process_reports``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from raykv.connector.fence import Fence, FenceError
+from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.connector.plan import BlockContent, BlockCopy, StepReport, TransferSpec
+from raykv.core.block_pool import NULL_BLOCK
+from raykv.core.hashing import parent_hash
+from raykv.core.keys import make_key
+from raykv.core.kv_groups import KVGroup
+from raykv.core.request import Request
+from raykv.offload.directory import Directory
+
+
+@dataclass(slots=True)
+class GroupState:
+    """One KV group of one tracked request."""
+
+    keys: list[int] = field(default_factory=list)  # offload key of each full chunk
+    block_ids: list[int] = field(default_factory=list)  # GPU block per block index (0 = none)
+    next_stored_chunk: int = 0  # the store cursor
+    num_hit_chunks: int = 0
+
+
+@dataclass(slots=True)
+class RequestOffloadState:
+    """What the connector remembers about a request, from its first lookup until it has finished
+    and its last job is final."""
+
+    req: Request
+    groups: list[GroupState]
+    jobs: set[int] = field(default_factory=set)  # one load, or any number of stores
+    has_load: bool = False
+    finished: bool = False
+    finished_signaled: bool = False
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req: Request
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class ConnectorPlan:
+    loads: list[TransferSpec]
+    stores: list[TransferSpec]
+    flush: list[int]
+
+
+@dataclass(slots=True)
+class FinishedLoad:
+    req_id: str
+    ok: bool
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    lookups: int = 0
+    deferred_lookups: int = 0
+    load_jobs: int = 0
+    load_blocks: int = 0
+    store_jobs: int = 0
+    store_blocks: int = 0
+    failed_loads: int = 0
+    failed_stores: int = 0
+    allocation_failures: int = 0
+    flushes_reuse: int = 0
+    flushes_preemption: int = 0
+    flushes_reset: int = 0
+
+
+class ConnectorScheduler:
+    """The scheduler half of the offloading connector.
+
+    Args:
+        directory: the CPU tier.
+        groups: the KV groups, in table order.
+        block_size: tokens per GPU block.
+        blocks_per_chunk: GPU blocks per CPU chunk.
+        num_ranks: ranks that must each acknowledge every job.
+        verify: attach the expected content of each loaded block to load jobs.
+    """
+
+    def __init__(
+        self,
+        directory: Directory,
+        groups: Sequence[KVGroup],
+        block_size: int,
+        blocks_per_chunk: int,
+        num_ranks: int,
+        verify: bool = False,
+    ) -> None:
+        self.directory = directory
+        self.groups = list(groups)
+        self.block_size = block_size
+        self.bpc = blocks_per_chunk
+        self.tpc = block_size * blocks_per_chunk
+        self.verify = verify
+        self.jobs = JobTable(num_ranks)
+        self.fence = Fence()
+        self.stats = ConnectorStats()
+        self._reqs: dict[str, RequestOffloadState] = {}
+        self._loading_keys: dict[int, int] = {}  # key -> loads in flight reading it
+        self._allocated: set[int] = set()  # GPU blocks allocated this step
+        self._len_before: dict[tuple[str, int], int] = {}  # block list lengths before this step
+        self._flush: dict[int, str] = {}  # job -> why, for this step's plan
+        self._loads: list[TransferSpec] = []
+        self._finished: list[RequestOffloadState] = []  # finished since the last plan
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    def _state(self, req: Request) -> RequestOffloadState:
+        state = self._reqs.get(req.req_id)
+        if state is None:
+            state = RequestOffloadState(req, [GroupState() for _ in self.groups])
+            self._reqs[req.req_id] = state
+        return state
+
+    def _update_keys(self, state: RequestOffloadState) -> None:
+        hashes, bpc = state.req.hashes, self.bpc
+        n_chunks = len(hashes) // bpc
+        for g, gs in enumerate(state.groups):
+            for c in range(len(gs.keys), n_chunks):
+                gs.keys.append(make_key(hashes[(c + 1) * bpc - 1], g))
+
+    def lookup(self, req: Request, num_local: int) -> int | None:
+        """How many tokens after the ``num_local`` already on the GPU the CPU tier can supply.
+
+        None means "ask again next step": the request has transfers in flight (one load xor
+        stores, and a preempted request's flushed stores may not be acked yet), or the chunks it
+        would load are still being written, or another request is already loading them (it will
+        find them in the GPU prefix cache once that load lands).
+        """
+        self.stats.lookups += 1
+        state = self._state(req)
+        if state.jobs:
+            self.stats.deferred_lookups += 1
+            return None
+        req.update_hashes(self.block_size)
+        self._update_keys(state)
+        tpc = self.tpc
+        # at least the last token is computed, to produce the next one
+        max_chunks = (req.num_tokens - 1) // tpc
+        start = num_local // tpc
+        if max_chunks <= start:
+            return 0
+        end, used, pending = self._converge(state, start, max_chunks)
+        touched = [k for gs in state.groups for k in gs.keys[:end]]
+        self.directory.touch(touched)
+        if pending or any(k in self._loading_keys for k in used):
+            self.stats.deferred_lookups += 1
+            return None
+        for gs in state.groups:
+            gs.num_hit_chunks = end
+        return max(0, end * tpc - num_local)
+
+    def _converge(
+        self, state: RequestOffloadState, start: int, max_chunks: int
+    ) -> tuple[int, list[int], bool]:
+        """The largest chunk boundary every group can resume at, the keys a load would read, and
+        whether any of them is still being written."""
+        d = self.directory
+        end = max_chunks
+        for g, group in enumerate(self.groups):
+            if group.is_sliding:
+                continue
+            keys = state.groups[g].keys
+            present, _ = d.match_prefix(keys[start:end])
+            end = start + present
+            if end <= start:
+                return start, [], False
+        # a sliding-window group needs only the W chunks before the boundary; a boundary that
+        # fails it is moved left until every sliding group is satisfied (full groups still are)
+        while end > start:
+            ok = True
+            for g, group in enumerate(self.groups):
+                if not group.is_sliding:
+                    continue
+                w = group.window_chunks(self.tpc)
+                keys = state.groups[g].keys
+                lo = max(start, end - w, 0)
+                if any(k not in d for k in keys[lo:end]):
+                    ok = False
+                    break
+            if ok:
+                break
+            end -= 1
+        if end <= start:
+            return start, [], False
+        used: list[int] = []
+        for g, group in enumerate(self.groups):
+            keys = state.groups[g].keys
+            lo = max(start, end - group.window_chunks(self.tpc)) if group.is_sliding else start
+            used.extend(keys[lo:end])
+        return end, used, any(not d.is_readable(k) for k in used)
+
+    # ---- allocation feed ------------------------------------------------------------------
+
+    def on_allocated(
+        self, req: Request, new_entries: Sequence[Sequence[int]], fresh: Iterable[int]
+    ) -> None:
+        """Every path that appends to a request's block tables reports here: the entries appended
+        to each group's table (0 for positions that need no block), and which of them came fresh
+        from the free pool (they will be written; revived prefix-cache blocks are only read).
+        The fence is only as good as this feed."""
+        state = self._state(req)
+        before = self._len_before
+        for g, (gs, entries) in enumerate(zip(state.groups, new_entries, strict=True)):
+            before.setdefault((req.req_id, g), len(gs.block_ids))
+            gs.block_ids.extend(entries)
+        self._allocated.update(fresh)
+
+    def start_load(self, req: Request, num_local: int, num_external: int) -> int:
+        """Build the load job for an admitted request whose blocks were just allocated."""
+        state = self._reqs[req.req_id]
+        assert not state.jobs, f"request {req.req_id}: load planned with jobs in flight"
+        bs, bpc = self.block_size, self.bpc
+        first, last = num_local // bs, (num_local + num_external) // bs
+        blocks: list[int] = []
+        chunk_keys: list[int] = []
+        subs: list[int] = []
+        expect: list[BlockContent] | None = [] if self.verify else None
+        for g, gs in enumerate(state.groups):
+            for i in range(first, last):
+                block = gs.block_ids[i]
+                if block == NULL_BLOCK:
+                    continue  # sliding-window position outside the window
+                blocks.append(block)
+                chunk_keys.append(gs.keys[i // bpc])
+                subs.append(i % bpc)
+                if expect is not None:
+                    toks = tuple(req.tokens[i * bs : (i + 1) * bs])
+                    expect.append(BlockContent(g, parent_hash(req.hashes, i), toks))
+        unique = list(dict.fromkeys(chunk_keys))
+        slot_of = dict(zip(unique, self.directory.prepare_load(unique), strict=True))
+        job = self.jobs.create(req.req_id, unique, is_store=False)
+        for key in unique:
+            self._loading_keys[key] = self._loading_keys.get(key, 0) + 1
+        state.jobs.add(job.job_id)
+        state.has_load = True
+        for gs in state.groups:  # chunk-level: what was loaded is not stored again
+            gs.next_stored_chunk = max(gs.next_stored_chunk, last // bpc)
+        copy = BlockCopy(blocks, [slot_of[k] for k in chunk_keys], subs)
+        self._loads.append(TransferSpec(job.job_id, False, copy, expect))
+        self.stats.load_jobs += 1
+        self.stats.load_blocks += len(blocks)
+        req.load_job = job.job_id
+        return job.job_id
+
+    # ---- the step plan ----------------------------------------------------------------------
+
+    def plan(
+        self, scheduled: Sequence[ScheduledRequest], preempted: Sequence[Request]
+    ) -> ConnectorPlan:
+        """The transfers for this step: flush first, then loads, then (after the model step)
+        stores."""
+        for req in preempted:
+            self._on_preempted(req)
+        self._zero_stale_blocks()
+        for job_id in self.fence.jobs_on(self._allocated):
+            self._flush.setdefault(job_id, "reuse")
+        stores: list[TransferSpec] = []
+        for item in scheduled:
+            state = self._reqs.get(item.req.req_id)
+            if state is not None and not state.finished:
+                self._build_store(state, item.req.num_computed + item.num_tokens, stores)
+        for state in self._finished:
+            self._build_store(state, state.req.num_computed, stores)
+            state.finished_signaled = True  # no more submits for it after this point
+            self._maybe_forget(state)
+        self._finished = []
+        for why in self._flush.values():
+            if why == "reuse":
+                self.stats.flushes_reuse += 1
+            elif why == "preemption":
+                self.stats.flushes_preemption += 1
+            else:
+                self.stats.flushes_reset += 1
+        plan = ConnectorPlan(self._loads, stores, sorted(self._flush))
+        self._loads, self._flush, self._allocated, self._len_before = [], {}, set(), {}
+        return plan
+
+    def _on_preempted(self, req: Request) -> None:
+        state = self._reqs.get(req.req_id)
+        if state is None:
+            return
+        for job_id in state.jobs:
+            job = self.jobs.jobs[job_id]
+            assert job.is_store, f"request {req.req_id} preempted while loading"
+            self._flush.setdefault(job_id, "preemption")
+            # its blocks are free from now on: protect them like a finished request's
+            self._fence_deferred(job)
+        for gs in state.groups:
+            gs.block_ids.clear()
+
+    def _zero_stale_blocks(self) -> None:
+        """A sliding-window block that left the window before it was stored is freed; once it is
+        handed out again its old position must never be stored (it would store the new owner's
+        KV under the old key). Zero it in the not-yet-stored range of every running request."""
+        if not self._allocated:
+            return
+        alloc, bpc = self._allocated, self.bpc
+        for req_id, state in self._reqs.items():
+            if state.finished:
+                continue
+            for g, (group, gs) in enumerate(zip(self.groups, state.groups, strict=True)):
+                if not group.is_sliding:
+                    continue
+                ids = gs.block_ids
+                # entries appended this step are the new allocations themselves
+                stop = self._len_before.get((req_id, g), len(ids))
+                for i in range(gs.next_stored_chunk * bpc, stop):
+                    if ids[i] in alloc:
+                        ids[i] = NULL_BLOCK
+
+    def _build_store(
+        self, state: RequestOffloadState, offloadable_tokens: int, out: list[TransferSpec]
+    ) -> None:
+        req, bpc = state.req, self.bpc
+        req.update_hashes(self.block_size)
+        self._update_keys(state)
+        storable = min(offloadable_tokens // self.tpc, len(req.hashes) // bpc)
+        wanted: list[tuple[int, int, int]] = []  # (group, chunk, key)
+        for g, gs in enumerate(state.groups):
+            stop = min(storable, len(gs.block_ids) // bpc)
+            for c in range(gs.next_stored_chunk, stop):
+                blocks = gs.block_ids[c * bpc : (c + 1) * bpc]
+                if NULL_BLOCK in blocks:
+                    continue  # gone from the GPU before it could be stored
+                wanted.append((g, c, gs.keys[c]))
+        if not wanted:
+            self._advance(state, storable)
+            return
+        plan = self.directory.prepare_store([k for _, _, k in wanted])
+        if plan is None:
+            self.stats.allocation_failures += 1
+            return  # keep the cursors: retried next step
+        self._advance(state, storable)
+        if not plan.keys:
+            return
+        slot_of = dict(zip(plan.keys, plan.slots, strict=True))
+        blocks: list[int] = []
+        slots: list[int] = []
+        subs: list[int] = []
+        fenced: list[int] = []
+        deferred: list[int] = []
+        for g, c, key in wanted:
+            slot = slot_of.get(key)
+            if slot is None:
+                continue  # already stored (or filtered): nothing to copy
+            chunk_blocks = state.groups[g].block_ids[c * bpc : (c + 1) * bpc]
+            blocks.extend(chunk_blocks)
+            slots.extend([slot] * bpc)
+            subs.extend(range(bpc))
+            # blocks the request may free while it runs are fenced now; the rest when it ends
+            if self.groups[g].is_sliding or state.finished:
+                fenced.extend(chunk_blocks)
+            else:
+                deferred.extend(chunk_blocks)
+        if len(set(blocks)) != len(blocks):
+            raise FenceError(f"request {req.req_id}: a GPU block appears twice in one store")
+        assert not state.has_load, f"request {req.req_id}: store planned while loading"
+        job = self.jobs.create(req.req_id, list(plan.keys), True, fenced, deferred)
+        self.fence.add(job.job_id, fenced)
+        if state.finished:
+            job.deferred_fenced = True
+            if any(b in self._allocated for b in fenced):
+                self._flush.setdefault(job.job_id, "reuse")  # new owner writes this step
+        state.jobs.add(job.job_id)
+        out.append(TransferSpec(job.job_id, True, BlockCopy(blocks, slots, subs)))
+        self.stats.store_jobs += 1
+        self.stats.store_blocks += len(blocks)
+
+    def _advance(self, state: RequestOffloadState, storable: int) -> None:
+        for gs in state.groups:
+            stop = min(storable, len(gs.block_ids) // self.bpc)
+            gs.next_stored_chunk = max(gs.next_stored_chunk, stop)
+
+    def _fence_deferred(self, job: TransferJobStatus) -> None:
+        if not job.deferred_fenced:
+            self.fence.add(job.job_id, job.deferred_fence_block_ids)
+            job.deferred_fenced = True
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def request_finished(self, req: Request) -> None:
+        """The request ended (EOS, length or abort) and its blocks are being freed. Its stores in
+        flight now protect their blocks through the fence; the next plan builds the store of its
+        last full chunks, after which no more jobs are submitted for it."""
+        state = self._reqs.get(req.req_id)
+        if state is None:
+            return
+        state.finished = True
+        for job_id in state.jobs:
+            job = self.jobs.jobs[job_id]
+            if job.is_store:
+                self._fence_deferred(job)
+        self._finished.append(state)
+
+    def _maybe_forget(self, state: RequestOffloadState) -> None:
+        if state.finished_signaled and not state.jobs:
+            self._reqs.pop(state.req.req_id, None)
+
+    def process_reports(self, reports: Iterable[StepReport]) -> list[FinishedLoad]:
+        """Count every rank's acks; finalize jobs at full count. Returns the loads that ended."""
+        done: list[FinishedLoad] = []
+        for report in reports:
+            for ok, ids in ((True, report.completed), (False, report.failed)):
+                for job_id in ids:
+                    job = self.jobs.ack(job_id, report.rank, ok)
+                    if job is not None:
+                        load = self._finalize(job)
+                        if load is not None:
+                            done.append(load)
+        return done
+
+    def _finalize(self, job: TransferJobStatus) -> FinishedLoad | None:
+        d = self.directory
+        if job.is_store:
+            d.complete_store(job.keys, success=not job.failed)
+            self.stats.failed_stores += job.failed
+            self.fence.remove(job.job_id, job.fenced_block_ids)
+            if job.deferred_fenced:
+                self.fence.remove(job.job_id, job.deferred_fence_block_ids)
+        else:
+            d.complete_load(job.keys)
+            self.stats.failed_loads += job.failed
+            for key in job.keys:
+                n = self._loading_keys[key] - 1
+                if n:
+                    self._loading_keys[key] = n
+                else:
+                    del self._loading_keys[key]
+        state = self._reqs.get(job.req_id)
+        if state is not None:
+            state.jobs.discard(job.job_id)
+            if not job.is_store:
+                state.has_load = False
+                state.req.load_job = None
+                if job.failed:  # recomputed instead: those chunks are not on the GPU after all
+                    for gs in state.groups:
+                        gs.next_stored_chunk = min(gs.next_stored_chunk, gs.num_hit_chunks)
+            self._maybe_forget(state)
+        return None if job.is_store else FinishedLoad(job.req_id, not job.failed)
+
+    def forget(self, req: Request) -> None:
+        """Drop a request that never got anything in flight (aborted while queued)."""
+        state = self._reqs.get(req.req_id)
+        if state is not None and not state.jobs:
+            del self._reqs[req.req_id]
+
+    def reset(self) -> list[str]:
+        """Drop the CPU tier's contents and every job. In-flight jobs are flushed by the next
+        plan (loads must land before their slots are handed to new stores) and their late acks
+        are ignored as stale. Returns the requests whose loads were cancelled (to recompute)."""
+        cancelled = [s.req.req_id for s in self._reqs.values() if s.has_load]
+        for job_id in self.jobs.reset():
+            self._flush[job_id] = "reset"
+        for req_id, state in list(self._reqs.items()):
+            if state.finished:
+                del self._reqs[req_id]
+                continue
+            state.jobs.clear()
+            state.has_load = False
+            state.req.load_job = None
+            for gs in state.groups:
+                gs.next_stored_chunk = 0
+        self._finished = [s for s in self._finished if s.req.req_id in self._reqs]
+        self.directory.reset()
+        self.fence.clear()
+        self._loading_keys.clear()
+        return cancelled
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        """Keep stepping while this is true (jobs in flight or finished requests to close)."""
+        return bool(self.jobs) or bool(self._finished) or bool(self._loads)
+
+    def tracked(self) -> int:
+        return len(self._reqs)
+
+    def in_flight(self, req_id: str) -> set[int]:
+        state = self._reqs.get(req_id)
+        return set(state.jobs) if state else set()
+
+    def check_invariants(self) -> None:
+        """The scheduler-side invariants of DESIGN.md (fence, acks, one load xor stores)."""
+        fenced: dict[int, set[int]] = {}
+        for job in self.jobs.jobs.values():
+            assert 0 < job.pending_count <= self.jobs.num_ranks
+            blocks = list(job.fenced_block_ids)
+            if job.deferred_fenced:
+                blocks += job.deferred_fence_block_ids
+            for b in blocks:
+                fenced.setdefault(b, set()).add(job.job_id)
+            state = self._reqs.get(job.req_id)
+            assert state is not None and job.job_id in state.jobs, f"orphan job {job.job_id}"
+        assert fenced == {b: self.fence.jobs_on([b]) for b in self.fence.blocks()}
+        assert set(fenced) == self.fence.blocks()
+        for state in self._reqs.values():
+            kinds = {self.jobs.jobs[j].is_store for j in state.jobs}
+            assert not (state.has_load and len(state.jobs) != 1), "a load beside other jobs"
+            assert state.has_load == (kinds == {False}), "load flag disagrees with jobs"

@@ -1,0 +1,88 @@
+"""Request state shared by the engine and the connector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from raykv.core.hashing import extend_hashes
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    WAITING_FOR_LOAD = "waiting_for_load"  # blocks allocated, KV arriving from the CPU tier
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; will recompute (or reload) from scratch
+    FINISHED_STOPPED = "finished_stopped"  # sampled EOS
+    FINISHED_LENGTH = "finished_length"  # reached max_tokens
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request: its tokens, how far its KV is computed, and its blocks per KV group.
+
+    ``num_computed`` counts positions whose KV exists in the request's blocks. ``tokens`` is the
+    prompt followed by the generated tokens; the newest generated token has no KV until the next
+    step computes it.
+    """
+
+    req_id: str
+    index: int  # arrival order; also the request's position in reports and digests
+    prompt: list[int]
+    max_tokens: int
+    eos_token: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0
+    block_tables: list[list[int]] = field(default_factory=list)  # per KV group
+    num_cached_blocks: list[int] = field(default_factory=list)  # per group: published to GPU cache
+    hashes: list[int] = field(default_factory=list)  # chained hash of every full block of tokens
+    num_preemptions: int = 0
+    num_gpu_hit_tokens: int = 0  # first admission only
+    num_cpu_hit_tokens: int = 0
+    load_job: int | None = None
+    load_tokens: int = 0  # tokens the load in flight brings after num_computed
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.req_id}: empty prompt")
+        if self.max_tokens <= 0:
+            raise ValueError(f"request {self.req_id}: max_tokens must be positive")
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def update_hashes(self, block_size: int) -> list[int]:
+        """Extend the chained hashes over any newly full blocks of ``tokens``."""
+        return extend_hashes(self.hashes, self.tokens, block_size)
+
+    def reset_blocks(self, num_groups: int) -> None:
+        self.block_tables = [[] for _ in range(num_groups)]
+        self.num_cached_blocks = [0] * num_groups

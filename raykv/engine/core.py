@@ -1,0 +1,229 @@
+"""EngineCore: one step is schedule -> plan -> execute on every rank -> update.
+
+The loop never blocks on a transfer: while jobs are in flight and nothing is runnable, steps keep
+going with an empty batch, polling and acking (only a worker may block, to flush a job whose
+blocks are about to be overwritten).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from raykv.config import RaykvConfig
+from raykv.connector.plan import ModelEntry, StepPlan, StepReport, TransferStats, WriteSpan
+from raykv.connector.scheduler import ConnectorPlan, ConnectorScheduler
+from raykv.core.block_pool import NULL_BLOCK, BlockPool
+from raykv.core.hashing import parent_hash
+from raykv.core.kv_groups import GroupKind, KVGroup
+from raykv.core.request import Request, RequestStatus
+from raykv.engine.sampler import combine, sample
+from raykv.engine.scheduler import Scheduler, SchedulerOutput
+from raykv.offload.directory import Directory
+
+
+class Workers(Protocol):
+    num_ranks: int
+
+    def execute(self, plan: StepPlan) -> list[StepReport]: ...
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    """Counters the run report is built from."""
+
+    steps: int = 0
+    idle_steps: int = 0  # steps with no tokens scheduled (polling and acking only)
+    transfer: TransferStats = field(default_factory=TransferStats)
+    finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class EngineCore:
+    """The engine in one process. ``workers`` runs each step's plan on every rank."""
+
+    def __init__(
+        self,
+        cfg: RaykvConfig,
+        workers: Workers,
+        *,
+        offload: bool | None = None,
+        verify: bool = False,
+        directory: Directory | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.groups = [
+            KVGroup(i, GroupKind(g.kind), g.window_tokens) for i, g in enumerate(cfg.cache.groups)
+        ]
+        self.block_size = cfg.cache.block_size
+        self.pool = BlockPool(cfg.cache.num_gpu_blocks)
+        use_offload = cfg.offload.enabled if offload is None else offload
+        self.connector: ConnectorScheduler | None = None
+        if use_offload:
+            o = cfg.offload
+            self.directory = directory or Directory(
+                cfg.cpu_slots(),
+                o.policy,
+                store_threshold=o.store_threshold,
+                max_tracker_size=o.max_tracker_size,
+                events=o.events,
+            )
+            self.connector = ConnectorScheduler(
+                self.directory,
+                self.groups,
+                self.block_size,
+                o.blocks_per_chunk,
+                workers.num_ranks,
+                verify=verify,
+            )
+        self.scheduler = Scheduler(
+            self.pool,
+            self.groups,
+            self.block_size,
+            cfg.engine.max_num_seqs,
+            cfg.engine.max_num_batched_tokens,
+            self.connector,
+        )
+        self.requests: dict[str, Request] = {}
+        self.totals = EngineTotals()
+        self.on_finished: Callable[[Request], None] | None = None
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        vocab = self.cfg.model.vocab_size
+        bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {req.req_id}: token id {bad} outside [0, {vocab})")
+        if req.eos_token is None:
+            req.eos_token = vocab - 1
+        self.scheduler.add(req)
+        self.requests[req.req_id] = req
+        self.totals.prompt_tokens += req.num_prompt
+
+    def abort(self, req_id: str) -> None:
+        """Stop a request now. A request still loading keeps its blocks until the load lands."""
+        req = self.requests[req_id]
+        if req.finished:
+            return
+        was_queued = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if self.connector is not None:
+            if was_queued and not self.connector.in_flight(req_id):
+                self.connector.forget(req)
+            else:
+                self.connector.request_finished(req)
+        self._done(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or (
+            self.connector is not None and self.connector.has_pending_work()
+        )
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if self.connector is not None:
+            cplan = self.connector.plan(sched.scheduled, sched.preempted)
+        else:
+            cplan = ConnectorPlan([], [], [])
+        batch = self._batch(sched)
+        plan = StepPlan(self.totals.steps, cplan.flush, cplan.loads, cplan.stores, batch)
+        reports = self.workers.execute(plan)
+        for report in reports:
+            self.totals.transfer.add(report.stats)
+        if self.connector is not None:
+            for load in self.connector.process_reports(reports):
+                req = self.scheduler.finish_load(load.req_id, load.ok)
+                if req is not None and not req.finished:
+                    self.scheduler.publish(req)
+        finished = self._update(sched, batch, reports)
+        self.totals.steps += 1
+        if not sched.scheduled:
+            self.totals.idle_steps += 1
+        return finished
+
+    def _batch(self, sched: SchedulerOutput) -> list[ModelEntry]:
+        bs = self.block_size
+        batch = []
+        for i, item in enumerate(sched.scheduled):
+            req, n = item.req, item.num_tokens
+            start, end = req.num_computed, req.num_computed + n
+            hashes = req.update_hashes(bs)
+            first_b, last_b = start // bs, (end - 1) // bs
+            tokens = req.tokens[start:end]
+            writes = []
+            for g, table in enumerate(req.block_tables):
+                blocks = table[first_b : last_b + 1]
+                assert NULL_BLOCK not in blocks, f"{req.req_id}: writing into a null block"
+                parents = [parent_hash(hashes, b) for b in range(first_b, last_b + 1)]
+                writes.append(WriteSpan(g, start, tokens, blocks, parents))
+            read: list[int] = []
+            if end == req.num_tokens:  # the prompt is all in: this step samples a token
+                n_blocks = -(-end // bs)
+                for group, table in zip(self.groups, req.block_tables, strict=True):
+                    lo = group.first_needed_block(end - 1, bs)
+                    read.extend(b for b in table[lo:n_blocks] if b != NULL_BLOCK)
+            batch.append(ModelEntry(i, writes, read, end))
+        return batch
+
+    def _update(
+        self, sched: SchedulerOutput, batch: list[ModelEntry], reports: list[StepReport]
+    ) -> list[Request]:
+        finished = []
+        m = self.cfg.model
+        for i, item in enumerate(sched.scheduled):
+            req = item.req
+            start = req.num_computed
+            req.num_computed += item.num_tokens
+            self.scheduler.note_computed(req, start, req.num_computed)
+            self.scheduler.publish(req)
+            if not batch[i].read_blocks:
+                continue
+            token, eos = sample(
+                combine([r.samples[i] for r in reports]),
+                batch[i].position,
+                m.vocab_size,
+                m.eos_every,
+            )
+            req.tokens.append(token)
+            self.totals.generated_tokens += 1
+            status = None
+            if eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(req.output) >= req.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.scheduler.finish(req, status)
+                if self.connector is not None:
+                    self.connector.request_finished(req)
+                self._done(req)
+                finished.append(req)
+        return finished
+
+    def _done(self, req: Request) -> None:
+        self.totals.finished += 1
+        if self.on_finished is not None:
+            self.on_finished(req)
+
+    # ---- maintenance ----------------------------------------------------------------------
+
+    def reset_offload(self) -> None:
+        """Empty the CPU tier (e.g. after a model swap). Loads in flight are abandoned: their
+        requests recompute; every job still in flight is flushed by the next step."""
+        if self.connector is None:
+            return
+        self.scheduler.cancel_loads(self.connector.reset())
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        if self.connector is not None:
+            self.connector.check_invariants()
+            self.connector.directory.check_invariants()

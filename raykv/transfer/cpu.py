@@ -1,0 +1,472 @@
+"""The CPU transfer engine: asynchronous page copies between the KV tensor and the CPU pool.
+
+It stands in for the CUDA engine (streams + events) on machines without a GPU: jobs are queued by
+:meth:`CpuTransferEngine.submit`, executed strictly in submission order by one background thread
+(or by :meth:`~CpuTransferEngine.flush` itself, when the caller must not wait), and reported by a
+non-blocking :meth:`~CpuTransferEngine.poll`.
+
+Copy strategy (measured on the 2-core CI machine kind, see ``raykv bench transfer``): one torch call
+per job wherever possible, never an allocation per copy. A job's (source row, destination row)
+pairs are split into segments whose destination rows are consecutive (one
+``index_select(out=destination slice)`` each) or whose source rows are consecutive (one
+``index_copy_`` from the source slice each), whichever needs fewer calls; a segment consecutive on
+both sides is a plain slice ``copy_``. Pages are copied through a 16-byte element view
+(``complex128`` when the page size and alignment allow): torch's indexed copy kernels move one
+element per inner-loop step, and on float16 pages they run at half the memcpy rate, while the
+wide view runs them at the rate of one large ``copy_``. The views only move bytes; no arithmetic
+touches the values, so copies are bit-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+
+from raykv.connector.plan import TransferSpec, TransferStats
+from raykv.transfer.layout import KVLayout, pool_rows
+
+log = logging.getLogger(__name__)
+
+# widest first: fewer, larger elements make torch's indexed copies run at memcpy speed
+_WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _wide_dtype(page_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest dtype every page of ``tensors`` can be viewed as without a copy."""
+    for dtype in _WIDE_DTYPES:
+        size = dtype.itemsize
+        if page_bytes % size:
+            continue
+        if all(
+            t.data_ptr() % size == 0 and (t.storage_offset() * t.element_size()) % size == 0
+            for t in tensors
+        ):
+            return dtype
+    return torch.uint8
+
+
+@dataclass(slots=True)
+class _Slice:
+    """``dst[d0:d0+n] <- src[s0:s0+n]``."""
+
+    src: int
+    dst: int
+    n: int
+
+
+@dataclass(slots=True)
+class _Gather:
+    """``dst[d0:d0+n] <- src[idx[lo:lo+n]]`` (destination consecutive)."""
+
+    lo: int
+    dst: int
+    n: int
+
+
+@dataclass(slots=True)
+class _Scatter:
+    """``dst[idx[lo:lo+n]] <- src[s0:s0+n]`` (source consecutive)."""
+
+    lo: int
+    src: int
+    n: int
+
+
+_Op = _Slice | _Gather | _Scatter
+
+
+def _segments(order: list[int], key: list[int]) -> list[tuple[int, int]]:
+    """Split ``order`` (positions into ``key``) into maximal ``[lo, hi)`` ranges where
+    ``key[order[i]]`` increases by exactly one per step."""
+    segs: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(order)):
+        if key[order[i]] != key[order[i - 1]] + 1:
+            segs.append((lo, i))
+            lo = i
+    segs.append((lo, len(order)))
+    return segs
+
+
+def plan_copies(src: list[int], dst: list[int]) -> tuple[list[_Op], list[int]]:
+    """Turn row pairs ``dst[i] <- src[i]`` into few bulk copy operations.
+
+    Returns the operations and the index values they read (``_Gather``/``_Scatter`` refer to
+    ranges of it), to be made into ONE index tensor per job. When destinations are distinct the
+    pairs commute, so they are sorted to lengthen consecutive runs; with duplicate destinations
+    the given order is kept, so the last pair still wins as in a sequential copy.
+    """
+    n = len(src)
+    if n == 0:
+        return [], []
+    # fast paths first (list comparisons run at C speed): the common jobs are consecutive on at
+    # least one side, and sorting would cost more than the copy plan saves
+    dst_run = dst == list(range(dst[0], dst[0] + n))
+    src_run = src == list(range(src[0], src[0] + n))
+    if dst_run and src_run:
+        return [_Slice(src[0], dst[0], n)], []
+    if dst_run:
+        return [_Gather(0, dst[0], n)], list(src)
+    unique_dst = len(set(dst)) == n
+    if src_run and unique_dst:
+        return [_Scatter(0, src[0], n)], list(dst)
+
+    identity = list(range(n))
+    if unique_dst:
+        by_dst = sorted(identity, key=dst.__getitem__)
+        by_src = sorted(identity, key=src.__getitem__)
+        src_segs = _segments(by_src, src)
+    else:
+        # index_copy_ leaves the winner among duplicate indices unspecified: no scatters then
+        by_dst = by_src = identity
+        src_segs = [(i, i + 1) for i in identity]
+    dst_segs = _segments(by_dst, dst)
+    ops: list[_Op] = []
+    index: list[int] = []
+    # ties go to gathers: index_select(out=) is the fastest indexed copy torch has on the CPU
+    if len(dst_segs) <= len(src_segs):
+        for lo, hi in dst_segs:
+            pairs = by_dst[lo:hi]
+            first = pairs[0]
+            if all(src[p] == src[first] + k for k, p in enumerate(pairs)):
+                ops.append(_Slice(src[first], dst[first], hi - lo))
+            else:
+                ops.append(_Gather(len(index), dst[first], hi - lo))
+                index.extend(src[p] for p in pairs)
+    else:
+        for lo, hi in src_segs:
+            pairs = by_src[lo:hi]
+            first = pairs[0]
+            if all(dst[p] == dst[first] + k for k, p in enumerate(pairs)):
+                ops.append(_Slice(src[first], dst[first], hi - lo))
+            else:
+                ops.append(_Scatter(len(index), src[first], hi - lo))
+                index.extend(dst[p] for p in pairs)
+    return ops, index
+
+
+@dataclass(slots=True)
+class _Job:
+    spec: TransferSpec
+    gpu_blocks: list[int] = field(default_factory=list)
+
+
+class CpuTransferEngine:
+    """Copies pages between ``kv`` (``[num_gpu_blocks, page_elems]``) and ``pool``
+    (``[num_slots, page_elems * blocks_per_chunk]``) on one background thread, in FIFO order.
+
+    Thread safety: every public method may be called from any one thread (the worker's main
+    thread); they synchronise with the copy thread through one condition variable. The caller
+    must not write a GPU block that :meth:`pending_reads` or :meth:`pending_writes` contains —
+    that is the fence, and it is the caller's to enforce (flush first).
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        pool: torch.Tensor,
+        layout: KVLayout,
+        *,
+        threaded: bool = True,
+        exec_delay: Callable[[int], int] | None = None,
+    ) -> None:
+        """``threaded=False`` runs no copy thread: queued jobs are copied, in FIFO order, at the
+        start of :meth:`poll` (or by :meth:`flush`). With ``exec_delay`` (job id -> polls to wait)
+        a job stays queued, really uncopied, for that many polls, and holds back the jobs behind
+        it. Together they make every interleaving of copies and steps reproducible for tests."""
+        expected_kv = (layout.num_gpu_blocks, layout.page_elems)
+        if tuple(kv.shape) != expected_kv:
+            raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout {expected_kv}")
+        if kv.dtype != layout.torch_dtype or pool.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"kv ({kv.dtype}) and pool ({pool.dtype}) must both be {layout.torch_dtype}"
+            )
+        if not kv.is_contiguous() or not pool.is_contiguous():
+            raise ValueError("kv and pool must be contiguous")
+        rows = pool_rows(pool, layout)
+        self.layout = layout
+        self.kv = kv
+        self.pool = pool
+        wide = _wide_dtype(layout.page_bytes, kv, rows)
+        self._kv_rows = kv.view(wide)
+        self._pool_rows = rows.view(wide)
+
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._active: _Job | None = None
+        self._outstanding: set[int] = set()  # queued or executing job ids
+        self._completed: list[int] = []
+        self._failed: list[int] = []
+        self._errors: dict[int, str] = {}
+        self._stats = TransferStats()
+        self._paused = False
+        self._closing = False  # no more submits
+        self._closed = False  # copy thread must exit
+        self._exec_delay = exec_delay
+        self._wait_polls: dict[int, int] = {}  # job id -> polls left before it may run
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(
+                target=self._run_thread, name="raykv-cpu-xfer", daemon=True
+            )
+            self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+
+    def submit(self, spec: TransferSpec) -> None:
+        """Queue one job. A malformed job (mismatched lists, out-of-range block or slot) is not
+        rejected here: it is reported as failed by :meth:`poll`, like a copy that fails."""
+        job = _Job(spec, list(spec.copy.gpu_blocks))
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("CpuTransferEngine is shut down")
+            if spec.job_id in self._outstanding:
+                raise ValueError(f"job {spec.job_id} is already queued")
+            self._queue.append(job)
+            self._outstanding.add(spec.job_id)
+            if self._exec_delay is not None:
+                self._wait_polls[spec.job_id] = max(0, self._exec_delay(spec.job_id))
+            self._cond.notify_all()
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        """``(completed, failed)`` job ids finished since the last poll, in FIFO order.
+        Never blocks on a copy (an unthreaded engine copies its due jobs here first)."""
+        if self._thread is None:
+            self._run_due()
+        with self._cond:
+            completed, self._completed = self._completed, []
+            failed, self._failed = self._failed, []
+        return completed, failed
+
+    def flush(self, job_ids: Iterable[int]) -> None:
+        """Block until every listed job still queued or executing has finished.
+
+        Ids that are unknown or already finished are ignored. Jobs ahead of them run first (FIFO);
+        when the copy thread is paused or busy elsewhere, this thread runs them itself. Flushed
+        jobs are still reported by the next :meth:`poll`.
+        """
+        start = time.perf_counter()
+        with self._cond:
+            waiting = {j for j in job_ids if j in self._outstanding}
+        if not waiting:
+            return
+        while True:
+            with self._cond:
+                waiting &= self._outstanding
+                if not waiting:
+                    break
+                job = self._take_head()
+                if job is None:
+                    # the copy thread holds the head job; wait for it to finish
+                    self._cond.wait()
+                    continue
+            self._execute(job)
+        with self._cond:
+            self._stats.flushes += 1
+            self._stats.flush_seconds += time.perf_counter() - start
+
+    def pause(self) -> None:
+        """Test hook: the copy thread takes no new job until :meth:`resume` (a job it is already
+        copying finishes). :meth:`flush` still runs the jobs it needs."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def pending_reads(self) -> set[int]:
+        """GPU blocks that queued or executing stores have yet to read."""
+        return self._pending(is_store=True)
+
+    def pending_writes(self) -> set[int]:
+        """GPU blocks that queued or executing loads have yet to write."""
+        return self._pending(is_store=False)
+
+    def take_stats(self) -> TransferStats:
+        """Counters since the last call. Jobs, blocks and bytes count successful jobs; seconds
+        count time spent copying; ``flushes`` counts flush calls that had to wait for a job."""
+        with self._cond:
+            stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    def take_errors(self) -> dict[int, str]:
+        """Why each job reported failed since the last call failed (job id -> message)."""
+        with self._cond:
+            errors, self._errors = self._errors, {}
+        return errors
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the engine and join its thread. Idempotent.
+
+        ``wait``: run every queued job first (even when paused); otherwise queued jobs are
+        dropped and reported failed. Completions stay available to :meth:`poll`.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closing = True
+            if not wait:
+                while self._queue:
+                    job = self._queue.popleft()
+                    self._outstanding.discard(job.spec.job_id)
+                    self._failed.append(job.spec.job_id)
+                    self._errors[job.spec.job_id] = "dropped at shutdown"
+            pending = list(self._outstanding)
+        self.flush(pending)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> CpuTransferEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- internals
+
+    def _pending(self, is_store: bool) -> set[int]:
+        with self._cond:
+            jobs = list(self._queue)
+            if self._active is not None:
+                jobs.append(self._active)
+        blocks: set[int] = set()
+        for job in jobs:
+            if job.spec.is_store == is_store:
+                blocks.update(job.gpu_blocks)
+        return blocks
+
+    def _take_head(self) -> _Job | None:
+        """Claim the next job in FIFO order, or None if another thread is executing one (so
+        two jobs never run at once and completions stay in submission order). Lock held."""
+        if self._active is not None or not self._queue:
+            return None
+        self._active = self._queue.popleft()
+        return self._active
+
+    def _run_due(self) -> None:
+        """Unthreaded engines: count one poll against every delay, then copy the jobs at the
+        head of the queue whose delay has run out (unless paused)."""
+        with self._cond:
+            for job_id, left in self._wait_polls.items():
+                self._wait_polls[job_id] = left - 1
+        while True:
+            with self._cond:
+                if self._paused or not self._queue:
+                    return
+                head = self._queue[0].spec.job_id
+                if self._wait_polls.get(head, 0) > 0:
+                    return
+                job = self._take_head()
+            if job is None:
+                return
+            self._execute(job)
+
+    def _run_thread(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (
+                    self._paused or self._active is not None or not self._queue
+                ):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self._take_head()
+            if job is not None:
+                self._execute(job)
+
+    def _execute(self, job: _Job) -> None:
+        """Run one claimed job and record its outcome; never raises."""
+        spec = job.spec
+        start = time.perf_counter()
+        error: str | None = None
+        try:
+            self._copy(spec)
+        except Exception as exc:  # a failed copy fails the job, never the engine
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("transfer job %d failed: %s", spec.job_id, error)
+        elapsed = time.perf_counter() - start
+        with self._cond:
+            st = self._stats
+            n = len(job.gpu_blocks)
+            if error is None:
+                self._completed.append(spec.job_id)
+                if spec.is_store:
+                    st.store_jobs += 1
+                    st.store_blocks += n
+                    st.store_bytes += n * self.layout.page_bytes
+                else:
+                    st.load_jobs += 1
+                    st.load_blocks += n
+                    st.load_bytes += n * self.layout.page_bytes
+            else:
+                self._failed.append(spec.job_id)
+                self._errors[spec.job_id] = error
+            if spec.is_store:
+                st.store_seconds += elapsed
+            else:
+                st.load_seconds += elapsed
+            self._active = None
+            self._outstanding.discard(spec.job_id)
+            self._wait_polls.pop(spec.job_id, None)
+            self._cond.notify_all()
+
+    def _copy(self, spec: TransferSpec) -> None:
+        lay = self.layout
+        copy = spec.copy
+        gpu, slots, subs = list(copy.gpu_blocks), list(copy.cpu_slots), list(copy.sub_blocks)
+        if not len(gpu) == len(slots) == len(subs):
+            raise ValueError(
+                f"BlockCopy lists differ in length: {len(gpu)} gpu_blocks, {len(slots)} "
+                f"cpu_slots, {len(subs)} sub_blocks"
+            )
+        if not gpu:
+            return
+        # explicit bounds: a negative index would silently wrap in a slice copy, and a sub-block
+        # past the chunk would land in the next slot
+        _check_range("gpu block", gpu, lay.num_gpu_blocks)
+        _check_range("cpu slot", slots, lay.num_slots)
+        _check_range("sub block", subs, lay.blocks_per_chunk)
+        bpc = lay.blocks_per_chunk
+        rows = slots if bpc == 1 else [s * bpc + b for s, b in zip(slots, subs, strict=True)]
+        if spec.is_store:
+            src_t, dst_t, src, dst = self._kv_rows, self._pool_rows, gpu, rows
+        else:
+            src_t, dst_t, src, dst = self._pool_rows, self._kv_rows, rows, gpu
+        ops, index = plan_copies(src, dst)
+        idx = torch.tensor(index, dtype=torch.long, device=src_t.device) if index else None
+        for op in ops:
+            if isinstance(op, _Slice):
+                dst_t[op.dst : op.dst + op.n].copy_(src_t[op.src : op.src + op.n])
+            elif isinstance(op, _Gather):
+                assert idx is not None
+                torch.index_select(
+                    src_t, 0, idx[op.lo : op.lo + op.n], out=dst_t[op.dst : op.dst + op.n]
+                )
+            else:
+                assert idx is not None
+                dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
+
+
+def _check_range(what: str, values: list[int], limit: int) -> None:
+    low, high = min(values), max(values)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise IndexError(f"{what} {bad} out of range [0, {limit})")

@@ -1,0 +1,49 @@
+"""The transfer bench returns its documented shape (no timing assertions: CI machines are noisy)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raykv.bench.transfer import bench_layout, format_transfer_table, run_transfer_bench
+
+
+@pytest.mark.parametrize("pattern", ["random", "contiguous"])
+def test_bench_shape(pattern: str) -> None:
+    result = run_transfer_bench("cpu", [4, 16], 8, ["store", "load", "both"], pattern, repeat=1)
+    assert result["device"] == "cpu"
+    assert result["pattern"] == pattern
+    rows = result["results"]
+    assert [(r["page_kib"], r["direction"]) for r in rows] == [
+        (k, d) for k in (4, 16) for d in ("store", "load", "both")
+    ]
+    for row in rows:
+        assert row["blocks"] == 8
+        assert row["bytes"] == 8 * row["page_kib"] * 1024
+        assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"])
+    table = format_transfer_table(result)
+    assert "store" in table and "both" in table
+    assert len(table.splitlines()) == 2 + len(rows)
+
+
+def test_bench_caps_memory() -> None:
+    result = run_transfer_bench("cpu", [64], 64, ["store"], repeat=1, max_bytes=1 << 20)
+    assert result["results"][0]["blocks"] == 8  # 1 MiB / (kv + pool of 64 KiB pages)
+
+
+@pytest.mark.parametrize("kib", [4, 6, 64, 256])
+def test_bench_layout_page_size(kib: int) -> None:
+    lay = bench_layout(kib, 4)
+    assert lay.page_bytes == kib * 1024
+    assert lay.dtype == "float16" and lay.blocks_per_chunk == 1 and lay.num_slots == 4
+
+
+def test_bench_rejects_bad_arguments() -> None:
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        run_transfer_bench("cuda", [4], 8, ["store"])
+    with pytest.raises(ValueError, match="direction"):
+        run_transfer_bench("cpu", [4], 8, ["sideways"])
+    with pytest.raises(ValueError, match="pattern"):
+        run_transfer_bench("cpu", [4], 8, ["store"], pattern="zigzag")
+    with pytest.raises(ValueError, match="device"):
+        run_transfer_bench("tpu", [4], 8, ["store"])
