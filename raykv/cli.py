@@ -57,6 +57,43 @@ def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.transfer import format_transfer_table, run_transfer_bench
+
+    directions = [d.strip() for d in args.direction.split(",") if d.strip()]
+    if args.device == "cuda":
+        import torch
+
+        # checked here so a CPU-only machine gets a plain answer, not an engine error
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--device cuda: CUDA is not available on this machine "
+                f"(torch {torch.__version__}); use --device cpu"
+            )
+    try:
+        result = run_transfer_bench(
+            args.device, args.page_kib, args.blocks, directions, args.pattern, args.repeat
+        )
+    except NotImplementedError as exc:
+        raise ValueError(f"--device {args.device}: {exc}") from None
+    console.print(format_transfer_table(result), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.step import format_step_table, run_step_bench
+
+    result = run_step_bench(args.cached, args.steps, args.repeat, args.policy)
+    console.print(format_step_table(result), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _run_config(args: argparse.Namespace) -> RaykvConfig:
     overrides = list(args.set or [])
     if args.num_requests is not None:
@@ -133,6 +170,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pol.add_argument("--limit", type=int, help="replay only the first N requests")
     pol.set_defaults(func=_cmd_bench_policy)
+
+    tr = bench.add_parser(
+        "transfer", help="transfer-engine bandwidth against one large copy of the same bytes"
+    )
+    tr.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default: cpu")
+    tr.add_argument(
+        "--page-kib",
+        type=_int_list,
+        default=[64, 256, 1024, 4096],
+        help="page sizes in KiB, comma-separated (default 64,256,1024,4096)",
+    )
+    tr.add_argument("--blocks", type=int, default=512, help="blocks per job (default 512)")
+    tr.add_argument(
+        "--direction",
+        default="store,load,both",
+        help="comma-separated: store, load, both (default: all three)",
+    )
+    tr.add_argument(
+        "--pattern",
+        choices=["random", "contiguous"],
+        default="random",
+        help="GPU block order: random (scattered cache, default) or contiguous",
+    )
+    tr.add_argument("--repeat", type=int, default=3, help="timed runs per row; the fastest counts")
+    tr.add_argument("--json", help="write the results to this JSON file")
+    tr.set_defaults(func=_cmd_bench_transfer)
+
+    st = bench.add_parser(
+        "step", help="the connector's bookkeeping per engine step against what is cached"
+    )
+    st.add_argument(
+        "--cached",
+        type=_int_list,
+        default=[100, 10_000],
+        help="CPU-tier chunks cached, comma-separated (default 100,10000)",
+    )
+    st.add_argument("--steps", type=int, default=2000, help="timed steps per count and repeat")
+    st.add_argument("--repeat", type=int, default=3, help="timed rounds; the best one counts")
+    st.add_argument("--policy", default="lru", help="eviction policy of the CPU tier (lru)")
+    st.add_argument("--json", help="write the results to this JSON file")
+    st.set_defaults(func=_cmd_bench_step)
 
     run = sub.add_parser("run", help="run a workload through the engine and report")
     run.add_argument("--engine", choices=["local"], default="local", help="local: one process")

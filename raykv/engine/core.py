@@ -64,7 +64,7 @@ class EngineCore:
         self.connector: ConnectorScheduler | None = None
         if use_offload:
             o = cfg.offload
-            self.directory = directory or Directory(
+            self.directory = directory if directory is not None else Directory(
                 cfg.cpu_slots(),
                 o.policy,
                 store_threshold=o.store_threshold,

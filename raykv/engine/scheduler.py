@@ -69,7 +69,8 @@ class Scheduler:
     # ---- queue management ---------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        need = self.max_blocks_needed(req.num_prompt + req.max_tokens)
+        # the last sampled token never gets KV: positions with KV top out one short
+        need = self.max_blocks_needed(req.num_prompt + req.max_tokens - 1)
         if need > self.pool.num_usable:
             raise RequestTooLarge(
                 f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
@@ -94,7 +95,9 @@ class Scheduler:
             blocks = -(-tokens // bs)
             if group.is_sliding:
                 assert group.window_tokens is not None
-                blocks = min(blocks, -(-(group.window_tokens + budget) // bs) + 1)
+                # a step reads W - 1 earlier positions and writes up to a budget's worth
+                span = group.window_tokens - 1 + budget
+                blocks = min(blocks, -(-span // bs) + 1)
             total += blocks
         return total
 

@@ -1,0 +1,184 @@
+"""A small driver for behaviour tests: a real engine, real connector, real CPU copies.
+
+Runs every rank in-process with the unthreaded CPU transfer engine, so a copy happens only at a
+step's poll or when a flush needs it, and ``pause_copies`` keeps submitted copies really pending
+(not just unreported) until ``resume_copies``. Every plan is recorded and translated into request
+block offsets at the moment it is built, so tests can say "offsets 0-2 of request A were stored
+and flushed" as vLLM's scheduler tests do.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from raykv.config import load_config
+from raykv.connector.plan import StepPlan, StepReport
+from raykv.core.request import Request
+from raykv.engine.core import EngineCore
+from raykv.engine.workers import LocalWorkerGroup
+from raykv.offload.directory import Directory
+
+Offset = tuple[int, int]  # (KV group, block index within the request)
+
+
+@dataclass
+class StepRecord:
+    plan: StepPlan
+    stored: dict[str, list[Offset]] = field(default_factory=lambda: defaultdict(list))
+    loaded: dict[str, list[Offset]] = field(default_factory=lambda: defaultdict(list))
+    flushed: dict[str, list[Offset]] = field(default_factory=lambda: defaultdict(list))
+    fence: set[int] = field(default_factory=set)
+    gpu_blocks: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
+
+
+class Runner:
+    def __init__(
+        self,
+        *,
+        block_size: int = 4,
+        num_gpu_blocks: int = 64,
+        blocks_per_chunk: int = 1,
+        groups: str = "[{kind: full_attention}]",
+        tp: int = 1,
+        cpu_slots: int = 64,
+        policy: str = "lru",
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        directory: Directory | None = None,
+        ack_delays: dict | None = None,
+        exec_delays: dict | None = None,
+        offload: bool = True,
+    ) -> None:
+        n_groups = groups.count("kind")
+        self.cfg = load_config(
+            None,
+            [
+                f"cache.block_size={block_size}",
+                f"cache.num_gpu_blocks={num_gpu_blocks}",
+                f"cache.groups={groups}",
+                f"model.num_layers={n_groups}",
+                f"model.num_kv_heads={2 * tp}",
+                "model.head_dim=4",
+                f"parallel.tensor_parallel_size={tp}",
+                f"offload.blocks_per_chunk={blocks_per_chunk}",
+                f"offload.cpu_slots={cpu_slots}",
+                f"offload.policy={policy}",
+                f"engine.max_num_seqs={max_num_seqs}",
+                f"engine.max_num_batched_tokens={max_num_batched_tokens}",
+            ],
+        )
+        self.workers = LocalWorkerGroup(
+            self.cfg, cpu_slots, ack_delays=ack_delays, exec_delays=exec_delays, threaded=False
+        )
+        self.engine = EngineCore(
+            self.cfg, self.workers, offload=offload, verify=True, directory=directory
+        )
+        self.connector = self.engine.connector
+        self.records: list[StepRecord] = []
+        self._job_offsets: dict[int, tuple[str, list[Offset]]] = {}
+        self._next_index = 0
+        self.reports: list[list[StepReport]] = []
+        execute = self.workers.execute
+
+        def recording_execute(plan: StepPlan) -> list[StepReport]:
+            self.records.append(self._record(plan))
+            reports = execute(plan)
+            self.reports.append(reports)
+            return reports
+
+        self.workers.execute = recording_execute  # type: ignore[method-assign]
+
+    # ---- driving ------------------------------------------------------------------------
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 1) -> Request:
+        req = Request(req_id, self._next_index, list(prompt), max_tokens)
+        self._next_index += 1
+        self.engine.add_request(req)
+        return req
+
+    def step(self, n: int = 1) -> list[Request]:
+        finished = []
+        for _ in range(n):
+            finished += self.engine.step()
+            self.engine.check_invariants()
+        return finished
+
+    def run(self, max_steps: int = 500) -> None:
+        """Step until every request is done and every job acked (the non-blocking drain)."""
+        for _ in range(max_steps):
+            if not self.engine.has_work():
+                return
+            self.step()
+        raise AssertionError(f"not drained after {max_steps} steps")
+
+    def pause_copies(self, ranks: list[int] | None = None) -> None:
+        for w in self.workers.workers:
+            if ranks is None or w.rank in ranks:
+                w.engine.pause()
+
+    def resume_copies(self) -> None:
+        for w in self.workers.workers:
+            w.engine.resume()
+
+    def close(self) -> None:
+        self.workers.shutdown()
+
+    # ---- what happened ------------------------------------------------------------------
+
+    def _offsets(self, req_id: str, blocks: list[int]) -> list[Offset]:
+        state = self.connector._reqs[req_id]
+        out = []
+        for b in blocks:
+            found = [
+                (g, i)
+                for g, gs in enumerate(state.groups)
+                for i, x in enumerate(gs.block_ids)
+                if x == b
+            ]
+            assert len(found) == 1, f"block {b} of {req_id} at {found}"
+            out.append(found[0])
+        return out
+
+    def _record(self, plan: StepPlan) -> StepRecord:
+        rec = StepRecord(plan, fence=self.connector.fence.blocks() if self.connector else set())
+        if self.connector is None:
+            return rec
+        jobs = self.connector.jobs.jobs
+        for spec, into in [(s, rec.stored) for s in plan.stores] + [
+            (s, rec.loaded) for s in plan.loads
+        ]:
+            req_id = jobs[spec.job_id].req_id
+            offsets = self._offsets(req_id, spec.copy.gpu_blocks)
+            rec.gpu_blocks[req_id].update(spec.copy.gpu_blocks)
+            self._job_offsets[spec.job_id] = (req_id, offsets)
+            into[req_id] += offsets
+        for job_id in plan.flush:
+            if job_id in self._job_offsets:
+                req_id, offsets = self._job_offsets[job_id]
+                rec.flushed[req_id] += offsets
+        return rec
+
+    def all(self, kind: str, req_id: str) -> set[Offset]:
+        return {o for rec in self.records for o in getattr(rec, kind).get(req_id, [])}
+
+    def blocks(self, kind: str, req_id: str) -> set[int]:
+        """Like ``all`` with group 0's block indices only (single-group tests)."""
+        return {i for g, i in self.all(kind, req_id) if g == 0}
+
+    def drained(self) -> None:
+        """DESIGN invariant 4: no jobs, empty fence, no request state, slots free or ready."""
+        c = self.connector
+        assert c is not None
+        assert len(c.jobs) == 0, f"jobs left: {list(c.jobs.jobs)}"
+        assert not c.fence, f"fence not empty: {c.fence.blocks()}"
+        assert c.tracked() == 0, f"request states left: {list(c._reqs)}"
+        stats = c.directory.stats()
+        assert stats.writing == 0 and stats.reading == 0
+        for w in self.workers.workers:
+            assert w.connector.held == 0
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    """Distinct token ids (so distinct blocks hash differently)."""
+    return list(range(start + 1, start + 1 + n))

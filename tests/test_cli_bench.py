@@ -1,0 +1,74 @@
+"""``raykv bench transfer`` and ``raykv bench step`` through the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from raykv.cli import main
+
+
+def test_bench_transfer_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "transfer.json"
+    argv = ["bench", "transfer", "--device", "cpu", "--page-kib", "16", "--blocks", "8"]
+    assert main([*argv, "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["pattern"] == "random"
+    rows = result["results"]
+    assert [(r["page_kib"], r["direction"]) for r in rows] == [
+        (16, "store"),
+        (16, "load"),
+        (16, "both"),
+    ]
+    for row in rows:
+        assert {"gbps", "baseline_gbps", "ratio", "blocks", "bytes"} <= set(row)
+        assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+    assert "copy_ GB/s" in capsys.readouterr().out
+
+
+def test_bench_transfer_one_direction(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    argv = ["bench", "transfer", "--page-kib", "4,16", "--blocks", "4", "--direction", "load"]
+    assert main([*argv, "--pattern", "contiguous", "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["pattern"] == "contiguous"
+    assert [(r["page_kib"], r["direction"]) for r in result["results"]] == [
+        (4, "load"),
+        (16, "load"),
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_bench_transfer_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "transfer", "--device", "cuda", "--page-kib", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err and "--device cpu" in err
+
+
+def test_bench_transfer_bad_direction(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "transfer", "--page-kib", "16", "--blocks", "4", "--direction", "up"]
+    assert main(argv) == 2
+    assert "direction must be one of" in capsys.readouterr().err
+
+
+def test_bench_step_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "step.json"
+    argv = ["bench", "step", "--cached", "64,300", "--steps", "20", "--repeat", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["cached"]) == {"64", "300"}
+    for row in result["cached"].values():
+        assert row["us_per_step"] > 0 and row["mean_us"] > 0
+    assert result["ratio"] > 0 and result["policy"] == "lru"
+    assert isinstance(result["within_limit"], bool) and result["same_work"] is True
+    assert "ratio" in capsys.readouterr().out
+
+
+def test_bench_step_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "step", "--policy", "nope", "--steps", "5", "--repeat", "1"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    assert main(["bench", "step", "--cached", "8", "--steps", "5", "--repeat", "1"]) == 2
+    assert "cached counts must be" in capsys.readouterr().err
