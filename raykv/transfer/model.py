@@ -98,8 +98,16 @@ class SyntheticModel:
         self.device = torch.device(device)
         self._int_dtype = _INT_VIEW[layout.elem_bytes]
         self._coords = self._coordinate_hashes()
-        # odd weights are invertible modulo 2^64, so any single-element change alters the sum
-        idx = torch.arange(layout.page_elems, dtype=torch.int64, device=self.device)
+        # the checksum reads a page as the widest integers its size allows (fewer, cheaper
+        # multiply-adds, no widening copy); odd weights are invertible modulo 2^64, so any change
+        # of one word alters the sum
+        self._word = next(
+            d
+            for d, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
+            if layout.page_bytes % size == 0
+        )
+        words = layout.page_bytes // torch.empty((), dtype=self._word).element_size()
+        idx = torch.arange(words, dtype=torch.int64, device=self.device)
         self._weights = mix64_tensor(idx + _signed(_K_WEIGHT)) | 1
 
     def _coordinate_hashes(self) -> torch.Tensor:
@@ -200,8 +208,9 @@ class SyntheticModel:
     def checksum(self, kv: torch.Tensor, blocks: list[int]) -> int:
         """An exact integer digest of the raw bytes of ``kv[blocks]`` and of their order.
 
-        Per page: the int64 (wrapping) dot product of its integer-viewed elements with fixed odd
-        weights, then mixed with the page's position in the list; the results are summed modulo
+        Per page: the int64 (wrapping) dot product of its raw bytes read as the widest integers
+        the page size allows with fixed odd weights, then mixed with the page's position in the
+        list; the results are summed modulo
         2^61 - 1. Wrapping sums do not depend on reduction order, so the digest is identical on
         every machine and device. Empty list -> 0.
         """
@@ -213,8 +222,11 @@ class SyntheticModel:
         for base in range(0, len(blocks), per_batch):
             batch = blocks[base : base + per_batch]
             idx = torch.tensor(batch, dtype=torch.int64, device=kv.device)
-            pages = kv.index_select(0, idx).view(self._int_dtype).to(torch.int64)
-            sums = (pages * self._weights.to(kv.device)).sum(dim=1).tolist()
+            pages = kv.index_select(0, idx).view(self._word)
+            if self._word is not torch.int64:
+                pages = pages.to(torch.int64)
+            pages *= self._weights.to(kv.device)  # wraps modulo 2^64, like the sum below
+            sums = pages.sum(dim=1).tolist()
             for j, page_sum in enumerate(sums):
                 position_key = mix64((base + j) * _K_POSITION + _GOLDEN)
                 total += mix64((page_sum & _MASK64) ^ position_key)
