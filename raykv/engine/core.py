@@ -64,13 +64,15 @@ class EngineCore:
         self.connector: ConnectorScheduler | None = None
         if use_offload:
             o = cfg.offload
-            self.directory = directory if directory is not None else Directory(
-                cfg.cpu_slots(),
-                o.policy,
-                store_threshold=o.store_threshold,
-                max_tracker_size=o.max_tracker_size,
-                events=o.events,
-            )
+            if directory is None:
+                directory = Directory(
+                    cfg.cpu_slots(),
+                    o.policy,
+                    store_threshold=o.store_threshold,
+                    max_tracker_size=o.max_tracker_size,
+                    events=o.events,
+                )
+            self.directory = directory
             self.connector = ConnectorScheduler(
                 self.directory,
                 self.groups,
