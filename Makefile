@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 BIN := $(VENV)/bin
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean bench-policy
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 run: install
+	$(BIN)/raykv run --engine local --config configs/local.yaml --verify
+
+bench-policy: install
 	$(BIN)/raykv bench policy --trace $(TRACE) --capacity-tokens 1000000,3000000,10000000 --policies all
 
 lint: install

@@ -29,7 +29,6 @@ class GroupState:
     keys: list[int] = field(default_factory=list)  # offload key of each full chunk
     block_ids: list[int] = field(default_factory=list)  # GPU block per block index (0 = none)
     next_stored_chunk: int = 0  # the store cursor
-    num_hit_chunks: int = 0
 
 
 @dataclass(slots=True)
@@ -156,13 +155,16 @@ class ConnectorScheduler:
         if max_chunks <= start:
             return 0
         end, used, pending = self._converge(state, start, max_chunks)
-        touched = [k for gs in state.groups for k in gs.keys[:end]]
+        # refresh what resuming at ``end`` needs: a full-attention group's whole prefix, a
+        # sliding-window group's last window only (older chunks of it are never read again)
+        touched: list[int] = []
+        for group, gs in zip(self.groups, state.groups, strict=True):
+            lo = max(0, end - group.window_chunks(tpc)) if group.is_sliding else 0
+            touched.extend(gs.keys[lo:end])
         self.directory.touch(touched)
         if pending or any(k in self._loading_keys for k in used):
             self.stats.deferred_lookups += 1
             return None
-        for gs in state.groups:
-            gs.num_hit_chunks = end
         return max(0, end * tpc - num_local)
 
     def _converge(
@@ -446,11 +448,10 @@ class ConnectorScheduler:
         if state is not None:
             state.jobs.discard(job.job_id)
             if not job.is_store:
+                # a failed load is recomputed; its chunks are still in the CPU tier, so the store
+                # cursor stays past them
                 state.has_load = False
                 state.req.load_job = None
-                if job.failed:  # recomputed instead: those chunks are not on the GPU after all
-                    for gs in state.groups:
-                        gs.next_stored_chunk = min(gs.next_stored_chunk, gs.num_hit_chunks)
             self._maybe_forget(state)
         return None if job.is_store else FinishedLoad(job.req_id, not job.failed)
 
