@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 run: install
-	$(BIN)/raykv run --engine local --config configs/local.yaml --verify
+	$(BIN)/raykv run --config configs/local.yaml
 
 bench-policy: install
 	$(BIN)/raykv bench policy --trace $(TRACE) --capacity-tokens 1000000,3000000,10000000 --policies all

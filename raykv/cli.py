@@ -13,6 +13,8 @@ from rich.console import Console
 
 from raykv.config import ConfigError, RaykvConfig, load_config
 
+DEFAULT_RUN_CONFIG = "configs/local.yaml"
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -84,10 +86,17 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.step import format_step_table, run_step_bench
+    if args.engine == "ray":
+        from raykv.cluster.bench import format_fanout_table, run_fanout_bench
 
-    result = run_step_bench(args.cached, args.steps, args.repeat, args.policy)
-    console.print(format_step_table(result), highlight=False)
+        cfg = load_config(args.config, args.set or ())
+        result = run_fanout_bench(cfg, args.tp, steps=min(args.steps, 400), repeat=args.repeat)
+        console.print(format_fanout_table(result), highlight=False)
+    else:
+        from raykv.bench.step import format_step_table, run_step_bench
+
+        result = run_step_bench(args.cached, args.steps, args.repeat, args.policy)
+        console.print(format_step_table(result), highlight=False)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {args.json}")
@@ -108,32 +117,41 @@ def _run_config(args: argparse.Namespace) -> RaykvConfig:
             raise ConfigError(f"--workload {args.workload!r}: expected synthetic or trace:FILE")
     if args.no_offload:
         overrides.append("offload.enabled=false")
+    if args.verify:
+        overrides.append("offload.verify=true")
     return load_config(args.config, overrides)
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from raykv.engine.core import EngineCore
-    from raykv.engine.run import run_workload
-    from raykv.engine.workers import LocalWorkerGroup
     from raykv.report import print_run_report, run_progress
     from raykv.workload.requests import make_workload
 
-    if args.engine != "local":
-        raise ConfigError(f"--engine {args.engine}: only 'local' exists in this build")
     cfg = _run_config(args)
     specs = make_workload(cfg)
     err = Console(stderr=True)
-    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-        engine = EngineCore(cfg, workers, verify=args.verify)
-        with run_progress(err, len(specs)) as progress:
-            report = run_workload(engine, specs, progress=progress)
+    if args.engine == "local":
+        from raykv.engine.core import EngineCore
+        from raykv.engine.run import run_workload
+        from raykv.engine.workers import LocalWorkerGroup
+
+        with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+            engine = EngineCore(cfg, workers)
+            with run_progress(err, len(specs)) as progress:
+                report = run_workload(engine, specs, progress=progress)
+    else:
+        from raykv.cluster.client import RaykvClient
+
+        with err.status("starting Ray and the raykv actors..."):
+            client = RaykvClient.start(cfg, address=args.address)
+        with client, run_progress(err, len(specs)) as progress:
+            report = client.run(specs, progress=progress)
+    report["engine"] = args.engine
     report["config"] = cfg.model_dump(mode="json")
-    print_run_report(console, report, verify=args.verify)
+    print_run_report(console, report, verify=cfg.offload.verify)
     if args.json_report:
         Path(args.json_report).write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {args.json_report}")
-    bad = report["integrity"]["mismatches"]
-    return 1 if bad else 0
+    return 1 if report["integrity"]["mismatches"] else 0
 
 
 def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
@@ -209,17 +227,43 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--steps", type=int, default=2000, help="timed steps per count and repeat")
     st.add_argument("--repeat", type=int, default=3, help="timed rounds; the best one counts")
     st.add_argument("--policy", default="lru", help="eviction policy of the CPU tier (lru)")
+    st.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: connector bookkeeping vs cached blocks; ray: the per-step fan-out to the "
+        "rank actors vs a bare Ray round trip",
+    )
+    st.add_argument("--tp", type=_int_list, default=[2, 4], help="with --engine ray: TP sizes")
+    st.add_argument("--config", help="with --engine ray: the config whose plans are replayed")
+    st.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
     st.add_argument("--json", help="write the results to this JSON file")
     st.set_defaults(func=_cmd_bench_step)
 
     run = sub.add_parser("run", help="run a workload through the engine and report")
-    run.add_argument("--engine", choices=["local"], default="local", help="local: one process")
-    run.add_argument("--config", help="YAML config (defaults apply to everything left out)")
+    run.add_argument(
+        "--engine",
+        choices=["ray", "local"],
+        default="ray",
+        help="ray: scheduler and rank actors (default); local: everything in this process",
+    )
+    run.add_argument(
+        "--address",
+        help="Ray cluster to join ('auto', host:port); default: RAY_ADDRESS, else start an "
+        "embedded local Ray (loopback only, no dashboard)",
+    )
+    run.add_argument(
+        "--config",
+        default=DEFAULT_RUN_CONFIG if Path(DEFAULT_RUN_CONFIG).exists() else None,
+        help=f"YAML config (default: {DEFAULT_RUN_CONFIG} when it exists, else built-in defaults)",
+    )
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
     run.add_argument("--workload", help="synthetic, or trace:FILE (Mooncake JSONL)")
     run.add_argument("--num-requests", type=int, help="how many requests to run")
     run.add_argument("--no-offload", action="store_true", help="run without the CPU tier")
-    run.add_argument("--verify", action="store_true", help="check every loaded block's bytes")
+    run.add_argument(
+        "--verify", action="store_true", help="check every loaded block's bytes (offload.verify)"
+    )
     run.add_argument("--json-report", help="write the report to this JSON file")
     run.set_defaults(func=_cmd_run)
 

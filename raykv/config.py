@@ -103,6 +103,9 @@ class OffloadConfig(_Strict):
         default=64_000, gt=0, description="Keys remembered by the store_threshold filter."
     )
     events: bool = Field(default=True, description="Emit BlockStored/BlockRemoved KV events.")
+    verify: bool = Field(
+        default=False, description="Compare every loaded block with what recomputing it gives."
+    )
 
     @field_validator("policy")
     @classmethod
@@ -160,6 +163,9 @@ class CacheConfig(_Strict):
 class ParallelConfig(_Strict):
     tensor_parallel_size: int = Field(default=1, gt=0)
     device: Literal["cpu", "cuda"] = "cpu"
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        default="STRICT_PACK", description="Ray placement group strategy for the rank workers."
+    )
 
 
 class EngineConfig(_Strict):

@@ -22,7 +22,8 @@ from raykv.bench.policy import BASELINE_LRU, BELADY, PolicyBenchReport
 
 @contextmanager
 def run_progress(console: Console, total: int) -> Iterator[callable]:
-    """A progress bar for ``raykv run``: requests done, tokens/s and hit rate so far."""
+    """A progress bar for ``raykv run``: requests done, tokens/s and hit rates so far. Yields
+    ``update(progress)`` taking the dict of ``EngineServer.progress`` / ``progress_of``."""
     bar = Progress(
         TextColumn("[bold]running"),
         BarColumn(),
@@ -36,16 +37,15 @@ def run_progress(console: Console, total: int) -> Iterator[callable]:
         task = bar.add_task("run", total=total, stats="")
         start = time.perf_counter()
 
-        def update(done: int, engine) -> None:
-            totals, sched = engine.totals, engine.scheduler.stats
+        def update(p: dict) -> None:
             elapsed = max(time.perf_counter() - start, 1e-9)
-            hits = sched.gpu_hit_tokens + sched.cpu_hit_tokens
+            prompt = max(p["prompt_tokens"], 1)
+            hits = p["gpu_hit_tokens"] + p["cpu_hit_tokens"]
             stats = (
-                f"{totals.generated_tokens / elapsed:7.0f} tok/s  "
-                f"hit {hits / max(totals.prompt_tokens, 1):6.1%}  "
-                f"cpu {sched.cpu_hit_tokens / max(totals.prompt_tokens, 1):6.1%}"
+                f"{p['generated_tokens'] / elapsed:7.0f} tok/s  "
+                f"hit {hits / prompt:6.1%}  cpu {p['cpu_hit_tokens'] / prompt:6.1%}"
             )
-            bar.update(task, completed=done, stats=stats)
+            bar.update(task, completed=p["finished"], stats=stats)
 
         yield update
 

@@ -36,6 +36,7 @@ class EngineTotals:
     steps: int = 0
     idle_steps: int = 0  # steps with no tokens scheduled (polling and acking only)
     transfer: TransferStats = field(default_factory=TransferStats)
+    per_rank: list[dict[str, float]] = field(default_factory=list)  # transfer stats by rank
     finished: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -50,7 +51,7 @@ class EngineCore:
         workers: Workers,
         *,
         offload: bool | None = None,
-        verify: bool = False,
+        verify: bool | None = None,
         directory: Directory | None = None,
     ) -> None:
         self.cfg = cfg
@@ -79,7 +80,7 @@ class EngineCore:
                 self.block_size,
                 o.blocks_per_chunk,
                 workers.num_ranks,
-                verify=verify,
+                verify=cfg.offload.verify if verify is None else verify,
             )
         self.scheduler = Scheduler(
             self.pool,
@@ -139,8 +140,7 @@ class EngineCore:
         batch = self._batch(sched)
         plan = StepPlan(self.totals.steps, cplan.flush, cplan.loads, cplan.stores, batch)
         reports = self.workers.execute(plan)
-        for report in reports:
-            self.totals.transfer.add(report.stats)
+        self._absorb(reports)
         if self.connector is not None:
             for load in self.connector.process_reports(reports):
                 req = self.scheduler.finish_load(load.req_id, load.ok)
@@ -151,6 +151,16 @@ class EngineCore:
         if not sched.scheduled:
             self.totals.idle_steps += 1
         return finished
+
+    def _absorb(self, reports: list[StepReport]) -> None:
+        per_rank = self.totals.per_rank
+        while len(per_rank) < len(reports):
+            per_rank.append({name: 0 for name in TransferStats.__slots__})
+        for report in reports:
+            self.totals.transfer.add(report.stats)
+            mine = per_rank[report.rank]
+            for name in TransferStats.__slots__:
+                mine[name] += getattr(report.stats, name)
 
     def _batch(self, sched: SchedulerOutput) -> list[ModelEntry]:
         bs = self.block_size

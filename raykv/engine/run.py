@@ -1,29 +1,97 @@
-"""Run a workload through an engine and summarise it (the report of ``raykv run``)."""
+"""Drive an engine: requests arrive, steps run, a report sums it up (``raykv run``)."""
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from raykv.core.request import Request
 from raykv.engine.core import EngineCore
 from raykv.workload.requests import RequestSpec
 
-Progress = Callable[[int, EngineCore], None]  # (requests finished so far, engine)
+Progress = Callable[[dict[str, Any]], None]  # called after every step with progress_of()
 
 
 class RunStalled(RuntimeError):
     """The engine stopped making progress (a bug: every wait in raykv is bounded)."""
 
 
-def output_digest(requests: Sequence[Request]) -> str:
+def output_digest(requests: Iterable[Request]) -> str:
     """SHA-256 over every request's generated tokens, in request order."""
     h = hashlib.sha256()
     for req in sorted(requests, key=lambda r: r.index):
         h.update(f"{req.req_id}:{','.join(map(str, req.output))};".encode())
     return h.hexdigest()
+
+
+class Driver:
+    """Feeds requests to an engine as they arrive (one step is one time unit) and steps it.
+
+    Used by ``run_workload`` here and by the scheduler actor's loop on Ray, so both deployments
+    drive the engine the same way. A request the engine refuses (too long for the GPU pool, bad
+    token ids) is recorded with the reason and the run goes on without it.
+    """
+
+    def __init__(self, engine: EngineCore, *, check_invariants: bool = False) -> None:
+        self.engine = engine
+        self.check_invariants = check_invariants
+        self.requests: list[Request] = []
+        self.rejected: list[dict[str, str]] = []
+        self.finished: list[Request] = []
+        self._pending: list[tuple[float, int, RequestSpec]] = []
+        self._submitted = 0
+        self._idle = 0
+        self.started = time.perf_counter()
+
+    def submit(self, specs: Iterable[RequestSpec]) -> None:
+        for spec in specs:
+            heapq.heappush(self._pending, (spec.arrival, self._submitted, spec))
+            self._submitted += 1
+
+    @property
+    def submitted(self) -> int:
+        return self._submitted
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.engine.has_work()
+
+    def _admit_arrived(self) -> None:
+        engine, pending = self.engine, self._pending
+        now = engine.totals.steps
+        if pending and not engine.has_work():
+            now = max(now, pending[0][0])  # nothing to do: jump to the next arrival
+        while pending and pending[0][0] <= now:
+            _, index, spec = heapq.heappop(pending)
+            try:
+                req = Request(spec.req_id, index, list(spec.prompt), spec.max_tokens)
+                engine.add_request(req)
+            except ValueError as exc:  # this request is at fault; the run goes on
+                self.rejected.append({"request": spec.req_id, "error": str(exc)})
+                continue
+            self.requests.append(req)
+
+    def step(self, max_idle_steps: int = 100_000) -> list[Request]:
+        """Admit what has arrived and run one engine step."""
+        self._admit_arrived()
+        finished = self.engine.step()
+        if self.check_invariants:
+            self.engine.check_invariants()
+        self.finished += finished
+        self._idle = 0 if finished or self.engine.scheduler.running else self._idle + 1
+        if self._idle > max_idle_steps:
+            raise RunStalled(
+                f"no progress for {self._idle} steps "
+                f"({len(self.finished)} of {self._submitted} requests finished)"
+            )
+        return finished
+
+    def report(self) -> dict[str, Any]:
+        report = build_report(self.engine, self.requests, time.perf_counter() - self.started)
+        report["rejected"] = list(self.rejected)
+        return report
 
 
 def run_workload(
@@ -34,41 +102,30 @@ def run_workload(
     check_invariants: bool = False,
     max_idle_steps: int = 100_000,
 ) -> dict[str, Any]:
-    """Feed ``specs`` to ``engine`` as they arrive (one step is one time unit) and step until
-    every request has finished and every transfer has been acknowledged."""
-    pending = sorted(enumerate(specs), key=lambda item: (item[1].arrival, item[0]))
-    requests: list[Request] = []
-    rejected: list[dict[str, str]] = []
-    next_spec = 0
-    start = time.perf_counter()
-    idle = 0
-    done = 0
-    while next_spec < len(pending) or engine.has_work():
-        now = engine.totals.steps
-        if not engine.has_work() and next_spec < len(pending):
-            now = max(now, pending[next_spec][1].arrival)  # nothing to do: jump to the next one
-        while next_spec < len(pending) and pending[next_spec][1].arrival <= now:
-            index, spec = pending[next_spec]
-            next_spec += 1
-            try:
-                req = Request(spec.req_id, index, list(spec.prompt), spec.max_tokens)
-                engine.add_request(req)
-            except ValueError as exc:  # this request is at fault; the run goes on without it
-                rejected.append({"request": spec.req_id, "error": str(exc)})
-                continue
-            requests.append(req)
-        finished = engine.step()
-        if check_invariants:
-            engine.check_invariants()
-        done += len(finished)
-        idle = 0 if finished or engine.scheduler.running else idle + 1
-        if idle > max_idle_steps:
-            raise RunStalled(f"no progress for {idle} steps ({done} of {len(specs)} finished)")
+    """Run ``specs`` to the end: every request finished, every transfer acknowledged."""
+    driver = Driver(engine, check_invariants=check_invariants)
+    driver.submit(specs)
+    while driver.has_work():
+        driver.step(max_idle_steps)
         if progress is not None:
-            progress(done, engine)
-    report = build_report(engine, requests, time.perf_counter() - start)
-    report["rejected"] = rejected
-    return report
+            progress(progress_of(driver))
+    return driver.report()
+
+
+def progress_of(driver: Driver) -> dict[str, Any]:
+    """A run's progress so far (what the progress bar shows)."""
+    e = driver.engine
+    s = e.scheduler.stats
+    return {
+        "finished": len(driver.finished),
+        "submitted": driver.submitted,
+        "rejected": len(driver.rejected),
+        "steps": e.totals.steps,
+        "generated_tokens": e.totals.generated_tokens,
+        "prompt_tokens": e.totals.prompt_tokens,
+        "gpu_hit_tokens": s.gpu_hit_tokens,
+        "cpu_hit_tokens": s.cpu_hit_tokens,
+    }
 
 
 def build_report(engine: EngineCore, requests: list[Request], seconds: float) -> dict[str, Any]:
@@ -109,6 +166,7 @@ def build_report(engine: EngineCore, requests: list[Request], seconds: float) ->
         "steps": t.steps,
         "idle_steps": t.idle_steps,
         "wall_seconds": seconds,
+        "ranks": [dict(stats) for stats in t.per_rank],
     }
     if engine.connector is not None:
         d = engine.connector.directory.stats()

@@ -1,0 +1,103 @@
+"""Prometheus metrics through Ray's own metrics API, named in the style of vLLM's offloading
+metrics (``vllm:kv_offload_*`` there, ``raykv_kv_offload_*`` here: Ray no longer accepts ``:``).
+
+The scheduler actor calls ``update`` after every step; it turns the engine's cumulative counters
+into increments, so the metrics cost a few dict operations per step whatever is cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_SIZE_BUCKETS = [2**k for k in range(12, 31, 2)]  # 4 KiB .. 1 GiB per step and rank
+_DELAY_BUCKETS = [1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0]
+_P = "raykv_kv_offload_"
+
+
+class EngineMetrics:
+    """The metrics of one engine (one scheduler actor)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        d = ("direction",)
+        self.bytes = Counter(_P + "bytes", "Bytes copied, by direction.", d)
+        self.seconds = Counter(_P + "seconds", "Seconds spent copying, by direction.", d)
+        self.size = Histogram(
+            _P + "transfer_size_bytes", "Bytes one rank copied in one step.", _SIZE_BUCKETS, d
+        )
+        self.time = Histogram(
+            _P + "transfer_time_seconds", "Seconds one rank copied in one step.", _DELAY_BUCKETS, d
+        )
+        self.flush_seconds = Counter(_P + "flush_seconds", "Seconds ranks spent in flushes.")
+        self.flushes = Counter(_P + "flushes", "Jobs flushed, by cause.", ("cause",))
+        self.allocation_failures = Counter(
+            _P + "allocation_failure", "Stores the CPU tier could not make room for."
+        )
+        self.jobs = Gauge(_P + "jobs_in_flight", "Transfer jobs not yet acked by every rank.")
+        self.usage = Gauge(_P + "cpu_cache_usage_perc", "CPU slots in use, by state.", ("state",))
+        self.hits = Counter(_P + "hit_tokens", "Prompt tokens found, by tier.", ("tier",))
+        self.misses = Counter(_P + "miss_tokens", "Prompt tokens computed, not found.")
+        self.lookups = Counter(_P + "lookups", "CPU-tier key lookups, by result.", ("result",))
+        self.evictions = Counter(_P + "evictions", "Chunks evicted from the CPU tier.")
+        self.acks = Counter(_P + "acks", "Rank reports, by kind.", ("kind",))
+        self.deferred = Counter(_P + "deferred_lookups", "Lookups told to wait for transfers.")
+        self._last: dict[str, float] = {}
+
+    def _delta(self, name: str, value: float) -> float:
+        prev = self._last.get(name, 0.0)
+        self._last[name] = value
+        return value - prev
+
+    def _inc(self, metric: Counter, name: str, value: float, tags: dict | None = None) -> None:
+        delta = self._delta(name, value)
+        if delta > 0:
+            metric.inc(delta, tags=tags)
+
+    def update(self) -> None:
+        e = self.engine
+        t = e.totals.transfer
+        for direction, nbytes, secs in (
+            ("store", t.store_bytes, t.store_seconds),
+            ("load", t.load_bytes, t.load_seconds),
+        ):
+            tags = {"direction": direction}
+            step_bytes = self._delta("b_" + direction, nbytes)
+            step_secs = self._delta("s_" + direction, secs)
+            if step_bytes > 0:
+                self.bytes.inc(step_bytes, tags=tags)
+                self.size.observe(step_bytes / max(len(e.totals.per_rank), 1), tags=tags)
+            if step_secs > 0:
+                self.seconds.inc(step_secs, tags=tags)
+                self.time.observe(step_secs, tags=tags)
+        self._inc(self.flush_seconds, "flush_s", t.flush_seconds)
+        s = e.scheduler.stats
+        self._inc(self.hits, "hit_gpu", s.gpu_hit_tokens, {"tier": "gpu"})
+        self._inc(self.hits, "hit_cpu", s.cpu_hit_tokens, {"tier": "cpu"})
+        missed = e.totals.prompt_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens
+        self._inc(self.misses, "miss", max(missed, 0))
+        c = e.connector
+        if c is None:
+            return
+        cs = c.stats
+        for cause in ("reuse", "preemption", "reset"):
+            self._inc(self.flushes, "f_" + cause, getattr(cs, "flushes_" + cause), {"cause": cause})
+        self._inc(self.allocation_failures, "alloc_fail", cs.allocation_failures)
+        self._inc(self.deferred, "deferred", cs.deferred_lookups)
+        self.jobs.set(len(c.jobs))
+        d = c.directory.stats()
+        cap = max(d.capacity, 1)
+        for state, value in (
+            ("used", d.used),
+            ("writing", d.writing),
+            ("reading", d.reading),
+        ):
+            self.usage.set(100.0 * value / cap, tags={"state": state})
+        self._inc(self.lookups, "l_hit", d.hits, {"result": "hit"})
+        self._inc(self.lookups, "l_pending", d.hit_pending, {"result": "hit_pending"})
+        self._inc(self.lookups, "l_miss", d.misses, {"result": "miss"})
+        self._inc(self.evictions, "evictions", d.evictions)
+        a = c.jobs.stats
+        for kind in ("acks", "unknown", "stale", "duplicate"):
+            self._inc(self.acks, "a_" + kind, getattr(a, kind), {"kind": kind})
