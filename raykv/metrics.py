@@ -43,6 +43,14 @@ class EngineMetrics:
         self.evictions = Counter(_P + "evictions", "Chunks evicted from the CPU tier.")
         self.acks = Counter(_P + "acks", "Rank reports, by kind.", ("kind",))
         self.deferred = Counter(_P + "deferred_lookups", "Lookups told to wait for transfers.")
+        self.lookup_delay = Histogram(
+            _P + "lookup_sync_delay_seconds", "Seconds one lookup took.", _DELAY_BUCKETS
+        )
+        self.deferred_delay = Histogram(
+            _P + "lookup_async_delay_seconds",
+            "Seconds from a request's first deferred lookup to the one that answered.",
+            _DELAY_BUCKETS,
+        )
         self._last: dict[str, float] = {}
 
     def _delta(self, name: str, value: float) -> float:
@@ -85,6 +93,11 @@ class EngineMetrics:
             self._inc(self.flushes, "f_" + cause, getattr(cs, "flushes_" + cause), {"cause": cause})
         self._inc(self.allocation_failures, "alloc_fail", cs.allocation_failures)
         self._inc(self.deferred, "deferred", cs.deferred_lookups)
+        sync, deferred = c.take_delays()
+        for seconds in sync:
+            self.lookup_delay.observe(seconds)
+        for seconds in deferred:
+            self.deferred_delay.observe(seconds)
         self.jobs.set(len(c.jobs))
         d = c.directory.stats()
         cap = max(d.capacity, 1)

@@ -8,6 +8,8 @@ through ``process_reports``.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +22,8 @@ from raykv.core.keys import make_key
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request
 from raykv.offload.directory import Directory
+
+_DELAY_SAMPLES = 4096
 
 
 @dataclass(slots=True)
@@ -42,6 +46,7 @@ class RequestOffloadState:
     has_load: bool = False
     finished: bool = False
     finished_signaled: bool = False
+    deferred_since: float | None = None  # when its lookups started being deferred
 
 
 @dataclass(slots=True)
@@ -116,6 +121,9 @@ class ConnectorScheduler:
         self._flush: dict[int, str] = {}  # job -> why, for this step's plan
         self._loads: list[TransferSpec] = []
         self._finished: list[RequestOffloadState] = []  # finished since the last plan
+        # the latest lookup delays, for the metrics; bounded in case nobody reads them
+        self.lookup_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
+        self.deferred_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
 
     # ---- lookups --------------------------------------------------------------------------
 
@@ -134,6 +142,29 @@ class ConnectorScheduler:
                 gs.keys.append(make_key(hashes[(c + 1) * bpc - 1], g))
 
     def lookup(self, req: Request, num_local: int) -> int | None:
+        start = time.perf_counter()
+        result = self._lookup(req, num_local)
+        now = time.perf_counter()
+        self.lookup_seconds.append(now - start)
+        state = self._reqs.get(req.req_id)
+        if state is not None:
+            if result is None:
+                if state.deferred_since is None:
+                    state.deferred_since = start
+            elif state.deferred_since is not None:
+                self.deferred_seconds.append(now - state.deferred_since)
+                state.deferred_since = None
+        return result
+
+    def take_delays(self) -> tuple[list[float], list[float]]:
+        """Seconds spent in each lookup, and from a request's first deferred lookup to the one
+        that answered it, since the last call (for the lookup-delay histograms)."""
+        sync, deferred = list(self.lookup_seconds), list(self.deferred_seconds)
+        self.lookup_seconds.clear()
+        self.deferred_seconds.clear()
+        return sync, deferred
+
+    def _lookup(self, req: Request, num_local: int) -> int | None:
         """How many tokens after the ``num_local`` already on the GPU the CPU tier can supply.
 
         None means "ask again next step": the request has transfers in flight (one load xor

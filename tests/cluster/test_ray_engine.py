@@ -132,3 +132,18 @@ def test_fanout_bench_reports_ratio_and_plan_sizes(ray_session) -> None:
     import ray
 
     assert ray.is_initialized()  # the bench used the session's Ray and left it running
+
+
+def test_metrics_follow_the_engine(ray_session) -> None:
+    from raykv.metrics import EngineMetrics
+
+    sets = [*SMALL, "cache.num_gpu_blocks=32", "workload.num_requests=20"]
+    cfg = load_config(None, sets)
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
+        engine = EngineCore(cfg, workers)
+        metrics = EngineMetrics(engine)
+        run_workload(engine, make_workload(cfg), progress=lambda _: metrics.update())
+    # every cumulative counter was turned into increments up to the engine's totals
+    assert metrics._last["b_store"] == engine.totals.transfer.store_bytes
+    assert metrics._last["hit_cpu"] == engine.scheduler.stats.cpu_hit_tokens
+    assert engine.connector.take_delays() == ([], [])  # drained by the metrics
