@@ -142,6 +142,13 @@ class ConnectorScheduler:
                 gs.keys.append(make_key(hashes[(c + 1) * bpc - 1], g))
 
     def lookup(self, req: Request, num_local: int) -> int | None:
+        """How many tokens after the ``num_local`` already on the GPU the CPU tier can supply.
+
+        None means "ask again next step": the request has transfers in flight (one load xor
+        stores, and a preempted request's flushed stores may not be acked yet), or the chunks it
+        would load are still being written, or another request is already loading them (it will
+        find them in the GPU prefix cache once that load lands).
+        """
         start = time.perf_counter()
         result = self._lookup(req, num_local)
         now = time.perf_counter()
@@ -165,13 +172,6 @@ class ConnectorScheduler:
         return sync, deferred
 
     def _lookup(self, req: Request, num_local: int) -> int | None:
-        """How many tokens after the ``num_local`` already on the GPU the CPU tier can supply.
-
-        None means "ask again next step": the request has transfers in flight (one load xor
-        stores, and a preempted request's flushed stores may not be acked yet), or the chunks it
-        would load are still being written, or another request is already loading them (it will
-        find them in the GPU prefix cache once that load lands).
-        """
         self.stats.lookups += 1
         state = self._state(req)
         if state.jobs:

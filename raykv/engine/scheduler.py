@@ -101,16 +101,6 @@ class Scheduler:
             total += blocks
         return total
 
-    def _blocks_for(self, tokens: int, start: int) -> int:
-        """Blocks all groups together need to hold ``tokens`` positions when computing resumes at
-        ``start`` (sliding-window groups skip blocks before their window)."""
-        bs = self.block_size
-        total = 0
-        for group in self.groups:
-            first = group.first_needed_block(start, bs)
-            total += max(0, -(-tokens // bs) - first)
-        return total
-
     def _local_hit(self, req: Request) -> tuple[int, list[list[int]]]:
         """The GPU prefix-cache hit: tokens, and per group the table entries covering them."""
         bs, pool = self.block_size, self.pool
