@@ -1,9 +1,12 @@
 """``raykv bench transfer``: transfer-engine bandwidth against one large copy of the same bytes.
 
 For each page size it builds a KV tensor and a pool of ``blocks`` pages, times one job of all the
-blocks through :class:`~raykv.transfer.CpuTransferEngine` (submit + flush, best of ``repeat``) and
-the same number of bytes moved by a single ``dst.copy_(src)`` between the same two tensors (the
-copy limit of this machine, measured in the same run). ``ratio`` is the engine's share of it.
+blocks through the transfer engine of the device (:class:`~raykv.transfer.CpuTransferEngine`, or
+:class:`~raykv.transfer.cuda.CudaTransferEngine` with the KV on the GPU and a pinned pool; submit +
+flush, best of ``repeat``) and the same number of bytes moved by a single ``dst.copy_(src)``
+between the same two tensors (the copy limit of this machine, measured in the same run).
+``ratio`` is the engine's share of it. For ``both`` the baseline copies the two halves one after
+the other, so its ratio is how much running stores and loads together gains over one direction.
 
 Directions: ``store`` (kv -> pool), ``load`` (pool -> kv), ``both`` (a store over one half of the
 blocks and a load over the other half, submitted together; the baseline copies the two halves
@@ -23,6 +26,7 @@ import torch
 
 from raykv.connector.plan import BlockCopy, TransferSpec
 from raykv.transfer import CpuTransferEngine, KVLayout, allocate_kv, allocate_pool
+from raykv.transfer.cuda import CudaTransferEngine
 
 DIRECTIONS = ("store", "load", "both")
 PATTERNS = ("random", "contiguous")
@@ -74,11 +78,12 @@ def _best_pair(
 
 
 def _bench_page(
-    page_kib: int, blocks: int, directions: list[str], pattern: str, repeat: int
+    page_kib: int, blocks: int, directions: list[str], pattern: str, repeat: int, device: str
 ) -> list[dict[str, float | int | str]]:
     layout = bench_layout(page_kib, blocks)
-    kv = allocate_kv(layout)  # zero-filled: touched
-    pool = allocate_pool(layout, zero=True)
+    cuda = device == "cuda"
+    kv = allocate_kv(layout, device)  # zero-filled: touched
+    pool = allocate_pool(layout, pin=cuda, zero=True)
     kv.fill_(1.0)
     flat_kv, flat_pool = kv.view(-1), pool.view(-1)
 
@@ -107,7 +112,9 @@ def _bench_page(
     }
 
     results: list[dict[str, float | int | str]] = []
-    with CpuTransferEngine(kv, pool, layout) as engine:
+    engine_cls = CudaTransferEngine if cuda else CpuTransferEngine
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with engine_cls(kv, pool, layout) as engine:
         for direction in directions:
             jobs = jobs_of[direction]
             copies = copies_of[direction]
@@ -120,7 +127,8 @@ def _bench_page(
 
             def baseline(copies: list[tuple[torch.Tensor, torch.Tensor]] = copies) -> None:
                 for dst, src in copies:
-                    dst.copy_(src)
+                    dst.copy_(src, non_blocking=cuda)
+                sync()
 
             moved = sum(end - first for _, first, end in jobs)
             total = moved * layout.page_bytes
@@ -157,11 +165,9 @@ def run_transfer_bench(
     "gbps", "baseline_gbps", "ratio"}, ...]}`` (GB = 10^9 bytes). ``blocks`` is capped per page size
     so kv + pool stay within ``max_bytes`` (None: no cap), but never below 2.
     """
-    if device == "cuda":
-        raise NotImplementedError(
-            "the CUDA transfer engine is not built yet; run the transfer bench with device 'cpu'"
-        )
-    if device != "cpu":
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"CUDA is not available to torch {torch.__version__} here")
+    if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
@@ -178,7 +184,7 @@ def run_transfer_bench(
         n = blocks
         if max_bytes is not None:
             n = max(2, min(blocks, max_bytes // (2 * kib * 1024)))
-        results.extend(_bench_page(kib, n, directions, pattern, repeat))
+        results.extend(_bench_page(kib, n, directions, pattern, repeat, device))
     return {"device": device, "pattern": pattern, "results": results}
 
 

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from raykv.config import RaykvConfig
 from raykv.connector.plan import StepPlan, StepReport
 from raykv.connector.worker import AckDelay, ConnectorWorker
-from raykv.transfer.cpu import CpuTransferEngine
-from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
-from raykv.transfer.model import SyntheticModel
+from raykv.transfer.layout import KVLayout
+from raykv.transfer.rank import build_rank
 
 ExecDelay = Callable[[int], int]  # job id -> steps its copy stays pending (unthreaded engines)
 
@@ -45,19 +44,17 @@ class LocalWorker:
         exec_delay: ExecDelay | None = None,
         threaded: bool = True,
     ) -> None:
-        if cfg.parallel.device != "cpu":
-            raise NotImplementedError(
-                f"parallel.device: {cfg.parallel.device!r} needs the CUDA transfer engine; "
-                "this build runs CPU ranks only"
-            )
         self.rank = rank
         self.layout = make_layout(cfg, num_slots)
-        self.kv = allocate_kv(self.layout)
-        self.pool = allocate_pool(self.layout)
-        self.engine = CpuTransferEngine(
-            self.kv, self.pool, self.layout, threaded=threaded, exec_delay=exec_delay
+        res = build_rank(
+            self.layout,
+            rank,
+            cfg.parallel.tensor_parallel_size,
+            cfg.parallel.device,
+            threaded=threaded,
+            exec_delay=exec_delay,
         )
-        self.model = SyntheticModel(self.layout, rank, cfg.parallel.tensor_parallel_size)
+        self.kv, self.pool, self.engine, self.model = res.kv, res.pool, res.engine, res.model
         self.connector = ConnectorWorker(rank, self.engine, self.model, self.kv, ack_delay)
 
     def execute(self, plan: StepPlan) -> StepReport:

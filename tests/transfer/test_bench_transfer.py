@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raykv.bench.transfer import bench_layout, format_transfer_table, run_transfer_bench
 
@@ -38,9 +39,13 @@ def test_bench_layout_page_size(kib: int) -> None:
     assert lay.dtype == "float16" and lay.blocks_per_chunk == 1 and lay.num_slots == 4
 
 
-def test_bench_rejects_bad_arguments() -> None:
-    with pytest.raises(NotImplementedError, match="CUDA"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_bench_on_cuda_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
         run_transfer_bench("cuda", [4], 8, ["store"])
+
+
+def test_bench_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="direction"):
         run_transfer_bench("cpu", [4], 8, ["sideways"])
     with pytest.raises(ValueError, match="pattern"):

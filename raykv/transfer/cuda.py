@@ -1,0 +1,279 @@
+"""The CUDA transfer engine: page copies between the device KV cache and a pinned CPU pool on
+CUDA streams, completion tracked with events.
+
+Ordering, the part that silently corrupts KV when wrong:
+
+- Every job's stream first waits on the compute stream as it is when the job is submitted. A
+  store submitted after the model step therefore never reads a block before the kernels that
+  write it retire (vLLM #31341), and a load never overwrites a block that an earlier step's
+  kernels may still be reading (the write-after-read of #47282).
+- Jobs of one direction run in submission order: each waits on the previous job's end event.
+- ``poll`` reports jobs in submission order, stopping at the first whose end event is not done;
+  ``flush`` synchronizes the listed jobs' end events (blocking the caller, never the device).
+
+Copies per job, never a Python loop over blocks on the common paths: the (device row, host row)
+pairs are sorted by host row and split into runs of consecutive host rows. A run whose device rows
+are consecutive too is one ``copy_``; otherwise the device side is gathered (stores:
+``index_select`` into a temporary) or scattered (loads: ``index_copy_`` from a temporary) on the
+device at device bandwidth, around one contiguous host<->device ``copy_``. Only a job whose host
+rows are scattered as well falls back to one copy per run. Temporaries are allocated on the job's
+stream, so the caching allocator reuses them only for work ordered after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from raykv.connector.plan import TransferSpec, TransferStats
+from raykv.transfer.layout import KVLayout, pool_rows
+
+
+@dataclass(slots=True)
+class _CudaJob:
+    spec: TransferSpec
+    gpu_blocks: list[int]
+    start: Any = None  # torch.cuda.Event
+    end: Any = None
+    keep: list[torch.Tensor] = field(default_factory=list)  # host tensors the copies read
+    error: str | None = None
+
+    @property
+    def issued(self) -> bool:
+        return self.end is not None or self.error is not None
+
+
+def _runs(host: list[int], dev: list[int]) -> list[tuple[int, int, bool]]:
+    """Split pairs (sorted by host row) into runs of consecutive host rows: (lo, hi, dev rows
+    consecutive too)."""
+    out = []
+    lo = 0
+    n = len(host)
+    for i in range(1, n + 1):
+        if i == n or host[i] != host[i - 1] + 1:
+            dev_consecutive = all(dev[k] == dev[lo] + (k - lo) for k in range(lo, i))
+            out.append((lo, i, dev_consecutive))
+            lo = i
+    return out
+
+
+class CudaTransferEngine:
+    """Copies pages between ``kv`` (``[num_gpu_blocks, page_elems]`` on a CUDA device) and
+    ``pool`` (pinned, ``[num_slots, page_elems * blocks_per_chunk]``); same interface as
+    :class:`raykv.transfer.cpu.CpuTransferEngine`."""
+
+    def __init__(
+        self, kv: torch.Tensor, pool: torch.Tensor, layout: KVLayout, streams_per_direction: int = 2
+    ) -> None:
+        if kv.device.type != "cuda":
+            raise ValueError(f"kv must be on a CUDA device, got {kv.device}")
+        if pool.device.type != "cpu":
+            raise ValueError(f"pool must be in host memory, got {pool.device}")
+        if tuple(kv.shape) != (layout.num_gpu_blocks, layout.page_elems):
+            raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout")
+        self.layout = layout
+        self.device = kv.device
+        self.kv = kv
+        self.pool = pool
+        self.pinned = pool.is_pinned()  # unpinned pools still work, with staged (slower) DMA
+        self._rows = pool_rows(pool, layout)
+        self._streams = {
+            d: [torch.cuda.Stream(device=self.device) for _ in range(streams_per_direction)]
+            for d in (True, False)
+        }
+        self._turn = {True: 0, False: 0}
+        self._last_end: dict[bool, Any] = {True: None, False: None}
+        self._queue: deque[_CudaJob] = deque()  # submitted, not yet reported, FIFO
+        self._held: list[_CudaJob] = []  # submitted while paused, not yet issued
+        self._paused = False
+        self._closed = False
+        self._stats = TransferStats()
+
+    # ---- the backend interface ------------------------------------------------------------
+
+    def submit(self, spec: TransferSpec) -> None:
+        if self._closed:
+            raise RuntimeError("CudaTransferEngine is shut down")
+        job = _CudaJob(spec, list(spec.copy.gpu_blocks))
+        self._queue.append(job)
+        if self._paused:
+            self._held.append(job)
+        else:
+            self._issue(job)
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        completed: list[int] = []
+        failed: list[int] = []
+        queue = self._queue
+        while queue:
+            job = queue[0]
+            if not job.issued:
+                break  # held while paused
+            if job.error is None and not job.end.query():
+                break
+            queue.popleft()
+            self._account(job)
+            (failed if job.error else completed).append(job.spec.job_id)
+        return completed, failed
+
+    def flush(self, job_ids: Iterable[int]) -> None:
+        wanted = set(job_ids)
+        jobs = [j for j in self._queue if j.spec.job_id in wanted]
+        if not jobs:
+            return
+        start = time.perf_counter()
+        if any(not j.issued for j in jobs):
+            # held jobs up to the last one needed are issued now, in order
+            last = max(self._queue.index(j) for j in jobs)
+            for job in list(self._queue)[: last + 1]:
+                if not job.issued:
+                    self._held.remove(job)
+                    self._issue(job)
+        for job in jobs:
+            if job.end is not None:
+                job.end.synchronize()
+        self._stats.flushes += 1
+        self._stats.flush_seconds += time.perf_counter() - start
+
+    def pending_reads(self) -> set[int]:
+        return self._pending(is_store=True)
+
+    def pending_writes(self) -> set[int]:
+        return self._pending(is_store=False)
+
+    def take_stats(self) -> TransferStats:
+        stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    # ---- test hooks -----------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Keep submitted jobs on the host, really not issued, until ``resume`` or a flush."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        for job in self._held:
+            self._issue(job)
+        self._held.clear()
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._closed:
+            return
+        self.resume()
+        if wait:
+            torch.cuda.synchronize(self.device)
+        self._closed = True
+
+    def __enter__(self) -> CudaTransferEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _pending(self, is_store: bool) -> set[int]:
+        out: set[int] = set()
+        for job in self._queue:
+            if job.spec.is_store != is_store or job.error is not None:
+                continue
+            if job.end is None or not job.end.query():
+                out.update(job.gpu_blocks)
+        return out
+
+    def _issue(self, job: _CudaJob) -> None:
+        spec = job.spec
+        copy = spec.copy
+        lay = self.layout
+        try:
+            n = len(copy.gpu_blocks)
+            if not (len(copy.cpu_slots) == len(copy.sub_blocks) == n):
+                raise ValueError("ragged block lists")
+            dev = list(copy.gpu_blocks)
+            host = [
+                s * lay.blocks_per_chunk + b
+                for s, b in zip(copy.cpu_slots, copy.sub_blocks, strict=True)
+            ]
+            if any(not 0 <= d < lay.num_gpu_blocks for d in dev):
+                raise ValueError("GPU block out of range")
+            if any(not 0 <= b < lay.blocks_per_chunk for b in copy.sub_blocks) or any(
+                not 0 <= s < lay.num_slots for s in copy.cpu_slots
+            ):
+                raise ValueError("CPU slot or sub-block out of range")
+        except ValueError as exc:
+            job.error = str(exc)
+            return
+        direction = spec.is_store
+        streams = self._streams[direction]
+        stream = streams[self._turn[direction] % len(streams)]
+        self._turn[direction] += 1
+        compute = torch.cuda.current_stream(self.device)
+        # device-side ordering: after everything the model has been asked to do so far, and after
+        # the previous job of this direction
+        stream.wait_stream(compute)
+        previous = self._last_end[direction]
+        if previous is not None:
+            stream.wait_event(previous)
+        job.start = torch.cuda.Event(enable_timing=True)
+        job.end = torch.cuda.Event(enable_timing=True)
+        order = sorted(range(n), key=host.__getitem__)
+        host = [host[i] for i in order]
+        dev = [dev[i] for i in order]
+        with torch.cuda.stream(stream):
+            job.start.record(stream)
+            idx_host = torch.tensor(dev, dtype=torch.long)
+            if self.pinned:
+                idx_host = idx_host.pin_memory()
+            job.keep.append(idx_host)  # read by the async copy below until the job ends
+            idx = idx_host.to(self.device, non_blocking=True)
+            kv, rows = self.kv, self._rows
+            for lo, hi, dev_consecutive in _runs(host, dev):
+                h0, count = host[lo], hi - lo
+                if dev_consecutive:
+                    d0 = dev[lo]
+                    if direction:
+                        rows[h0 : h0 + count].copy_(kv[d0 : d0 + count], non_blocking=True)
+                    else:
+                        kv[d0 : d0 + count].copy_(rows[h0 : h0 + count], non_blocking=True)
+                elif direction:  # store: gather on the device, then one device-to-host copy
+                    staged = kv.index_select(0, idx[lo:hi])
+                    rows[h0 : h0 + count].copy_(staged, non_blocking=True)
+                else:  # load: one host-to-device copy, then scatter on the device
+                    staged = torch.empty(
+                        (count, lay.page_elems), dtype=kv.dtype, device=self.device
+                    )
+                    staged.copy_(rows[h0 : h0 + count], non_blocking=True)
+                    kv.index_copy_(0, idx[lo:hi], staged)
+            job.end.record(stream)
+        self._last_end[direction] = job.end
+
+    def _account(self, job: _CudaJob) -> None:
+        st = self._stats
+        if job.error is not None:
+            return
+        n = len(job.gpu_blocks)
+        nbytes = n * self.layout.page_bytes
+        seconds = job.start.elapsed_time(job.end) / 1000.0
+        if job.spec.is_store:
+            st.store_jobs += 1
+            st.store_blocks += n
+            st.store_bytes += nbytes
+            st.store_seconds += seconds
+        else:
+            st.load_jobs += 1
+            st.load_blocks += n
+            st.load_bytes += nbytes
+            st.load_seconds += seconds
+        job.keep.clear()

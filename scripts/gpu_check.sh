@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU checks of raykv, in one prepared run, for a machine whose torch has CUDA (no internet
+# needed, no Ray needed): the tests in tests/gpu, the transfer benchmark against the copy limit,
+# and `raykv run` on CUDA ranks compared with CPU ranks. Results go to DIR (first argument, else
+# $OUT, else ./gpu-results): device.txt, gpu-tests.txt, transfer-cuda.{txt,json},
+# run-cuda.json, run-cpu.json, summary.txt.
+#
+# Packages the machine lacks (pydantic on the lent H200 image) are installed from .whl/ when it
+# is there: run scripts/fetch_gpu_wheels.sh first and carry .whl along.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR="${1:-${OUT:-gpu-results}}"
+mkdir -p "$DIR"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+if ! "$PY" -c "import pydantic, yaml, rich" 2>/dev/null && [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/raykv-site .whl/*.whl && export PYTHONPATH="/tmp/raykv-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
+
+"$PY" - <<'PYEOF' 2>&1 | tee "$DIR/device.txt"
+import torch
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}, {p.name}, {p.total_memory / 2**30:.0f} GiB, "
+      f"{torch.cuda.device_count()} device(s)")
+PYEOF
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+
+status=0
+"$PY" -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$DIR/gpu-tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+"$PY" -m raykv.cli bench transfer --device cuda --page-kib 16,64,256,1024,4096 --blocks 1024 \
+  --direction store,load,both --repeat 5 --json "$DIR/transfer-cuda.json" 2>&1 \
+  | tee "$DIR/transfer-cuda.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+RUN=(run --engine local --config configs/local.yaml --num-requests 200 --set cache.num_gpu_blocks=96)
+"$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cuda --verify --json-report "$DIR/run-cuda.json" \
+  > "$DIR/run-cuda.txt" 2>&1 || status=1
+"$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cpu --json-report "$DIR/run-cpu.json" \
+  > "$DIR/run-cpu.txt" 2>&1 || status=1
+
+"$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
+import json, sys
+d = sys.argv[1]
+try:
+    gpu, cpu = (json.load(open(f"{d}/run-{k}.json")) for k in ("cuda", "cpu"))
+    same = gpu["output_digest"] == cpu["output_digest"]
+    print(f"run: cuda digest {gpu['output_digest'][:16]} cpu {cpu['output_digest'][:16]} "
+          f"same={same} mismatches={gpu['integrity']['mismatches']} "
+          f"verified={gpu['integrity']['blocks_verified']} cpu_hits={gpu['cpu_hit_tokens']}")
+except Exception as exc:
+    print(f"run: no comparison ({exc})")
+    same = False
+try:
+    rows = json.load(open(f"{d}/transfer-cuda.json"))["results"]
+    one = {}
+    for r in rows:
+        print(f"transfer {r['page_kib']:>5} KiB {r['direction']:>5}: {r['gbps']:7.2f} GB/s, "
+              f"copy_ {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")
+        if r["direction"] != "both":
+            one[r["page_kib"]] = max(one.get(r["page_kib"], 0), r["gbps"])
+    for r in rows:
+        if r["direction"] == "both" and r["page_kib"] in one:
+            print(f"both vs one direction at {r['page_kib']} KiB: {r['gbps'] / one[r['page_kib']]:.2f}x")
+except Exception as exc:
+    print(f"transfer: no results ({exc})")
+sys.exit(0 if same else 1)
+PYEOF
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL) (results in $DIR)"
+exit $status
