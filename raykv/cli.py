@@ -116,7 +116,12 @@ def _run_config(args: argparse.Namespace) -> RaykvConfig:
         overrides.append("offload.enabled=false")
     if args.verify:
         overrides.append("offload.verify=true")
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    if args.fault:
+        tree = cfg.model_dump(mode="json")
+        tree["faults"] = [*cfg.faults, *args.fault]
+        cfg = load_config(tree)
+    return cfg
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -262,6 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify", action="store_true", help="check every loaded block's bytes (offload.verify)"
     )
     run.add_argument("--json-report", help="write the report to this JSON file")
+    run.add_argument(
+        "--fault",
+        action="append",
+        metavar="SPEC",
+        help="inject a fault (repeatable): kill-worker:rate=P | kill-worker:step=N:rank=R | "
+        "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P, "
+        "each with an optional :seed=S",
+    )
     run.set_defaults(func=_cmd_run)
 
     cfg = sub.add_parser("config", help="configuration tools").add_subparsers(

@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from raykv.faults import parse_fault
+
 __all__ = [
     "ConfigError",
     "OffloadConfig",
@@ -166,11 +168,31 @@ class ParallelConfig(_Strict):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         default="STRICT_PACK", description="Ray placement group strategy for the rank workers."
     )
+    step_timeout_s: float = Field(
+        default=120.0, gt=0, description="A rank that does not answer a step this long is dead."
+    )
 
 
 class EngineConfig(_Strict):
     max_num_seqs: int = Field(default=32, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
+    max_deferred_steps: int = Field(
+        default=64,
+        ge=0,
+        description="Steps a request may wait, in all, for chunks being written or its own "
+        "transfers before it recomputes instead.",
+    )
+    ack_timeout_steps: int = Field(
+        default=32,
+        gt=0,
+        description="Steps a job may go unacked before its ranks are asked to finish and "
+        "report it again.",
+    )
+    rank_timeout_steps: int = Field(
+        default=256,
+        gt=0,
+        description="Steps a job may go unacked in all before the silent ranks count as dead.",
+    )
 
 
 class WorkloadConfig(_Strict):
@@ -210,6 +232,16 @@ class RaykvConfig(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     engine: EngineConfig = EngineConfig()
     workload: WorkloadConfig = WorkloadConfig()
+    faults: list[str] = Field(
+        default_factory=list, description="Fault injection specs (see raykv/faults.py)."
+    )
+
+    @field_validator("faults")
+    @classmethod
+    def _faults(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            parse_fault(spec)  # raises with the spec quoted
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> RaykvConfig:

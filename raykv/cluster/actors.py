@@ -8,21 +8,29 @@ per step, and gathers the replies.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raykv.config import RaykvConfig
 from raykv.connector.plan import StepPlan, StepReport
+from raykv.connector.worker import RankDied
+from raykv.engine.core import RankFailed
 
 
 class RankWorker:
     """One rank. Created with ``ray.remote``; holds its shard of the KV cache and CPU pool."""
 
-    def __init__(self, cfg: dict[str, Any], rank: int, num_slots: int) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], rank: int, num_slots: int, incarnation: int = 0
+    ) -> None:
         import torch  # noqa: F401  (pay the import here, not in the first step)
 
         from raykv.engine.workers import LocalWorker
@@ -30,7 +38,9 @@ class RankWorker:
         self.cfg = RaykvConfig.model_validate(cfg)
         self.rank = rank
         self._hold: dict[str, int] = {}
-        self.worker = LocalWorker(self.cfg, rank, num_slots, ack_delay=self._delay)
+        self.worker = LocalWorker(
+            self.cfg, rank, num_slots, ack_delay=self._delay, incarnation=incarnation
+        )
 
     def _delay(self, job_id: int) -> int:
         h = self._hold
@@ -47,11 +57,18 @@ class RankWorker:
     def execute_blob(self, blob: bytes) -> bytes:
         """``execute`` over pickled bytes: the scheduler pickles a step's plan once for every
         rank, which costs a fraction of Ray serializing the dataclasses anew for each call."""
-        return pickle.dumps(self.worker.execute(pickle.loads(blob)), protocol=5)
+        try:
+            report = self.worker.execute(pickle.loads(blob))
+        except RankDied:
+            os._exit(1)  # an injected death is a real one: the process goes, memory and all
+        return pickle.dumps(report, protocol=5)
 
     def hold_acks(self, steps: int, every: int = 1, offset: int = 0) -> None:
         """Test hook: report the completion of every ``every``-th job ``steps`` steps late."""
         self._hold = {"steps": steps, "every": every, "offset": offset} if steps else {}
+
+    def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
+        return self.worker.verify_cpu_tier(items)
 
     def echo(self, payload: Any) -> int:
         """A bare round trip (the yardstick of ``raykv bench step --engine ray``)."""
@@ -70,20 +87,49 @@ class RayWorkerGroup:
     letting Ray serialize the dataclasses per call costs 2x and ``ray.put`` once then passing the
     reference 3.6x (an object-store round trip per step)."""
 
-    def __init__(self, workers: list[Any], step_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        workers: list[Any],
+        step_timeout_s: float | None = None,
+        spawn: Callable[[int, int], Any] | None = None,
+    ) -> None:
         self.workers = workers
         self.step_timeout_s = step_timeout_s
+        self.spawn = spawn  # (rank, incarnation) -> a new RankWorker handle, ready
+        self.incarnations = [0] * len(workers)
 
     @property
     def num_ranks(self) -> int:
         return len(self.workers)
 
     def execute(self, plan: StepPlan) -> list[StepReport]:
+        """One call per rank; a rank whose actor died, or that does not answer within the step
+        timeout, is reported dead in ``RankFailed`` (with the others' replies)."""
         blob = pickle.dumps(plan, protocol=5)
-        replies = ray.get(
-            [w.execute_blob.remote(blob) for w in self.workers], timeout=self.step_timeout_s
-        )
-        return [pickle.loads(r) for r in replies]
+        refs = [w.execute_blob.remote(blob) for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.step_timeout_s)
+        done = set(ready)
+        reports, dead = [], []
+        for rank, ref in enumerate(refs):
+            if ref not in done:
+                dead.append(rank)  # silent past the timeout: treated as dead, and replaced
+                continue
+            try:
+                reports.append(pickle.loads(ray.get(ref)))
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+                dead.append(rank)
+        if dead:
+            raise RankFailed(dead, reports)
+        return reports
+
+    def restart(self, ranks: list[int]) -> None:
+        if self.spawn is None:
+            raise RuntimeError(f"ranks {ranks} died and this worker group cannot replace them")
+        for rank in ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(self.workers[rank], no_restart=True)
+            self.incarnations[rank] += 1
+            self.workers[rank] = self.spawn(rank, self.incarnations[rank])
 
 
 class EngineServer:
@@ -101,19 +147,21 @@ class EngineServer:
         verify: bool | None = None,
         check_invariants: bool = False,
         offload: bool | None = None,
+        placement: Any = None,
     ) -> None:
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
         from raykv.metrics import EngineMetrics
 
         self.cfg = RaykvConfig.model_validate(cfg)
-        self.group = RayWorkerGroup(workers)
+        self._cfg_json = cfg
+        self._placement = placement
+        self.group = RayWorkerGroup(workers, self.cfg.parallel.step_timeout_s, self._spawn)
         self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         self.driver = Driver(self.engine, check_invariants=check_invariants)
         self.metrics = EngineMetrics(self.engine)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self._taken = 0
         self._loop: threading.Thread | None = None
         self._stop = False
         self._error: str | None = None
@@ -129,6 +177,7 @@ class EngineServer:
                 if not self.driver.has_work():
                     break
                 self.driver.step()
+                self.driver.take_finished()  # a batch run reports outputs in its digest only
                 self.metrics.update()
         return self.report()
 
@@ -173,9 +222,7 @@ class EngineServer:
     def take_finished(self) -> list[tuple[str, list[int], str]]:
         """Outputs of requests finished since the last call: (request id, tokens, status)."""
         with self._lock:
-            done = self.driver.finished[self._taken :]
-            self._taken = len(self.driver.finished)
-            return [(r.req_id, list(r.output), r.status.value) for r in done]
+            return [(r.req_id, list(r.output), r.status.value) for r in self.driver.take_finished()]
 
     def take_events(self) -> list[Any]:
         """KV events (BlockStored / BlockRemoved, with sequence numbers) since the last call."""
@@ -196,3 +243,57 @@ class EngineServer:
 
     def ping(self) -> float:
         return time.time()
+
+    def books(self) -> dict[str, int]:
+        """What must be empty once a run has drained: jobs, fence, request states, busy slots."""
+        with self._lock:
+            c = self.engine.connector
+            if c is None:
+                return {}
+            d = c.directory.stats()
+            return {
+                "jobs": len(c.jobs),
+                "fence": len(c.fence),
+                "tracked": c.tracked(),
+                "writing": d.writing,
+                "reading": d.reading,
+                "free_gpu_blocks": self.engine.pool.num_free,
+                "usable_gpu_blocks": self.engine.pool.num_usable,
+            }
+
+    def verify_cpu_tier(self) -> tuple[int, int]:
+        """Every rank's CPU-pool shard against what each readable chunk must hold: (blocks
+        checked, mismatches). The directory must never serve a key whose bytes are gone."""
+        with self._lock:
+            items = self.engine.cpu_tier_contents()
+            refs = [w.verify_cpu_tier.remote(items) for w in self.group.workers]
+            results = ray.get(refs, timeout=READY_TIMEOUT_S)
+        return sum(r[0] for r in results), sum(r[1] for r in results)
+
+    def workers(self) -> list[Any]:
+        """The rank actors now serving (replaced ones included)."""
+        return list(self.group.workers)
+
+    def _spawn(self, rank: int, incarnation: int) -> Any:
+        handle = spawn_rank_worker(self._cfg_json, rank, incarnation, self._placement)
+        ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)
+        return handle
+
+
+READY_TIMEOUT_S = 300.0  # torch import and KV allocation on every rank, on a busy machine
+
+
+def spawn_rank_worker(cfg_json: dict[str, Any], rank: int, incarnation: int, pg: Any) -> Any:
+    """A ``RankWorker`` actor for ``rank`` in bundle ``rank`` of the placement group."""
+    cfg = RaykvConfig.model_validate(cfg_json)
+    cuda = cfg.parallel.device == "cuda"
+    options: dict[str, Any] = {"num_cpus": 0 if cuda else 1, "num_gpus": 1 if cuda else 0}
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=rank
+        )
+    return (
+        ray.remote(RankWorker)
+        .options(**options)
+        .remote(cfg_json, rank, cfg.cpu_slots(), incarnation)
+    )

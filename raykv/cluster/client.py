@@ -9,14 +9,11 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raykv.cluster.actors import EngineServer, RankWorker
+from raykv.cluster.actors import READY_TIMEOUT_S, EngineServer, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
 from raykv.workload.requests import RequestSpec
-
-READY_TIMEOUT_S = 300.0  # torch import and KV allocation on every rank, on a busy machine
 
 
 class DeploymentError(RuntimeError):
@@ -72,21 +69,10 @@ class RaykvClient:
                 f"{cfg.parallel.placement_strategy} (cluster has {ray.cluster_resources()}): {exc}"
             ) from exc
         cfg_json = cfg.model_dump(mode="json")
-        worker_cls = ray.remote(RankWorker)
-        workers = [
-            worker_cls.options(
-                num_cpus=0 if cuda else 1,
-                num_gpus=1 if cuda else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=i
-                ),
-                name=None,
-            ).remote(cfg_json, i, cfg.cpu_slots())
-            for i in range(tp)
-        ]
+        workers = [spawn_rank_worker(cfg_json, i, 0, pg) for i in range(tp)]
         server_cls = ray.remote(EngineServer)
         server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
-            cfg_json, workers, verify, check_invariants, offload
+            cfg_json, workers, verify, check_invariants, offload, pg
         )
         client = cls(cfg, handle, pg, workers, server)
         try:
@@ -178,6 +164,7 @@ class RaykvClient:
         with contextlib.suppress(Exception):  # an actor already gone must not keep the rest alive
             if self._serving:
                 ray.get(self.server.stop.remote(), timeout=60)
+            self.workers = ray.get(self.server.workers.remote(), timeout=60)
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         for actor in [self.server, *self.workers]:
             with contextlib.suppress(Exception):

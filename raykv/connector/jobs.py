@@ -27,6 +27,7 @@ class TransferJobStatus:
     deferred_fenced: bool = False
     acked_ranks: int = 0  # bitmask: a rank counts at most once
     failed: bool = False
+    created_step: int = 0
 
 
 @dataclass(slots=True)
@@ -61,10 +62,12 @@ class JobTable:
         is_store: bool,
         fenced: list[int] | None = None,
         deferred: list[int] | None = None,
+        step: int = 0,
     ) -> TransferJobStatus:
         job = TransferJobStatus(
             self.next_id, req_id, self.num_ranks, keys, is_store, fenced or [], deferred or []
         )
+        job.created_step = step
         self.jobs[job.job_id] = job
         self.next_id += 1
         return job
@@ -101,6 +104,15 @@ class JobTable:
         self.jobs.clear()
         self.stale_below = self.next_id
         return ids
+
+    def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
+        """Ranks that have not acked some job created ``timeout_steps`` or more steps ago."""
+        silent = 0
+        full = (1 << self.num_ranks) - 1
+        for job in self.jobs.values():
+            if step - job.created_step >= timeout_steps:
+                silent |= full & ~job.acked_ranks
+        return [r for r in range(self.num_ranks) if silent >> r & 1]
 
     def __len__(self) -> int:
         return len(self.jobs)

@@ -78,6 +78,8 @@ class StepPlan:
 
     step: int
     flush: list[int] = field(default_factory=list)
+    # jobs unacked for too long: a rank that already reported one reports it again
+    reack: list[int] = field(default_factory=list)
     loads: list[TransferSpec] = field(default_factory=list)
     stores: list[TransferSpec] = field(default_factory=list)
     batch: list[ModelEntry] = field(default_factory=list)

@@ -47,6 +47,7 @@ class RequestOffloadState:
     finished: bool = False
     finished_signaled: bool = False
     deferred_since: float | None = None  # when its lookups started being deferred
+    deferred_steps: int = 0  # lookups deferred so far, in all (the wait is bounded per request)
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class ConnectorPlan:
     loads: list[TransferSpec]
     stores: list[TransferSpec]
     flush: list[int]
+    reack: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -82,6 +84,8 @@ class ConnectorStats:
     flushes_reuse: int = 0
     flushes_preemption: int = 0
     flushes_reset: int = 0
+    flushes_timeout: int = 0  # re-ack requests for jobs unacked too long
+    deferral_timeouts: int = 0  # requests that stopped waiting and recomputed
 
 
 class ConnectorScheduler:
@@ -104,6 +108,8 @@ class ConnectorScheduler:
         blocks_per_chunk: int,
         num_ranks: int,
         verify: bool = False,
+        max_deferred_steps: int = 64,
+        ack_timeout_steps: int = 32,
     ) -> None:
         self.directory = directory
         self.groups = list(groups)
@@ -111,6 +117,9 @@ class ConnectorScheduler:
         self.bpc = blocks_per_chunk
         self.tpc = block_size * blocks_per_chunk
         self.verify = verify
+        self.max_deferred_steps = max_deferred_steps
+        self.ack_timeout_steps = ack_timeout_steps
+        self.step = 0  # the engine step being planned (set by the engine)
         self.jobs = JobTable(num_ranks)
         self.fence = Fence()
         self.stats = ConnectorStats()
@@ -175,8 +184,7 @@ class ConnectorScheduler:
         self.stats.lookups += 1
         state = self._state(req)
         if state.jobs:
-            self.stats.deferred_lookups += 1
-            return None
+            return self._defer(state)
         req.update_hashes(self.block_size)
         self._update_keys(state)
         tpc = self.tpc
@@ -194,9 +202,18 @@ class ConnectorScheduler:
             touched.extend(gs.keys[lo:end])
         self.directory.touch(touched)
         if pending or any(k in self._loading_keys for k in used):
-            self.stats.deferred_lookups += 1
-            return None
+            return self._defer(state)
         return max(0, end * tpc - num_local)
+
+    def _defer(self, state: RequestOffloadState) -> int | None:
+        """Ask again next step, unless this request has waited its share: then it recomputes
+        (vLLM #49829: a write that never finishes must not park a request forever)."""
+        state.deferred_steps += 1
+        if state.deferred_steps > self.max_deferred_steps:
+            self.stats.deferral_timeouts += 1
+            return 0
+        self.stats.deferred_lookups += 1
+        return None
 
     def _converge(
         self, state: RequestOffloadState, start: int, max_chunks: int
@@ -277,7 +294,7 @@ class ConnectorScheduler:
                     expect.append(BlockContent(g, parent_hash(req.hashes, i), toks))
         unique = list(dict.fromkeys(chunk_keys))
         slot_of = dict(zip(unique, self.directory.prepare_load(unique), strict=True))
-        job = self.jobs.create(req.req_id, unique, is_store=False)
+        job = self.jobs.create(req.req_id, unique, is_store=False, step=self.step)
         for key in unique:
             self._loading_keys[key] = self._loading_keys.get(key, 0) + 1
         state.jobs.add(job.job_id)
@@ -303,6 +320,7 @@ class ConnectorScheduler:
         self._zero_stale_blocks()
         for job_id in self.fence.jobs_on(self._allocated):
             self._flush.setdefault(job_id, "reuse")
+        self._nudge_overdue()
         stores: list[TransferSpec] = []
         for item in scheduled:
             state = self._reqs.get(item.req.req_id)
@@ -314,15 +332,31 @@ class ConnectorScheduler:
             self._maybe_forget(state)
         self._finished = []
         for why in self._flush.values():
-            if why == "reuse":
-                self.stats.flushes_reuse += 1
-            elif why == "preemption":
-                self.stats.flushes_preemption += 1
-            else:
-                self.stats.flushes_reset += 1
-        plan = ConnectorPlan(self._loads, stores, sorted(self._flush))
+            setattr(self.stats, f"flushes_{why}", getattr(self.stats, f"flushes_{why}") + 1)
+        reack = sorted(j for j, why in self._flush.items() if why == "timeout")
+        plan = ConnectorPlan(self._loads, stores, sorted(self._flush), reack)
         self._loads, self._flush, self._allocated, self._len_before = [], {}, set(), {}
         return plan
+
+    def _nudge_overdue(self) -> None:
+        """Jobs unacked for a while are flushed again: a rank that finished one but whose report
+        was lost reports it once more; one still copying finishes it now."""
+        timeout, step = self.ack_timeout_steps, self.step
+        for job in self.jobs.jobs.values():
+            age = step - job.created_step
+            if age >= timeout and age % timeout == 0:
+                self._flush.setdefault(job.job_id, "timeout")
+
+    def silent_ranks(self, timeout_steps: int) -> list[int]:
+        """Ranks that still have not acked a job after ``timeout_steps`` (to be declared dead)."""
+        return self.jobs.silent_ranks(self.step, timeout_steps)
+
+    def release_blocks(self, req: Request) -> None:
+        """The request lost its GPU blocks outside a plan (a rank died and everything restarts)."""
+        state = self._reqs.get(req.req_id)
+        if state is not None:
+            for gs in state.groups:
+                gs.block_ids.clear()
 
     def _on_preempted(self, req: Request) -> None:
         state = self._reqs.get(req.req_id)
@@ -404,7 +438,7 @@ class ConnectorScheduler:
         if len(set(blocks)) != len(blocks):
             raise FenceError(f"request {req.req_id}: a GPU block appears twice in one store")
         assert not state.has_load, f"request {req.req_id}: store planned while loading"
-        job = self.jobs.create(req.req_id, list(plan.keys), True, fenced, deferred)
+        job = self.jobs.create(req.req_id, list(plan.keys), True, fenced, deferred, self.step)
         self.fence.add(job.job_id, fenced)
         if state.finished:
             job.deferred_fenced = True

@@ -11,6 +11,7 @@ No torch here: the copy backend, the model and the KV tensor are passed in.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,6 +24,11 @@ from raykv.connector.plan import (
     TransferStats,
     WriteSpan,
 )
+from raykv.faults import RankFaults
+
+
+class RankDied(RuntimeError):
+    """This rank is gone (an injected fault; on Ray the actor process exits instead)."""
 
 
 class FenceViolation(RuntimeError):
@@ -46,6 +52,7 @@ class ModelBackend(Protocol):
 
 
 AckDelay = Callable[[int], int]  # job id -> steps to hold its report back (a test hook)
+_REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
 
 
 @dataclass(slots=True)
@@ -65,18 +72,26 @@ class ConnectorWorker:
         model: ModelBackend,
         kv: Any,
         ack_delay: AckDelay | None = None,
+        faults: RankFaults | None = None,
     ) -> None:
         self.rank = rank
         self.backend = backend
         self.model = model
         self.kv = kv
+        self.faults = faults if faults is not None and faults.active else None
+        if ack_delay is None and self.faults is not None and self.faults.ack_delay():
+            steps = self.faults.ack_delay()
+            ack_delay = lambda job_id: steps  # noqa: E731 - a constant delay
         self.ack_delay = ack_delay
         self._held: list[_Held] = []
         self._verify: dict[int, TransferSpec] = {}
+        self._reported: OrderedDict[int, bool] = OrderedDict()  # job -> ok, already reported
         self._step = -1
 
     def execute(self, plan: StepPlan) -> StepReport:
         self._step = plan.step
+        if self.faults is not None and self.faults.dies_at(plan.step):
+            raise RankDied(f"rank {self.rank} killed at step {plan.step} (injected fault)")
         backend = self.backend
         flush = set(plan.flush)
         # a job flushed in the plan that creates it (a finished request's last store whose blocks
@@ -99,7 +114,37 @@ class ConnectorWorker:
         stats = backend.take_stats()
         self._verify_loads(completed, stats)
         completed, failed = self._release(completed, failed)
+        self._remember(completed, failed)
+        # a job the scheduler has waited for too long: if this rank reported it already (and
+        # the report was lost), it says so again; the scheduler counts a rank once per job
+        for job_id in plan.reack:
+            ok = self._reported.get(job_id)
+            if ok is not None and job_id not in completed and job_id not in failed:
+                (completed if ok else failed).append(job_id)
+        if self.faults is not None:
+            completed, failed = self._ack_faults(completed), self._ack_faults(failed)
         return StepReport(self.rank, plan.step, completed, failed, samples, stats)
+
+    def _remember(self, completed: list[int], failed: list[int]) -> None:
+        reported = self._reported
+        for ok, ids in ((True, completed), (False, failed)):
+            for job_id in ids:
+                reported[job_id] = ok
+        while len(reported) > _REMEMBERED:
+            reported.popitem(last=False)
+
+    def _ack_faults(self, ids: list[int]) -> list[int]:
+        """Injected message faults: a report lost, or delivered twice."""
+        f = self.faults
+        assert f is not None
+        out: list[int] = []
+        for job_id in ids:
+            if f.drops():
+                continue
+            out.append(job_id)
+            if f.duplicates():
+                out.append(job_id)
+        return out
 
     def _model_step(self, plan: StepPlan) -> list[int]:
         if not plan.batch:

@@ -12,10 +12,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from raykv.config import RaykvConfig
-from raykv.connector.plan import ModelEntry, StepPlan, StepReport, TransferStats, WriteSpan
+from raykv.connector.plan import (
+    BlockContent,
+    ModelEntry,
+    StepPlan,
+    StepReport,
+    TransferStats,
+    WriteSpan,
+)
 from raykv.connector.scheduler import ConnectorPlan, ConnectorScheduler
 from raykv.core.block_pool import NULL_BLOCK, BlockPool
 from raykv.core.hashing import parent_hash
+from raykv.core.keys import key_group, key_hash
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request, RequestStatus
 from raykv.engine.sampler import combine, sample
@@ -23,10 +31,21 @@ from raykv.engine.scheduler import Scheduler, SchedulerOutput
 from raykv.offload.directory import Directory
 
 
+class RankFailed(RuntimeError):
+    """Ranks died (or stopped answering) during a step; ``reports`` are the others' replies."""
+
+    def __init__(self, dead: list[int], reports: list[StepReport]) -> None:
+        super().__init__(f"ranks {dead} failed")
+        self.dead = dead
+        self.reports = reports
+
+
 class Workers(Protocol):
     num_ranks: int
 
     def execute(self, plan: StepPlan) -> list[StepReport]: ...
+
+    def restart(self, ranks: list[int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -35,6 +54,7 @@ class EngineTotals:
 
     steps: int = 0
     idle_steps: int = 0  # steps with no tokens scheduled (polling and acking only)
+    rank_restarts: int = 0  # ranks that died or went silent and were replaced
     transfer: TransferStats = field(default_factory=TransferStats)
     per_rank: list[dict[str, float]] = field(default_factory=list)  # transfer stats by rank
     finished: int = 0
@@ -53,8 +73,10 @@ class EngineCore:
         offload: bool | None = None,
         verify: bool | None = None,
         directory: Directory | None = None,
+        keep_finished: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.keep_finished = keep_finished  # False: forget requests once done (long runs)
         self.workers = workers
         self.groups = [
             KVGroup(i, GroupKind(g.kind), g.window_tokens) for i, g in enumerate(cfg.cache.groups)
@@ -81,6 +103,8 @@ class EngineCore:
                 o.blocks_per_chunk,
                 workers.num_ranks,
                 verify=cfg.offload.verify if verify is None else verify,
+                max_deferred_steps=cfg.engine.max_deferred_steps,
+                ack_timeout_steps=cfg.engine.ack_timeout_steps,
             )
         self.scheduler = Scheduler(
             self.pool,
@@ -111,8 +135,8 @@ class EngineCore:
 
     def abort(self, req_id: str) -> None:
         """Stop a request now. A request still loading keeps its blocks until the load lands."""
-        req = self.requests[req_id]
-        if req.finished:
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
             return
         was_queued = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -132,14 +156,26 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
+        step = self.totals.steps
+        if self.connector is not None:
+            self.connector.step = step
         sched = self.scheduler.schedule()
         if self.connector is not None:
             cplan = self.connector.plan(sched.scheduled, sched.preempted)
         else:
             cplan = ConnectorPlan([], [], [])
         batch = self._batch(sched)
-        plan = StepPlan(self.totals.steps, cplan.flush, cplan.loads, cplan.stores, batch)
-        reports = self.workers.execute(plan)
+        plan = StepPlan(step, cplan.flush, cplan.reack, cplan.loads, cplan.stores, batch)
+        self.totals.steps += 1
+        if not sched.scheduled:
+            self.totals.idle_steps += 1
+        try:
+            reports = self.workers.execute(plan)
+        except RankFailed as failure:
+            # the step's tokens are lost with the rank: everything is recomputed anyway
+            self._absorb(failure.reports)
+            self.recover(failure.dead)
+            return []
         self._absorb(reports)
         if self.connector is not None:
             for load in self.connector.process_reports(reports):
@@ -147,10 +183,26 @@ class EngineCore:
                 if req is not None and not req.finished:
                     self.scheduler.publish(req)
         finished = self._update(sched, batch, reports)
-        self.totals.steps += 1
-        if not sched.scheduled:
-            self.totals.idle_steps += 1
+        if self.connector is not None:
+            silent = self.connector.silent_ranks(self.cfg.engine.rank_timeout_steps)
+            if silent:
+                self.recover(silent)
         return finished
+
+    def recover(self, dead: list[int]) -> None:
+        """Replace dead ranks and start over from what survives: the new ranks hold no KV and an
+        empty CPU-pool shard, and every chunk in the CPU tier had a shard on them, so the tier
+        is emptied (its jobs flushed by the next step, their late acks ignored as stale), the GPU
+        prefix cache forgotten, and every request with KV on the GPU recomputes it. The model is
+        deterministic, so each request still produces exactly its fault-free tokens."""
+        self.totals.rank_restarts += len(dead)
+        self.workers.restart(dead)
+        if self.connector is not None:
+            self.connector.reset()
+        for req in self.scheduler.restart_all():
+            if self.connector is not None:
+                self.connector.release_blocks(req)
+        self.pool.reset_cache()
 
     def _absorb(self, reports: list[StepReport]) -> None:
         per_rank = self.totals.per_rank
@@ -222,6 +274,8 @@ class EngineCore:
 
     def _done(self, req: Request) -> None:
         self.totals.finished += 1
+        if not self.keep_finished:
+            self.requests.pop(req.req_id, None)
         if self.on_finished is not None:
             self.on_finished(req)
 
@@ -233,6 +287,28 @@ class EngineCore:
         if self.connector is None:
             return
         self.scheduler.cancel_loads(self.connector.reset())
+
+    def cpu_tier_contents(self) -> list[tuple[int, int, BlockContent]]:
+        """(slot, position in chunk, expected content) of every block of every readable chunk,
+        from the requests whose hash chains produced them: what ``verify_cpu_tier`` on each rank
+        compares the pool with."""
+        if self.connector is None:
+            return []
+        where: dict[int, tuple[Request, int]] = {}
+        for req in self.requests.values():
+            for b, h in enumerate(req.hashes):
+                where.setdefault(h, (req, b))
+        d, bs = self.connector.directory, self.block_size
+        bpc = self.cfg.offload.blocks_per_chunk
+        out = []
+        for key in d.readable_keys():
+            req, last = where[key_hash(key)]
+            for sub in range(bpc):
+                b = last - bpc + 1 + sub
+                tokens = tuple(req.tokens[b * bs : (b + 1) * bs])
+                content = BlockContent(key_group(key), parent_hash(req.hashes, b), tokens)
+                out.append((d.slot_of(key), sub, content))
+        return out
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

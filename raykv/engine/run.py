@@ -19,11 +19,15 @@ class RunStalled(RuntimeError):
     """The engine stopped making progress (a bug: every wait in raykv is bounded)."""
 
 
-def output_digest(requests: Iterable[Request]) -> str:
+Outputs = dict[int, tuple[str, tuple[int, ...]]]  # request index -> (id, generated tokens)
+
+
+def output_digest(outputs: Outputs) -> str:
     """SHA-256 over every request's generated tokens, in request order."""
     h = hashlib.sha256()
-    for req in sorted(requests, key=lambda r: r.index):
-        h.update(f"{req.req_id}:{','.join(map(str, req.output))};".encode())
+    for index in sorted(outputs):
+        req_id, tokens = outputs[index]
+        h.update(f"{req_id}:{','.join(map(str, tokens))};".encode())
     return h.hexdigest()
 
 
@@ -32,15 +36,17 @@ class Driver:
 
     Used by ``run_workload`` here and by the scheduler actor's loop on Ray, so both deployments
     drive the engine the same way. A request the engine refuses (too long for the GPU pool, bad
-    token ids) is recorded with the reason and the run goes on without it.
+    token ids) is recorded with the reason and the run goes on without it. Finished requests are
+    kept only as their outputs (for the digest), so a long run's memory stays flat.
     """
 
     def __init__(self, engine: EngineCore, *, check_invariants: bool = False) -> None:
         self.engine = engine
         self.check_invariants = check_invariants
-        self.requests: list[Request] = []
+        self.admitted = 0
+        self.outputs: Outputs = {}
         self.rejected: list[dict[str, str]] = []
-        self.finished: list[Request] = []
+        self._recent: list[Request] = []  # finished since take_finished
         self._pending: list[tuple[float, int, RequestSpec]] = []
         self._submitted = 0
         self._idle = 0
@@ -54,6 +60,10 @@ class Driver:
     @property
     def submitted(self) -> int:
         return self._submitted
+
+    @property
+    def finished_count(self) -> int:
+        return len(self.outputs)
 
     def has_work(self) -> bool:
         return bool(self._pending) or self.engine.has_work()
@@ -71,7 +81,7 @@ class Driver:
             except ValueError as exc:  # this request is at fault; the run goes on
                 self.rejected.append({"request": spec.req_id, "error": str(exc)})
                 continue
-            self.requests.append(req)
+            self.admitted += 1
 
     def step(self, max_idle_steps: int = 100_000) -> list[Request]:
         """Admit what has arrived and run one engine step."""
@@ -79,17 +89,24 @@ class Driver:
         finished = self.engine.step()
         if self.check_invariants:
             self.engine.check_invariants()
-        self.finished += finished
+        for req in finished:
+            self.outputs[req.index] = (req.req_id, tuple(req.output))
+        self._recent += finished
         self._idle = 0 if finished or self.engine.scheduler.running else self._idle + 1
         if self._idle > max_idle_steps:
             raise RunStalled(
                 f"no progress for {self._idle} steps "
-                f"({len(self.finished)} of {self._submitted} requests finished)"
+                f"({self.finished_count} of {self._submitted} requests finished)"
             )
         return finished
 
+    def take_finished(self) -> list[Request]:
+        out, self._recent = self._recent, []
+        return out
+
     def report(self) -> dict[str, Any]:
-        report = build_report(self.engine, self.requests, time.perf_counter() - self.started)
+        seconds = time.perf_counter() - self.started
+        report = build_report(self.engine, self.outputs, self.admitted, seconds)
         report["rejected"] = list(self.rejected)
         return report
 
@@ -107,6 +124,7 @@ def run_workload(
     driver.submit(specs)
     while driver.has_work():
         driver.step(max_idle_steps)
+        driver.take_finished()
         if progress is not None:
             progress(progress_of(driver))
     return driver.report()
@@ -117,7 +135,7 @@ def progress_of(driver: Driver) -> dict[str, Any]:
     e = driver.engine
     s = e.scheduler.stats
     return {
-        "finished": len(driver.finished),
+        "finished": driver.finished_count,
         "submitted": driver.submitted,
         "rejected": len(driver.rejected),
         "steps": e.totals.steps,
@@ -128,14 +146,16 @@ def progress_of(driver: Driver) -> dict[str, Any]:
     }
 
 
-def build_report(engine: EngineCore, requests: list[Request], seconds: float) -> dict[str, Any]:
+def build_report(
+    engine: EngineCore, outputs: Outputs, admitted: int, seconds: float
+) -> dict[str, Any]:
     t = engine.totals
     tr = t.transfer
     s = engine.scheduler.stats
     c = engine.connector.stats if engine.connector is not None else None
     report: dict[str, Any] = {
-        "requests_finished": sum(1 for r in requests if r.finished),
-        "requests": len(requests),
+        "requests_finished": len(outputs),
+        "requests": admitted,
         "prompt_tokens": t.prompt_tokens,
         "generated_tokens": t.generated_tokens,
         "gpu_hit_tokens": s.gpu_hit_tokens,
@@ -157,12 +177,15 @@ def build_report(engine: EngineCore, requests: list[Request], seconds: float) ->
             "reuse": c.flushes_reuse if c else 0,
             "preemption": c.flushes_preemption if c else 0,
             "reset": c.flushes_reset if c else 0,
+            "timeout": c.flushes_timeout if c else 0,
         },
         "preemptions": s.preemptions,
+        "rank_restarts": t.rank_restarts,
+        "deferral_timeouts": c.deferral_timeouts if c else 0,
         "deferred_lookups": c.deferred_lookups if c else 0,
         "allocation_failures": c.allocation_failures if c else 0,
         "integrity": {"blocks_verified": tr.blocks_verified, "mismatches": tr.mismatches},
-        "output_digest": output_digest(requests),
+        "output_digest": output_digest(outputs),
         "steps": t.steps,
         "idle_steps": t.idle_steps,
         "wall_seconds": seconds,

@@ -318,6 +318,27 @@ class Scheduler:
         for req_id in req_ids:
             self.finish_load(req_id, ok=False)
 
+    def restart_all(self) -> list[Request]:
+        """Every request with KV on the GPU gives its blocks back and waits to recompute from
+        scratch (a rank's KV is gone). Returns the requests that held blocks."""
+        moved: list[Request] = []
+        for req in [*self.running, *self.loading.values()]:
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                self._free_all(req)  # its load was what kept it
+                continue
+            self._free_all(req)
+            req.num_computed = 0
+            req.load_tokens = 0
+            req.load_job = None
+            req.status = RequestStatus.PREEMPTED
+            req.num_preemptions += 1
+            moved.append(req)
+        self.running.clear()
+        self.loading.clear()
+        for req in sorted(moved, key=lambda r: r.index, reverse=True):
+            self.waiting.appendleft(req)
+        return moved
+
     def publish(self, req: Request) -> None:
         """Publish the request's newly full, computed blocks to the GPU prefix cache."""
         bs, pool = self.block_size, self.pool

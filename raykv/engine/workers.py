@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from raykv.config import RaykvConfig
-from raykv.connector.plan import StepPlan, StepReport
-from raykv.connector.worker import AckDelay, ConnectorWorker
+from raykv.connector.plan import BlockContent, StepPlan, StepReport
+from raykv.connector.worker import AckDelay, ConnectorWorker, RankDied
+from raykv.engine.core import RankFailed
+from raykv.faults import RankFaults, parse_fault
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.rank import build_rank
 
@@ -43,9 +45,11 @@ class LocalWorker:
         ack_delay: AckDelay | None = None,
         exec_delay: ExecDelay | None = None,
         threaded: bool = True,
+        incarnation: int = 0,
     ) -> None:
         self.rank = rank
         self.layout = make_layout(cfg, num_slots)
+        self.faults = RankFaults(rank, [parse_fault(f) for f in cfg.faults], incarnation)
         res = build_rank(
             self.layout,
             rank,
@@ -53,12 +57,24 @@ class LocalWorker:
             cfg.parallel.device,
             threaded=threaded,
             exec_delay=exec_delay,
+            copy_fails=self.faults.copy_fails if self.faults.active else None,
         )
         self.kv, self.pool, self.engine, self.model = res.kv, res.pool, res.engine, res.model
-        self.connector = ConnectorWorker(rank, self.engine, self.model, self.kv, ack_delay)
+        self.connector = ConnectorWorker(
+            rank, self.engine, self.model, self.kv, ack_delay, self.faults
+        )
 
     def execute(self, plan: StepPlan) -> StepReport:
         return self.connector.execute(plan)
+
+    def verify_cpu_tier(self, items: list[tuple[int, int, BlockContent]]) -> tuple[int, int]:
+        """Compare this rank's CPU-pool shard with what each listed block must hold; returns
+        (blocks checked, mismatches)."""
+        bad = sum(
+            not self.model.verify_row(self.pool, self.layout, slot, sub, content)
+            for slot, sub, content in items
+        )
+        return len(items), bad
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -78,18 +94,51 @@ class LocalWorkerGroup:
         """``ack_delays`` / ``exec_delays`` (per rank) hold completions back or keep copies
         really pending for a number of steps; with ``threaded=False`` copies run only at each
         step's poll, so a seeded test reproduces the same interleaving every time."""
-        acks, execs = ack_delays or {}, exec_delays or {}
-        self.workers = [
-            LocalWorker(cfg, rank, num_slots, acks.get(rank), execs.get(rank), threaded)
-            for rank in range(cfg.parallel.tensor_parallel_size)
-        ]
+        self._cfg, self._num_slots, self._threaded = cfg, num_slots, threaded
+        self._acks, self._execs = ack_delays or {}, exec_delays or {}
+        self.incarnations = [0] * cfg.parallel.tensor_parallel_size
+        self.workers = [self._make(rank) for rank in range(cfg.parallel.tensor_parallel_size)]
+
+    def _make(self, rank: int) -> LocalWorker:
+        return LocalWorker(
+            self._cfg,
+            rank,
+            self._num_slots,
+            self._acks.get(rank),
+            self._execs.get(rank),
+            self._threaded,
+            self.incarnations[rank],
+        )
 
     @property
     def num_ranks(self) -> int:
         return len(self.workers)
 
     def execute(self, plan: StepPlan) -> list[StepReport]:
-        return [w.execute(plan) for w in self.workers]
+        """Every rank runs the plan; a rank that dies is reported in ``RankFailed`` with the
+        replies of the others (they ran the step, as real ranks would have)."""
+        reports, dead = [], []
+        for w in self.workers:
+            try:
+                reports.append(w.execute(plan))
+            except RankDied:
+                dead.append(w.rank)
+        if dead:
+            raise RankFailed(dead, reports)
+        return reports
+
+    def restart(self, ranks: list[int]) -> None:
+        """Replace dead ranks with fresh ones: empty KV shard, empty CPU pool shard."""
+        for rank in ranks:
+            old = self.workers[rank]
+            old.engine.shutdown(wait=False)
+            self.incarnations[rank] += 1
+            self.workers[rank] = self._make(rank)
+
+    def verify_cpu_tier(self, items: list[tuple[int, int, BlockContent]]) -> tuple[int, int]:
+        """Every rank's CPU-pool shard against ``EngineCore.cpu_tier_contents()``."""
+        results = [w.verify_cpu_tier(items) for w in self.workers]
+        return sum(r[0] for r in results), sum(r[1] for r in results)
 
     def for_each(self, fn: Callable[[LocalWorker], None]) -> None:
         for w in self.workers:

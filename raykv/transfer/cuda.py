@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -69,7 +69,12 @@ class CudaTransferEngine:
     :class:`raykv.transfer.cpu.CpuTransferEngine`."""
 
     def __init__(
-        self, kv: torch.Tensor, pool: torch.Tensor, layout: KVLayout, streams_per_direction: int = 2
+        self,
+        kv: torch.Tensor,
+        pool: torch.Tensor,
+        layout: KVLayout,
+        streams_per_direction: int = 2,
+        fail: Callable[[], bool] | None = None,
     ) -> None:
         if kv.device.type != "cuda":
             raise ValueError(f"kv must be on a CUDA device, got {kv.device}")
@@ -94,6 +99,7 @@ class CudaTransferEngine:
         self._paused = False
         self._closed = False
         self._stats = TransferStats()
+        self._fail = fail  # fault injection: a copy that fails, reported as a failed job
 
     # ---- the backend interface ------------------------------------------------------------
 
@@ -212,6 +218,8 @@ class CudaTransferEngine:
                 not 0 <= s < lay.num_slots for s in copy.cpu_slots
             ):
                 raise ValueError("CPU slot or sub-block out of range")
+            if self._fail is not None and self._fail():
+                raise ValueError("injected copy failure")
         except ValueError as exc:
             job.error = str(exc)
             return

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from raykv.connector.plan import BlockContent, WriteSpan
-from raykv.transfer.layout import KVLayout
+from raykv.transfer.layout import KVLayout, pool_rows
 
 _MASK64 = (1 << 64) - 1
 _MERSENNE61 = (1 << 61) - 1
@@ -204,6 +204,14 @@ class SyntheticModel:
         self._check_kv(kv)
         expected = self.block_page(content)
         return bool(torch.equal(kv[block].view(self._int_dtype), expected.view(self._int_dtype)))
+
+    def verify_row(
+        self, pool: torch.Tensor, layout: KVLayout, slot: int, sub: int, content: BlockContent
+    ) -> bool:
+        """Whether position ``sub`` of CPU slot ``slot`` holds :meth:`block_page` bit for bit."""
+        row = pool_rows(pool, layout)[slot * layout.blocks_per_chunk + sub]
+        expected = self.block_page(content).to(row.device)
+        return bool(torch.equal(row.view(self._int_dtype), expected.view(self._int_dtype)))
 
     def checksum(self, kv: torch.Tensor, blocks: list[int]) -> int:
         """An exact integer digest of the raw bytes of ``kv[blocks]`` and of their order.

@@ -30,6 +30,7 @@ def build_rank(
     *,
     threaded: bool = True,
     exec_delay: Callable[[int], int] | None = None,
+    copy_fails: Callable[[], bool] | None = None,
 ) -> RankResources:
     """``device`` is ``cpu`` or ``cuda``. CUDA ranks take GPU ``rank % device_count`` (under Ray
     each rank sees only its own GPU, device 0; ranks in one process share the GPUs there are) and
@@ -44,11 +45,15 @@ def build_rank(
         dev = torch.device("cuda", rank % torch.cuda.device_count())
         kv = allocate_kv(layout, dev)
         pool = allocate_pool(layout, pin=True)
-        engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(kv, pool, layout)
+        engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(
+            kv, pool, layout, fail=copy_fails
+        )
         return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size, device=dev))
     if device != "cpu":
         raise ValueError(f"parallel.device must be cpu or cuda, got {device!r}")
     kv = allocate_kv(layout)
     pool = allocate_pool(layout)
-    engine = CpuTransferEngine(kv, pool, layout, threaded=threaded, exec_delay=exec_delay)
+    engine = CpuTransferEngine(
+        kv, pool, layout, threaded=threaded, exec_delay=exec_delay, fail=copy_fails
+    )
     return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size))

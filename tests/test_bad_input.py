@@ -1,0 +1,197 @@
+"""Bad input, table-driven: every case must fail with an error naming what is at fault (the key
+path, the file and line, the request, the spec), and bad acks must be counted, not crash."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from raykv.cli import main
+from raykv.config import load_config
+from raykv.connector.jobs import JobTable
+from raykv.core.request import Request
+from raykv.engine.core import EngineCore
+from raykv.engine.workers import LocalWorkerGroup
+from raykv.offload.directory import Directory
+from raykv.workload.trace import read_trace
+
+GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}'
+
+
+def cfg_error(tree: dict | None = None, sets: tuple[str, ...] = ()) -> Callable[[], object]:
+    return lambda: load_config(tree, list(sets))
+
+
+def yaml_file(text: str) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        path = tmp / "bad.yaml"
+        path.write_text(text)
+        return load_config(path)
+
+    return run
+
+
+def trace_file(*lines: str) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        path = tmp / "t.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        return read_trace(path)
+
+    return run
+
+
+def engine_request(req: Callable[[], Request], blocks: int = 8) -> Callable[[], object]:
+    def run() -> object:
+        cfg = load_config(None, [f"cache.num_gpu_blocks={blocks}", "cache.block_size=4"])
+        with LocalWorkerGroup(cfg, 4, threaded=False) as workers:
+            engine = EngineCore(cfg, workers)
+            engine.add_request(Request("first", 0, [1, 2, 3], 2))
+            return engine.add_request(req())
+
+    return run
+
+
+CASES: list[tuple[str, Callable, str]] = [
+    (
+        "malformed yaml",
+        yaml_file("offload:\n  cpu_bytes: [1,\n"),
+        r"bad\.yaml:\d+:\d+: malformed YAML",
+    ),
+    ("yaml list at top", yaml_file("- 1\n"), "top level must be a mapping"),
+    ("yaml object tag", yaml_file("x: !!python/object/apply:os.getcwd []\n"), "malformed YAML"),
+    ("unknown section", cfg_error({"offlaod": {}}), "offlaod: unknown key"),
+    ("unknown key", cfg_error({"offload": {"polcy": "lru"}}), "offload.polcy: unknown key"),
+    ("bool wanted", cfg_error({"offload": {"enabled": "maybe"}}), "offload.enabled"),
+    ("int wanted", cfg_error({"cache": {"block_size": "big"}}), "cache.block_size"),
+    ("too few blocks", cfg_error({"cache": {"num_gpu_blocks": 1}}), "cache.num_gpu_blocks"),
+    ("bad size", cfg_error({"offload": {"cpu_bytes": "2XB"}}), "offload.cpu_bytes: not a size"),
+    (
+        "pool under a chunk",
+        cfg_error({"offload": {"cpu_bytes": 100}}),
+        r"offload.cpu_bytes \(100\) is smaller than one chunk",
+    ),
+    (
+        "block bigger than the pool",
+        cfg_error({"offload": {"cpu_bytes": "1MiB"}, "model": {"num_layers": 64, "head_dim": 128}}),
+        "smaller than one chunk",
+    ),
+    ("two sizes", cfg_error({"offload": {"cpu_bytes": "1GiB", "cpu_slots": 4}}), "exclusive"),
+    (
+        "tp vs heads",
+        cfg_error({"parallel": {"tensor_parallel_size": 3}}),
+        r"parallel.tensor_parallel_size \(3\) must divide model.num_kv_heads \(4\)",
+    ),
+    (
+        "layers vs groups",
+        cfg_error(
+            {
+                "model": {"num_layers": 3},
+                "cache": {
+                    "groups": [
+                        {"kind": "full_attention"},
+                        {"kind": "sliding_window", "window_tokens": 8},
+                    ]
+                },
+            }
+        ),
+        r"model.num_layers \(3\)",
+    ),
+    (
+        "window missing",
+        cfg_error({"cache": {"groups": [{"kind": "sliding_window"}]}}),
+        "cache.groups.0: a sliding_window group needs window_tokens",
+    ),
+    (
+        "window on full",
+        cfg_error({"cache": {"groups": [{"window_tokens": 8}]}}),
+        "window_tokens applies only",
+    ),
+    ("group kind", cfg_error({"cache": {"groups": [{"kind": "linear"}]}}), "cache.groups.0.kind"),
+    ("dtype", cfg_error({"model": {"dtype": "fp8"}}), "model.dtype"),
+    ("device", cfg_error({"parallel": {"device": "tpu"}}), "parallel.device"),
+    ("policy syntax", cfg_error({"offload": {"policy": "a b"}}), "offload.policy"),
+    ("policy unknown", lambda: Directory(4, "nope"), "unknown policy 'nope'"),
+    ("policy import", lambda: Directory(4, "no.such.module:Cls"), "cannot load policy"),
+    ("trace kind", cfg_error({"workload": {"kind": "trace"}}), "needs a trace file"),
+    ("set path", cfg_error(None, ("offload..policy=x",)), "--set offload..policy: empty key"),
+    ("set value", cfg_error(None, ("offload.cpu_slots=[1",)), "not valid YAML"),
+    ("fault in config", cfg_error({"faults": ["explode:rate=1"]}), "fault 'explode:rate=1'"),
+    ("trace json", trace_file(GOOD_LINE, "{oops"), r"t\.jsonl:2: not valid JSON"),
+    (
+        "trace field",
+        trace_file('{"timestamp": 0, "input_length": 5, "output_length": 1}'),
+        r"t\.jsonl:1: missing field 'hash_ids'",
+    ),
+    (
+        "trace ids",
+        trace_file('{"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}'),
+        "1 hash_ids for input_length 2000",
+    ),
+    (
+        "trace time",
+        trace_file('{"timestamp": -5, "input_length": 5, "output_length": 1, "hash_ids": [1]}'),
+        "'timestamp' must be >= 0",
+    ),
+    (
+        "trace bool",
+        trace_file('{"timestamp": 0, "input_length": true, "output_length": 1, "hash_ids": [1]}'),
+        "'input_length' must be int",
+    ),
+    (
+        "request too long",
+        engine_request(lambda: Request("big", 1, list(range(40)), 4)),
+        r"request big: 40 prompt \+ 4 output tokens need \d+ GPU blocks; the pool has 7",
+    ),
+    (
+        "token id",
+        engine_request(lambda: Request("bad", 1, [5, 99999], 1)),
+        r"request bad: token id 99999 outside \[0, 32000\)",
+    ),
+    (
+        "duplicate id",
+        engine_request(lambda: Request("first", 1, [5], 1)),
+        "duplicate request id 'first'",
+    ),
+    ("empty prompt", lambda: Request("e", 0, [], 1), "request e: empty prompt"),
+    ("no tokens wanted", lambda: Request("z", 0, [1], 0), "request z: max_tokens must be positive"),
+]
+
+
+@pytest.mark.parametrize("name,call,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_names_the_culprit(name, call, message, tmp_path) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(tmp_path) if call.__code__.co_argcount == 1 else call()
+
+
+def test_enough_cases() -> None:
+    assert len(CASES) >= 30
+
+
+def test_bad_acks_are_counted_and_ignored() -> None:
+    table = JobTable(num_ranks=2)
+    job = table.create("r", [1], is_store=True)
+    assert table.ack(12345, 0) is None  # never existed
+    assert table.ack(job.job_id, 0) is None
+    assert table.ack(job.job_id, 0) is None  # duplicated
+    assert table.ack(job.job_id, 5) is None  # no such rank
+    stale = table.create("r", [2], is_store=True)
+    table.reset()
+    assert table.ack(stale.job_id, 0) is None  # from before a reset
+    s = table.stats
+    assert (s.unknown, s.duplicate, s.bad_rank, s.stale) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run", "--workload", "bogus"], "expected synthetic or trace:FILE"),
+        (["run", "--fault", "explode:rate=1"], "unknown kind 'explode'"),
+        (["run", "--config", "no/such.yaml"], "cannot read config"),
+        (["config", "check", "no/such.yaml"], "cannot read config"),
+    ],
+)
+def test_cli_reports_bad_input_and_exits_2(argv, message, capsys) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
