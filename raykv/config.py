@@ -193,6 +193,11 @@ class EngineConfig(_Strict):
         gt=0,
         description="Steps a job may go unacked in all before the silent ranks count as dead.",
     )
+    keep_finished: bool = Field(
+        default=True,
+        description="Keep finished requests' state (for reports and CPU-tier checks); off for "
+        "long-running serving, where only their outputs are kept.",
+    )
 
 
 class WorkloadConfig(_Strict):

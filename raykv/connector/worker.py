@@ -84,7 +84,8 @@ class ConnectorWorker:
             ack_delay = lambda job_id: steps  # noqa: E731 - a constant delay
         self.ack_delay = ack_delay
         self._held: list[_Held] = []
-        self._verify: dict[int, TransferSpec] = {}
+        self._verify: dict[int, TransferSpec] = {}  # loads to check once finished
+        self._checked: dict[int, tuple[int, int]] = {}  # checked, not yet reported: (n, bad)
         self._reported: OrderedDict[int, bool] = OrderedDict()  # job -> ok, already reported
         self._step = -1
 
@@ -101,6 +102,10 @@ class ConnectorWorker:
                 backend.submit(spec)
         if plan.flush:
             backend.flush(plan.flush)
+            # a flushed load is finished now, and its blocks may be handed to a new owner later
+            # in this very step (its request was restarted): check its bytes before that, and
+            # count the result once the poll says whether the copy succeeded
+            self._check_loads(plan.flush)
         for spec in plan.loads:
             self._check(spec.copy.gpu_blocks, "load into")
             backend.submit(spec)
@@ -112,7 +117,7 @@ class ConnectorWorker:
                 backend.submit(spec)
         completed, failed = backend.poll()
         stats = backend.take_stats()
-        self._verify_loads(completed, stats)
+        self._verify_loads(completed, failed, stats)
         completed, failed = self._release(completed, failed)
         self._remember(completed, failed)
         # a job the scheduler has waited for too long: if this rank reported it already (and
@@ -175,17 +180,29 @@ class ConnectorWorker:
                 "that unfinished transfers still use"
             )
 
-    def _verify_loads(self, completed: list[int], stats: TransferStats) -> None:
-        if not self._verify:
+    def _check_loads(self, job_ids: Iterable[int]) -> None:
+        """Compare finished loads' blocks with what they must hold; kept until the poll."""
+        for job_id in job_ids:
+            spec = self._verify.pop(job_id, None)
+            if spec is not None and spec.expect is not None:
+                bad = sum(
+                    not self.model.verify(self.kv, block, content)
+                    for block, content in zip(spec.copy.gpu_blocks, spec.expect, strict=True)
+                )
+                self._checked[job_id] = (len(spec.expect), bad)
+
+    def _verify_loads(self, completed: list[int], failed: list[int], stats: TransferStats) -> None:
+        if self._verify:
+            self._check_loads(j for j in completed if j in self._verify)
+        if not self._checked:
             return
         for job_id in completed:
-            spec = self._verify.pop(job_id, None)
-            if spec is None or spec.expect is None:
-                continue
-            for block, content in zip(spec.copy.gpu_blocks, spec.expect, strict=True):
-                stats.blocks_verified += 1
-                if not self.model.verify(self.kv, block, content):
-                    stats.mismatches += 1
+            result = self._checked.pop(job_id, None)
+            if result is not None:
+                stats.blocks_verified += result[0]
+                stats.mismatches += result[1]
+        for job_id in failed:  # a failed copy wrote nothing worth checking
+            self._checked.pop(job_id, None)
 
     def _release(self, completed: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
         """Apply the ack-delay hook: completions may be reported steps after they happen."""

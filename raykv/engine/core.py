@@ -73,10 +73,11 @@ class EngineCore:
         offload: bool | None = None,
         verify: bool | None = None,
         directory: Directory | None = None,
-        keep_finished: bool = True,
+        keep_finished: bool | None = None,
     ) -> None:
         self.cfg = cfg
-        self.keep_finished = keep_finished  # False: forget requests once done (long runs)
+        # False: forget requests once done (long runs keep only their outputs)
+        self.keep_finished = cfg.engine.keep_finished if keep_finished is None else keep_finished
         self.workers = workers
         self.groups = [
             KVGroup(i, GroupKind(g.kind), g.window_tokens) for i, g in enumerate(cfg.cache.groups)
@@ -180,8 +181,12 @@ class EngineCore:
         if self.connector is not None:
             for load in self.connector.process_reports(reports):
                 req = self.scheduler.finish_load(load.req_id, load.ok)
-                if req is not None and not req.finished:
+                if req is None or req.finished:
+                    continue
+                if load.ok:
                     self.scheduler.publish(req)
+                else:
+                    self.connector.release_blocks(req)  # it starts over, in new blocks
         finished = self._update(sched, batch, reports)
         if self.connector is not None:
             silent = self.connector.silent_ranks(self.cfg.engine.rank_timeout_steps)
@@ -206,7 +211,7 @@ class EngineCore:
 
     def _absorb(self, reports: list[StepReport]) -> None:
         per_rank = self.totals.per_rank
-        while len(per_rank) < len(reports):
+        while len(per_rank) < self.workers.num_ranks:
             per_rank.append({name: 0 for name in TransferStats.__slots__})
         for report in reports:
             self.totals.transfer.add(report.stats)
@@ -286,7 +291,10 @@ class EngineCore:
         requests recompute; every job still in flight is flushed by the next step."""
         if self.connector is None:
             return
-        self.scheduler.cancel_loads(self.connector.reset())
+        for req_id in self.connector.reset():
+            req = self.scheduler.finish_load(req_id, ok=False)
+            if req is not None and not req.finished:
+                self.connector.release_blocks(req)
 
     def cpu_tier_contents(self) -> list[tuple[int, int, BlockContent]]:
         """(slot, position in chunk, expected content) of every block of every readable chunk,

@@ -299,24 +299,29 @@ class Scheduler:
     # ---- after the step -------------------------------------------------------------------------
 
     def finish_load(self, req_id: str, ok: bool) -> Request | None:
-        """A load ended. On success the request resumes after the loaded tokens; on failure it
-        recomputes them. Either way it now runs."""
+        """A load ended. On success the request runs on from after the loaded tokens. On failure
+        it gives its blocks back and waits to be admitted again (its blocks were laid out for
+        resuming after the load: a sliding-window group holds none before that window), so it
+        recomputes from whatever the GPU prefix cache then still holds."""
         req = self.loading.pop(req_id, None)
         if req is None:
             return None
         if req.status is RequestStatus.FINISHED_ABORTED:
             self._free_all(req)  # its blocks were kept until the load stopped writing them
             return req
+        req.load_job = None
         if ok:
             req.num_computed += req.load_tokens
+            req.load_tokens = 0
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            return req
         req.load_tokens = 0
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._free_all(req)
+        req.num_computed = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
         return req
-
-    def cancel_loads(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            self.finish_load(req_id, ok=False)
 
     def restart_all(self) -> list[Request]:
         """Every request with KV on the GPU gives its blocks back and waits to recompute from

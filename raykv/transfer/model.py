@@ -6,13 +6,16 @@ the raw bytes of the blocks it reads. So a block that comes back from the CPU ti
 bit, in the wrong order, or from the wrong slot changes the generated tokens, and a verify mode can
 compare any block with :meth:`SyntheticModel.block_page`.
 
-The hashing is splitmix64's finaliser done in torch int64 arithmetic (which wraps modulo 2^64, like
-the unsigned original), with logical right shifts emulated by masking. Integer arithmetic is exact,
+The hashing is splitmix64's finaliser: in Python for the per-token and per-coordinate parts, and
+one multiply + xor-shift in torch int64 arithmetic (which wraps modulo 2^64, like unsigned
+integers) per element, with logical right shifts emulated by masking. Integer arithmetic is exact,
 so values are identical on every machine and device; the conversion to the KV dtype only rounds
 multiples of 1/512, deterministically.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -131,13 +134,21 @@ class SyntheticModel:
         return mix64_tensor(combined)
 
     def _values(
-        self, group: int, parent_hash: int, offsets: torch.Tensor, tokens: torch.Tensor
+        self, group: int, parent_hash: int, offsets: Sequence[int], tokens: Sequence[int]
     ) -> torch.Tensor:
-        """KV for ``len(offsets)`` tokens of one block: ``[L, 2, H, n, D]`` in the layout dtype."""
-        seed = _signed(mix64((parent_hash & _MASK64) ^ mix64(group * _K_GROUP + _GOLDEN)))
-        per_token = mix64_tensor(tokens * _signed(_K_TOKEN) + seed)
-        per_token = mix64_tensor(per_token ^ (offsets * _signed(_K_OFFSET)))
-        x = mix64_tensor(per_token.view(1, 1, 1, -1, 1) + self._coords)
+        """KV for ``len(offsets)`` tokens of one block: ``[L, 2, H, n, D]`` in the layout dtype.
+
+        The per-token part (a few ints) is mixed in Python; the per-element part was mixed once
+        at start-up (``_coords``); what is left for torch is one multiply and one xor-shift over
+        the page, a handful of kernels whatever the page size."""
+        seed = mix64((parent_hash & _MASK64) ^ mix64(group * _K_GROUP + _GOLDEN))
+        per_token = [
+            _signed(mix64(mix64(t * _K_TOKEN + seed) ^ ((o * _K_OFFSET) & _MASK64)))
+            for t, o in zip(tokens, offsets, strict=True)
+        ]
+        x = torch.tensor(per_token, dtype=torch.int64, device=self.device).view(1, 1, 1, -1, 1)
+        x = (x + self._coords) * _signed(_MIX2)  # wraps modulo 2^64
+        x = x ^ _srl(x, 29)
         # ten bits scaled to [-1, 1): sized like real KV, exact in float16 and float32
         values = ((x & 0x3FF) - 512).to(torch.float32) / 512.0
         return values.to(self.layout.torch_dtype)
@@ -170,15 +181,13 @@ class SyntheticModel:
                 f"a span of {n} tokens from position {span.start} touches {touched} blocks, got "
                 f"{len(span.blocks)} blocks and {len(span.parent_hashes)} parent hashes"
             )
-        tokens = torch.tensor(span.tokens, dtype=torch.int64, device=self.device)
+        tokens = span.tokens
         end = span.start + n
         for i, (block, parent) in enumerate(zip(span.blocks, span.parent_hashes, strict=True)):
             block_start = (first + i) * bs
             lo = max(span.start, block_start)
             hi = min(end, block_start + bs)
-            offsets = torch.arange(
-                lo - block_start, hi - block_start, dtype=torch.int64, device=self.device
-            )
+            offsets = range(lo - block_start, hi - block_start)
             values = self._values(
                 span.group, parent, offsets, tokens[lo - span.start : hi - span.start]
             )
@@ -195,9 +204,8 @@ class SyntheticModel:
         bs = self.layout.block_size
         if len(content.tokens) != bs:
             raise ValueError(f"a full block has {bs} tokens, got {len(content.tokens)}")
-        offsets = torch.arange(bs, dtype=torch.int64, device=self.device)
-        tokens = torch.tensor(content.tokens, dtype=torch.int64, device=self.device)
-        return self._values(content.group, content.parent_hash, offsets, tokens).reshape(-1)
+        values = self._values(content.group, content.parent_hash, range(bs), content.tokens)
+        return values.reshape(-1)
 
     def verify(self, kv: torch.Tensor, block: int, content: BlockContent) -> bool:
         """Whether ``kv[block]`` equals :meth:`block_page` bit for bit."""

@@ -97,7 +97,8 @@ def test_reset_flushes_everything_in_flight_and_ignores_late_acks() -> None:
     r.engine.reset_offload()
     assert len(r.connector.jobs) == 0 and not r.connector.fence
     assert len(r.connector.directory) == 0
-    assert b.status is RequestStatus.RUNNING  # its load was abandoned: it recomputes
+    # its load was abandoned: it gave its blocks back and waits to recompute
+    assert b.status is RequestStatus.PREEMPTED and not any(b.block_tables)
     r.step()
     assert set(r.records[-1].plan.flush) == in_flight  # the next step drains old work first
     r.resume_copies()

@@ -1,0 +1,31 @@
+"""Short versions of the long reliability runs: the fuzzer and the soak, as CI can afford."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def run(*argv: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=580, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_fuzz_short() -> None:
+    out = run(str(SCRIPTS / "fuzz.py"), "--steps", "2500", "--seed", "3", "--quiet")
+    assert "0 violations" in out and out.startswith("ok:")
+
+
+def test_soak_short() -> None:
+    out = run(str(SCRIPTS / "soak.py"), "--requests", "300", "--sample-every", "50", "--quiet")
+    assert out.startswith("ok: 300 requests")
