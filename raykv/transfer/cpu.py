@@ -25,11 +25,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import TracebackType
 
 import torch
 
 from raykv.connector.plan import TransferSpec, TransferStats
+from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.layout import KVLayout, pool_rows
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class _Job:
     gpu_blocks: list[int] = field(default_factory=list)
 
 
-class CpuTransferEngine:
+class CpuTransferEngine(TransferEngineBase):
     """Copies pages between ``kv`` (``[num_gpu_blocks, page_elems]``) and ``pool``
     (``[num_slots, page_elems * blocks_per_chunk]``) on one background thread, in FIFO order.
 
@@ -331,17 +331,6 @@ class CpuTransferEngine:
         if self._thread is not None:
             self._thread.join()
 
-    def __enter__(self) -> CpuTransferEngine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
-
     # ---------------------------------------------------------------- internals
 
     def _pending(self, is_store: bool) -> set[int]:
@@ -411,25 +400,15 @@ class CpuTransferEngine:
             )
         elapsed = time.perf_counter() - start
         with self._cond:
-            st = self._stats
-            n = len(job.gpu_blocks)
-            if error is None:
+            ok = error is None
+            if ok:
                 self._completed.append(spec.job_id)
-                if spec.is_store:
-                    st.store_jobs += 1
-                    st.store_blocks += n
-                    st.store_bytes += n * self.layout.page_bytes
-                else:
-                    st.load_jobs += 1
-                    st.load_blocks += n
-                    st.load_bytes += n * self.layout.page_bytes
             else:
                 self._failed.append(spec.job_id)
                 self._errors[spec.job_id] = error
-            if spec.is_store:
-                st.store_seconds += elapsed
-            else:
-                st.load_seconds += elapsed
+            self.count_job(
+                self._stats, spec.is_store, len(job.gpu_blocks), self.layout.page_bytes, elapsed, ok
+            )
             self._active = None
             self._outstanding.discard(spec.job_id)
             self._wait_polls.pop(spec.job_id, None)

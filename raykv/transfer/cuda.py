@@ -26,12 +26,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from raykv.connector.plan import TransferSpec, TransferStats
+from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.layout import KVLayout, pool_rows
 
 
@@ -63,7 +63,7 @@ def _runs(host: list[int], dev: list[int]) -> list[tuple[int, int, bool]]:
     return out
 
 
-class CudaTransferEngine:
+class CudaTransferEngine(TransferEngineBase):
     """Copies pages between ``kv`` (``[num_gpu_blocks, page_elems]`` on a CUDA device) and
     ``pool`` (pinned, ``[num_slots, page_elems * blocks_per_chunk]``); same interface as
     :class:`raykv.transfer.cpu.CpuTransferEngine`."""
@@ -177,17 +177,6 @@ class CudaTransferEngine:
             torch.cuda.synchronize(self.device)
         self._closed = True
 
-    def __enter__(self) -> CudaTransferEngine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
-
     # ---- internals ------------------------------------------------------------------------
 
     def _pending(self, is_store: bool) -> set[int]:
@@ -268,20 +257,8 @@ class CudaTransferEngine:
         self._last_end[direction] = job.end
 
     def _account(self, job: _CudaJob) -> None:
-        st = self._stats
-        if job.error is not None:
-            return
+        ok = job.error is None
+        seconds = job.start.elapsed_time(job.end) / 1000.0 if ok else 0.0
         n = len(job.gpu_blocks)
-        nbytes = n * self.layout.page_bytes
-        seconds = job.start.elapsed_time(job.end) / 1000.0
-        if job.spec.is_store:
-            st.store_jobs += 1
-            st.store_blocks += n
-            st.store_bytes += nbytes
-            st.store_seconds += seconds
-        else:
-            st.load_jobs += 1
-            st.load_blocks += n
-            st.load_bytes += nbytes
-            st.load_seconds += seconds
+        self.count_job(self._stats, job.spec.is_store, n, self.layout.page_bytes, seconds, ok)
         job.keep.clear()
