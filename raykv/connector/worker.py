@@ -40,6 +40,7 @@ class TransferBackend(Protocol):
     def submit(self, spec: TransferSpec) -> None: ...
     def flush(self, job_ids: Iterable[int]) -> None: ...
     def poll(self) -> tuple[list[int], list[int]]: ...
+    def wait(self, timeout_s: float) -> None: ...
     def pending_reads(self) -> set[int]: ...
     def pending_writes(self) -> set[int]: ...
     def take_stats(self) -> TransferStats: ...
@@ -53,6 +54,11 @@ class ModelBackend(Protocol):
 
 AckDelay = Callable[[int], int]  # job id -> steps to hold its report back (a test hook)
 _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
+# An idle step (no model work) gives copies this long to land before polling. Without it an
+# engine whose every request waits on loads spins through empty steps, and in one process the
+# spinning thread starves the copy thread of the GIL: measured, 1-block loads then took 32
+# steps and were only finished by the overdue-job flush.
+IDLE_WAIT_S = 0.002
 
 
 @dataclass(slots=True)
@@ -115,6 +121,8 @@ class ConnectorWorker:
         for spec in plan.stores:
             if spec.job_id not in flush:
                 backend.submit(spec)
+        if not plan.batch:
+            backend.wait(IDLE_WAIT_S)
         completed, failed = backend.poll()
         stats = backend.take_stats()
         self._verify_loads(completed, failed, stats)

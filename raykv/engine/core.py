@@ -1,8 +1,9 @@
 """EngineCore: one step is schedule -> plan -> execute on every rank -> update.
 
 The loop never blocks on a transfer: while jobs are in flight and nothing is runnable, steps keep
-going with an empty batch, polling and acking (only a worker may block, to flush a job whose
-blocks are about to be overwritten).
+going with an empty batch, polling and acking. A worker blocks only to flush a job whose blocks
+are about to be overwritten, and on an empty step for at most ``worker.IDLE_WAIT_S`` to let a copy
+land instead of spinning.
 """
 
 from __future__ import annotations

@@ -247,6 +247,24 @@ class CpuTransferEngine(TransferEngineBase):
             failed, self._failed = self._failed, []
         return completed, failed
 
+    def wait(self, timeout_s: float) -> None:
+        """Block until some job finishes or ``timeout_s`` passes; returns at once when nothing
+        is outstanding, a finished job awaits the next poll, or no thread copies (unthreaded or
+        paused engines copy nothing while the caller waits)."""
+        if self._thread is None:
+            return
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    self._completed
+                    or self._failed
+                    or not self._outstanding
+                    or self._paused
+                    or self._closed
+                ),
+                timeout_s,
+            )
+
     def flush(self, job_ids: Iterable[int]) -> None:
         """Block until every listed job still queued or executing has finished.
 

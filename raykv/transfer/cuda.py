@@ -128,6 +128,18 @@ class CudaTransferEngine(TransferEngineBase):
             (failed if job.error else completed).append(job.spec.job_id)
         return completed, failed
 
+    def wait(self, timeout_s: float) -> None:
+        """Block until the oldest issued job's copies finish or ``timeout_s`` passes (event
+        queries with short sleeps: a blocking event wait has no timeout)."""
+        if not self._queue or not self._queue[0].issued:
+            return
+        head = self._queue[0]
+        deadline = time.perf_counter() + timeout_s
+        while head.error is None and not head.end.query():
+            if time.perf_counter() >= deadline:
+                return
+            time.sleep(5e-5)
+
     def flush(self, job_ids: Iterable[int]) -> None:
         wanted = set(job_ids)
         jobs = [j for j in self._queue if j.spec.job_id in wanted]

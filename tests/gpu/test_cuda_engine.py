@@ -76,6 +76,15 @@ def test_paused_jobs_stay_on_the_host_until_flushed_and_complete_in_order() -> N
     engine.shutdown()
 
 
+def test_wait_returns_once_the_oldest_job_lands() -> None:
+    _layout, _kv, _pool, engine = setup(blocks=64)
+    engine.wait(5.0)  # nothing queued: returns at once
+    engine.submit(spec(1, True, range(64), range(64), [0] * 64))
+    engine.wait(5.0)
+    assert engine.poll() == ([1], [])
+    engine.shutdown()
+
+
 def test_a_store_never_reads_a_block_before_the_model_wrote_it() -> None:
     layout, kv, pool, engine = setup()
     fresh = torch.full((layout.page_elems,), 3.0, dtype=kv.dtype, device=DEV)

@@ -175,6 +175,21 @@ def test_fifo_completion_and_nonblocking_poll(rig: Rig) -> None:
     assert engine.poll() == ([], [])
 
 
+def test_wait_returns_when_a_job_lands_and_never_waits_for_nothing(rig: Rig) -> None:
+    engine = rig.engine
+    start = time.perf_counter()
+    engine.wait(5.0)  # nothing outstanding
+    engine.pause()
+    engine.submit(store(1, [3, 4], [0, 1]))
+    engine.wait(5.0)  # paused: no copy can land while it waits
+    assert time.perf_counter() - start < 2.0
+    assert engine.poll() == ([], [])
+    engine.resume()
+    engine.wait(5.0)
+    assert engine.poll() == ([1], [])
+    assert time.perf_counter() - start < 4.0
+
+
 def test_pause_really_holds_copies(rig: Rig) -> None:
     lay, kv, pool, engine = rig.lay, rig.kv, rig.pool, rig.engine
     engine.pause()
