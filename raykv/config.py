@@ -105,6 +105,17 @@ class OffloadConfig(_Strict):
         default=64_000, gt=0, description="Keys remembered by the store_threshold filter."
     )
     events: bool = Field(default=True, description="Emit BlockStored/BlockRemoved KV events.")
+    shared_pool: bool = Field(
+        default=True,
+        description="Keep each rank's CPU-pool shard in shared memory (a file in "
+        "shared_pool_dir), so a rank that dies and is replaced finds the CPU tier intact; off: "
+        "a rank's death empties the tier.",
+    )
+    shared_pool_dir: str = Field(
+        default="/dev/shm",
+        min_length=1,
+        description="A tmpfs directory for the shared CPU-pool shards (on every node of ranks).",
+    )
     verify: bool = Field(
         default=False, description="Compare every loaded block with what recomputing it gives."
     )

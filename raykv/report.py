@@ -88,7 +88,10 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
     rows += [
         ("fence flushes", f"reuse {f['reuse']}, preemption {f['preemption']}, reset {f['reset']}"),
         ("preemptions", f"{r['preemptions']:,}"),
-        ("rank restarts", f"{r.get('rank_restarts', 0):,}"),
+        (
+            "rank restarts",
+            f"{r.get('rank_restarts', 0):,} (CPU tier kept in {r.get('tier_kept_restarts', 0):,})",
+        ),
         ("steps", f"{r['steps']:,} ({r['idle_steps']:,} polling only)"),
         ("wall time", f"{r['wall_seconds']:.2f} s"),
         ("output digest", r["output_digest"][:16]),

@@ -5,11 +5,12 @@ faults, with every invariant checked after every step.
 Each episode draws (seeded) 1-4 ranks, one or two KV groups, tiny GPU pools and CPU tiers that
 force block reuse, preemption and eviction, a policy, chunk sizes, per-rank seeded delays for
 when a copy really runs and when it is acknowledged, and a mix of injected faults (lost,
-duplicated and late acks, failed copies, dead ranks). It runs the workload with offloading,
-checking the scheduler's books after every step (each rank checks the fence before every write),
-then requires the drain (no jobs, no fence, no request state, no busy slot, every GPU block
-free), a CPU tier whose every readable chunk holds the right bytes on every rank, and the same
-tokens as a run without offloading.
+duplicated and late acks, failed copies, dead ranks, whose replacements find their CPU-pool
+shard in shared memory or start empty). It runs the workload with offloading, checking the
+scheduler's books after every step (each rank checks the fence before every write), then
+requires the drain (no jobs, no fence, no request state, no busy slot, every GPU block free), a
+CPU tier whose every readable chunk holds the right bytes on every rank, and the same tokens as
+a run without offloading.
 
 Usage: python scripts/fuzz.py --steps 1000000 [--seed S]   (CI runs a short version)
 Exit status 1, with the seed and episode to replay, on the first violation.
@@ -63,6 +64,7 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int]:
         f"offload.blocks_per_chunk={rng.choice([1, 2, 3])}",
         f"offload.cpu_slots={rng.choice([3, 8, 32])}",
         f"offload.policy={rng.choice(['lru', 'arc', 'recall'])}",
+        f"offload.shared_pool={rng.choice(['true', 'false'])}",  # a death keeps / drops the tier
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
         f"engine.max_deferred_steps={rng.choice([8, 64])}",

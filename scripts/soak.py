@@ -147,7 +147,8 @@ def main() -> int:
     print(
         f"{'ok' if ok else 'FAIL'}: {report['requests_finished']} requests in "
         f"{report['soak_seconds']:.0f} s, {report['steps']} steps, "
-        f"{report['rank_restarts']} rank restarts, {report['integrity']['blocks_verified']} "
+        f"{report['rank_restarts']} rank restarts ({report['tier_kept_restarts']} kept the CPU "
+        f"tier), {report['integrity']['blocks_verified']} "
         f"blocks verified, {report['integrity']['mismatches']} mismatches, books {books}, "
         f"rss {warm / 2**20:.0f} -> {last / 2**20:.0f} MiB (max "
         f"{max(s[1] for s in samples) / 2**20:.0f})"

@@ -152,3 +152,17 @@ def test_a_request_stops_waiting_for_a_write_that_never_finishes(fault_free):
     report, _, _ = run(["delay-acks:rank=1:steps=1000000"], extra=extra)
     assert report["deferral_timeouts"] > 0
     assert report["output_digest"] == fault_free["output_digest"]
+
+
+def test_a_restarted_rank_finds_the_cpu_tier_in_shared_memory(fault_free):
+    # the same death with the shards in shared memory (default) and in private memory: only
+    # the first keeps the tier, serves more CPU hits afterwards, and its bytes still verify
+    # (run() checks every readable chunk on every rank)
+    kill = ["kill-worker:step=40:rank=1"]
+    kept, _, checked = run(kill)
+    lost, _, _ = run(kill, extra=("offload.shared_pool=false",))
+    assert kept["rank_restarts"] == lost["rank_restarts"] == 1
+    assert kept["tier_kept_restarts"] == 1 and lost["tier_kept_restarts"] == 0
+    assert kept["output_digest"] == lost["output_digest"] == fault_free["output_digest"]
+    assert kept["cpu_hit_tokens"] > lost["cpu_hit_tokens"]
+    assert checked > 0

@@ -23,14 +23,22 @@ from raykv.config import RaykvConfig
 from raykv.connector.plan import StepPlan, StepReport
 from raykv.connector.worker import RankDied
 from raykv.engine.core import RankFailed
+from raykv.pool_files import PoolFiles
 
 
 class RankWorker:
     """One rank. Created with ``ray.remote``; holds its shard of the KV cache and CPU pool."""
 
     def __init__(
-        self, cfg: dict[str, Any], rank: int, num_slots: int, incarnation: int = 0
+        self,
+        cfg: dict[str, Any],
+        rank: int,
+        num_slots: int,
+        incarnation: int = 0,
+        pool_path: str | None = None,
     ) -> None:
+        """``pool_path``: the shared-memory file of this rank's CPU-pool shard; a replacement
+        rank given its crashed predecessor's path finds the shard's chunks intact."""
         import torch  # noqa: F401  (pay the import here, not in the first step)
 
         from raykv.engine.workers import LocalWorker
@@ -39,7 +47,12 @@ class RankWorker:
         self.rank = rank
         self._hold: dict[str, int] = {}
         self.worker = LocalWorker(
-            self.cfg, rank, num_slots, ack_delay=self._delay, incarnation=incarnation
+            self.cfg,
+            rank,
+            num_slots,
+            ack_delay=self._delay,
+            incarnation=incarnation,
+            pool_path=pool_path,
         )
 
     def _delay(self, job_id: int) -> int:
@@ -48,8 +61,9 @@ class RankWorker:
             return 0
         return h["steps"] if (job_id + h.get("offset", 0)) % h.get("every", 1) == 0 else 0
 
-    def ready(self) -> int:
-        return self.rank
+    def ready(self) -> bool:
+        """Answers once the rank is built: whether it attached a predecessor's CPU-pool shard."""
+        return self.worker.pool_attached
 
     def execute(self, plan: StepPlan) -> StepReport:
         return self.worker.execute(plan)
@@ -91,12 +105,15 @@ class RayWorkerGroup:
         self,
         workers: list[Any],
         step_timeout_s: float | None = None,
-        spawn: Callable[[int, int], Any] | None = None,
+        spawn: Callable[[int, int, int], tuple[Any, bool]] | None = None,
     ) -> None:
         self.workers = workers
         self.step_timeout_s = step_timeout_s
-        self.spawn = spawn  # (rank, incarnation) -> a new RankWorker handle, ready
+        # (rank, incarnation, pool generation) -> (a new ready RankWorker, pool shard attached)
+        self.spawn = spawn
         self.incarnations = [0] * len(workers)
+        self.pool_generations = [0] * len(workers)
+        self._crashed: set[int] = set()  # ranks whose process is known to have exited
 
     @property
     def num_ranks(self) -> int:
@@ -116,20 +133,37 @@ class RayWorkerGroup:
                 continue
             try:
                 reports.append(pickle.loads(ray.get(ref)))
+            except ray.exceptions.ActorDiedError:
+                dead.append(rank)
+                self._crashed.add(rank)  # its process exited: it writes no memory any more
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
                 dead.append(rank)
         if dead:
             raise RankFailed(dead, reports)
         return reports
 
-    def restart(self, ranks: list[int]) -> None:
+    def restart(self, ranks: list[int]) -> bool:
+        """Replace the ranks; True when every new rank attached its predecessor's CPU-pool shard.
+
+        Only a rank whose process is known to have exited (its step call failed with the
+        actor's death) passes its shard on. A rank killed for being silent may still be running
+        for a moment after ``ray.kill``, so its successor gets a fresh shard (a new generation):
+        two live processes never share a shard."""
         if self.spawn is None:
             raise RuntimeError(f"ranks {ranks} died and this worker group cannot replace them")
+        intact = True
         for rank in ranks:
             with contextlib.suppress(Exception):
                 ray.kill(self.workers[rank], no_restart=True)
+            if rank not in self._crashed:
+                self.pool_generations[rank] += 1
+            self._crashed.discard(rank)
             self.incarnations[rank] += 1
-            self.workers[rank] = self.spawn(rank, self.incarnations[rank])
+            generation = self.pool_generations[rank]
+            handle, attached = self.spawn(rank, self.incarnations[rank], generation)
+            self.workers[rank] = handle
+            intact &= attached
+        return intact
 
 
 class EngineServer:
@@ -148,6 +182,7 @@ class EngineServer:
         check_invariants: bool = False,
         offload: bool | None = None,
         placement: Any = None,
+        pool_files: PoolFiles | None = None,
     ) -> None:
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
@@ -156,6 +191,7 @@ class EngineServer:
         self.cfg = RaykvConfig.model_validate(cfg)
         self._cfg_json = cfg
         self._placement = placement
+        self._pool_files = pool_files
         self.group = RayWorkerGroup(workers, self.cfg.parallel.step_timeout_s, self._spawn)
         self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         self.driver = Driver(self.engine, check_invariants=check_invariants)
@@ -274,16 +310,19 @@ class EngineServer:
         """The rank actors now serving (replaced ones included)."""
         return list(self.group.workers)
 
-    def _spawn(self, rank: int, incarnation: int) -> Any:
-        handle = spawn_rank_worker(self._cfg_json, rank, incarnation, self._placement)
-        ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)
-        return handle
+    def _spawn(self, rank: int, incarnation: int, generation: int) -> tuple[Any, bool]:
+        files = self._pool_files
+        path = files.path(rank, generation) if files is not None else None
+        handle = spawn_rank_worker(self._cfg_json, rank, incarnation, self._placement, path)
+        return handle, ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)
 
 
 READY_TIMEOUT_S = 300.0  # torch import and KV allocation on every rank, on a busy machine
 
 
-def spawn_rank_worker(cfg_json: dict[str, Any], rank: int, incarnation: int, pg: Any) -> Any:
+def spawn_rank_worker(
+    cfg_json: dict[str, Any], rank: int, incarnation: int, pg: Any, pool_path: str | None = None
+) -> Any:
     """A ``RankWorker`` actor for ``rank`` in bundle ``rank`` of the placement group."""
     cfg = RaykvConfig.model_validate(cfg_json)
     cuda = cfg.parallel.device == "cuda"
@@ -295,5 +334,5 @@ def spawn_rank_worker(cfg_json: dict[str, Any], rank: int, incarnation: int, pg:
     return (
         ray.remote(RankWorker)
         .options(**options)
-        .remote(cfg_json, rank, cfg.cpu_slots(), incarnation)
+        .remote(cfg_json, rank, cfg.cpu_slots(), incarnation, pool_path)
     )

@@ -13,6 +13,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from raykv.cluster.actors import READY_TIMEOUT_S, EngineServer, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
+from raykv.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
 
@@ -36,8 +37,10 @@ class RaykvClient:
         pg: Any,
         workers: list[Any],
         server: Any,
+        pool_files: PoolFiles | None = None,
     ) -> None:
         self.cfg = cfg
+        self._pool_files = pool_files
         self._ray = ray_handle
         self._pg = pg
         self.workers = workers
@@ -69,12 +72,19 @@ class RaykvClient:
                 f"{cfg.parallel.placement_strategy} (cluster has {ray.cluster_resources()}): {exc}"
             ) from exc
         cfg_json = cfg.model_dump(mode="json")
-        workers = [spawn_rank_worker(cfg_json, i, 0, pg) for i in range(tp)]
+        files = None
+        if cfg.offload.shared_pool and cfg.offload.enabled and offload is not False:
+            sweep_stale(cfg.offload.shared_pool_dir)
+            files = PoolFiles.new(cfg.offload.shared_pool_dir)
+        workers = [
+            spawn_rank_worker(cfg_json, i, 0, pg, files.path(i) if files else None)
+            for i in range(tp)
+        ]
         server_cls = ray.remote(EngineServer)
         server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
-            cfg_json, workers, verify, check_invariants, offload, pg
+            cfg_json, workers, verify, check_invariants, offload, pg, files
         )
-        client = cls(cfg, handle, pg, workers, server)
+        client = cls(cfg, handle, pg, workers, server, files)
         try:
             ray.get(
                 [w.ready.remote() for w in workers] + [server.ping.remote()],
@@ -171,6 +181,8 @@ class RaykvClient:
                 ray.kill(actor)
         with contextlib.suppress(Exception):
             remove_placement_group(self._pg)
+        if self._pool_files is not None:  # shards of ranks that died without cleaning up
+            self._pool_files.remove()
         self._ray.shutdown()
 
     def __enter__(self) -> RaykvClient:

@@ -98,12 +98,12 @@ class JobTable:
         del self.jobs[job_id]
         return job
 
-    def reset(self) -> list[int]:
-        """Forget every job (returning their ids) and start a new epoch."""
-        ids = list(self.jobs)
+    def reset(self) -> list[TransferJobStatus]:
+        """Forget every job (returning them) and start a new epoch."""
+        jobs = list(self.jobs.values())
         self.jobs.clear()
         self.stale_below = self.next_id
-        return ids
+        return jobs
 
     def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
         """Ranks that have not acked some job created ``timeout_steps`` or more steps ago."""

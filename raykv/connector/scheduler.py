@@ -526,13 +526,26 @@ class ConnectorScheduler:
         if state is not None and not state.jobs:
             del self._reqs[req.req_id]
 
-    def reset(self) -> list[str]:
-        """Drop the CPU tier's contents and every job. In-flight jobs are flushed by the next
-        plan (loads must land before their slots are handed to new stores) and their late acks
-        are ignored as stale. Returns the requests whose loads were cancelled (to recompute)."""
+    def reset(self, keep_tier: bool = False) -> list[str]:
+        """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.
+
+        In-flight jobs are flushed by the next plan (a surviving rank may still be copying: its
+        loads must land before their slots are handed to new stores, its stores before their
+        slots are written again) and their late acks are ignored as stale. With ``keep_tier``
+        (every rank's CPU-pool shard survived) each abandoned job ends as failed: a store's keys
+        never become readable, a load's chunks are released; what was readable stays readable.
+        Returns the requests whose loads were cancelled (to recompute)."""
         cancelled = [s.req.req_id for s in self._reqs.values() if s.has_load]
-        for job_id in self.jobs.reset():
-            self._flush[job_id] = "reset"
+        for job in self.jobs.reset():
+            self._flush[job.job_id] = "reset"
+            if not keep_tier:
+                continue
+            if job.is_store:
+                self.directory.complete_store(job.keys, success=False)
+                self.stats.failed_stores += 1
+            else:
+                self.directory.complete_load(job.keys)
+                self.stats.failed_loads += 1
         for req_id, state in list(self._reqs.items()):
             if state.finished:
                 del self._reqs[req_id]
@@ -543,7 +556,8 @@ class ConnectorScheduler:
             for gs in state.groups:
                 gs.next_stored_chunk = 0
         self._finished = [s for s in self._finished if s.req.req_id in self._reqs]
-        self.directory.reset()
+        if not keep_tier:
+            self.directory.reset()
         self.fence.clear()
         self._loading_keys.clear()
         return cancelled

@@ -46,7 +46,9 @@ class Workers(Protocol):
 
     def execute(self, plan: StepPlan) -> list[StepReport]: ...
 
-    def restart(self, ranks: list[int]) -> None: ...
+    def restart(self, ranks: list[int]) -> bool:
+        """Replace the ranks; True when each new one found its CPU-pool shard intact."""
+        ...
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class EngineTotals:
     steps: int = 0
     idle_steps: int = 0  # steps with no tokens scheduled (polling and acking only)
     rank_restarts: int = 0  # ranks that died or went silent and were replaced
+    tier_kept_restarts: int = 0  # of those, restarts after which the CPU tier was kept
     transfer: TransferStats = field(default_factory=TransferStats)
     per_rank: list[dict[str, float]] = field(default_factory=list)  # transfer stats by rank
     finished: int = 0
@@ -196,15 +199,18 @@ class EngineCore:
         return finished
 
     def recover(self, dead: list[int]) -> None:
-        """Replace dead ranks and start over from what survives: the new ranks hold no KV and an
-        empty CPU-pool shard, and every chunk in the CPU tier had a shard on them, so the tier
-        is emptied (its jobs flushed by the next step, their late acks ignored as stale), the GPU
-        prefix cache forgotten, and every request with KV on the GPU recomputes it. The model is
-        deterministic, so each request still produces exactly its fault-free tokens."""
+        """Replace dead ranks and start over from what survives. The new ranks hold no KV, so
+        the GPU prefix cache is forgotten and every request with KV on the GPU recomputes it;
+        every job in flight is abandoned (flushed by the next step, late acks ignored as stale).
+        The CPU tier keeps its finished chunks when every new rank found its predecessor's
+        CPU-pool shard (``offload.shared_pool``); otherwise each chunk lost a shard and the tier
+        is emptied. The model is deterministic, so each request still produces exactly its
+        fault-free tokens."""
         self.totals.rank_restarts += len(dead)
-        self.workers.restart(dead)
+        intact = self.workers.restart(dead)
         if self.connector is not None:
-            self.connector.reset()
+            self.totals.tier_kept_restarts += len(dead) if intact else 0
+            self.connector.reset(keep_tier=intact)
         for req in self.scheduler.restart_all():
             if self.connector is not None:
                 self.connector.release_blocks(req)

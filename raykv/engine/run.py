@@ -181,6 +181,7 @@ def build_report(
         },
         "preemptions": s.preemptions,
         "rank_restarts": t.rank_restarts,
+        "tier_kept_restarts": t.tier_kept_restarts,
         "deferral_timeouts": c.deferral_timeouts if c else 0,
         "deferred_lookups": c.deferred_lookups if c else 0,
         "allocation_failures": c.allocation_failures if c else 0,

@@ -7,6 +7,7 @@ wraps exactly these objects in actors.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from raykv.config import RaykvConfig
@@ -14,6 +15,7 @@ from raykv.connector.plan import BlockContent, StepPlan, StepReport
 from raykv.connector.worker import AckDelay, ConnectorWorker, RankDied
 from raykv.engine.core import RankFailed
 from raykv.faults import RankFaults, parse_fault
+from raykv.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.rank import build_rank
 
@@ -46,7 +48,10 @@ class LocalWorker:
         exec_delay: ExecDelay | None = None,
         threaded: bool = True,
         incarnation: int = 0,
+        pool_path: str | None = None,
     ) -> None:
+        """``pool_path``: keep the CPU-pool shard in that shared-memory file (attached if a dead
+        predecessor left it)."""
         self.rank = rank
         self.layout = make_layout(cfg, num_slots)
         self.faults = RankFaults(rank, [parse_fault(f) for f in cfg.faults], incarnation)
@@ -58,8 +63,13 @@ class LocalWorker:
             threaded=threaded,
             exec_delay=exec_delay,
             copy_fails=self.faults.copy_fails if self.faults.active else None,
+            pool_path=pool_path,
         )
         self.kv, self.pool, self.engine, self.model = res.kv, res.pool, res.engine, res.model
+        self.shared = res.shared
+        if pool_path is not None:
+            remove_generations(pool_path, keep=True)
+        self.pool_attached = res.pool_attached
         self.connector = ConnectorWorker(
             rank, self.engine, self.model, self.kv, ack_delay, self.faults
         )
@@ -76,8 +86,18 @@ class LocalWorker:
         )
         return len(items), bad
 
+    def die(self) -> None:
+        """What a crash leaves behind, in one process: queued copies dropped, the copy under
+        way finished (no write to the pool after this returns), the pool file kept."""
+        self.engine.shutdown(wait=False)
+        if self.shared is not None:
+            self.shared.unpin()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.shared is not None:
+            self.shared.unpin()
+            remove_generations(self.shared.path)
 
 
 class LocalWorkerGroup:
@@ -97,6 +117,12 @@ class LocalWorkerGroup:
         self._cfg, self._num_slots, self._threaded = cfg, num_slots, threaded
         self._acks, self._execs = ack_delays or {}, exec_delays or {}
         self.incarnations = [0] * cfg.parallel.tensor_parallel_size
+        self.pool_files: PoolFiles | None = None
+        if cfg.offload.enabled and cfg.offload.shared_pool:
+            sweep_stale(cfg.offload.shared_pool_dir)
+            self.pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
+            # also when a test drops the group without shutdown, or the interpreter exits
+            weakref.finalize(self, self.pool_files.remove)
         self.workers = [self._make(rank) for rank in range(cfg.parallel.tensor_parallel_size)]
 
     def _make(self, rank: int) -> LocalWorker:
@@ -108,6 +134,7 @@ class LocalWorkerGroup:
             self._execs.get(rank),
             self._threaded,
             self.incarnations[rank],
+            self.pool_files.path(rank) if self.pool_files is not None else None,
         )
 
     @property
@@ -127,13 +154,16 @@ class LocalWorkerGroup:
             raise RankFailed(dead, reports)
         return reports
 
-    def restart(self, ranks: list[int]) -> None:
-        """Replace dead ranks with fresh ones: empty KV shard, empty CPU pool shard."""
+    def restart(self, ranks: list[int]) -> bool:
+        """Replace dead ranks with fresh ones (empty KV shard). Returns whether every new rank
+        found its predecessor's CPU-pool shard (shared memory); otherwise the shard is empty."""
+        intact = True
         for rank in ranks:
-            old = self.workers[rank]
-            old.engine.shutdown(wait=False)
+            self.workers[rank].die()
             self.incarnations[rank] += 1
             self.workers[rank] = self._make(rank)
+            intact &= self.workers[rank].pool_attached
+        return intact
 
     def verify_cpu_tier(self, items: list[tuple[int, int, BlockContent]]) -> tuple[int, int]:
         """Every rank's CPU-pool shard against ``EngineCore.cpu_tier_contents()``."""
@@ -147,6 +177,8 @@ class LocalWorkerGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             w.shutdown()
+        if self.pool_files is not None:
+            self.pool_files.remove()
 
     def __enter__(self) -> LocalWorkerGroup:
         return self

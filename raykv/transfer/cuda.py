@@ -182,11 +182,20 @@ class CudaTransferEngine(TransferEngineBase):
         self._held.clear()
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop the engine. ``wait``: issue held jobs and let everything finish; otherwise held
+        jobs are dropped. Either way no copy touches the KV or the pool after this returns
+        (copies already issued cannot be recalled, so they are waited for)."""
         if self._closed:
             return
-        self.resume()
         if wait:
-            torch.cuda.synchronize(self.device)
+            self.resume()
+        else:
+            held = set(map(id, self._held))
+            self._queue = deque(j for j in self._queue if id(j) not in held)
+            self._held.clear()
+        for streams in self._streams.values():
+            for stream in streams:
+                stream.synchronize()
         self._closed = True
 
     # ---- internals ------------------------------------------------------------------------

@@ -3,6 +3,7 @@ model shard."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +13,9 @@ from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
 from raykv.transfer.model import SyntheticModel
+from raykv.transfer.shared_pool import SharedPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -20,6 +24,12 @@ class RankResources:
     pool: torch.Tensor
     engine: CpuTransferEngine | CudaTransferEngine
     model: SyntheticModel
+    shared: SharedPool | None = None  # the pool's file, when the shard is in shared memory
+
+    @property
+    def pool_attached(self) -> bool:
+        """The pool is a dead predecessor's shard, its finished chunks intact."""
+        return self.shared is not None and self.shared.attached
 
 
 def build_rank(
@@ -31,10 +41,12 @@ def build_rank(
     threaded: bool = True,
     exec_delay: Callable[[int], int] | None = None,
     copy_fails: Callable[[], bool] | None = None,
+    pool_path: str | None = None,
 ) -> RankResources:
     """``device`` is ``cpu`` or ``cuda``. CUDA ranks take GPU ``rank % device_count`` (under Ray
     each rank sees only its own GPU, device 0; ranks in one process share the GPUs there are) and
-    a pinned pool."""
+    a pinned pool. With ``pool_path`` the pool is that shared-memory file (see
+    :mod:`raykv.transfer.shared_pool`), created or, after a restart, attached."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -44,16 +56,36 @@ def build_rank(
             raise ValueError("exec_delay is a CPU-engine test hook; pause() works on CUDA")
         dev = torch.device("cuda", rank % torch.cuda.device_count())
         kv = allocate_kv(layout, dev)
-        pool = allocate_pool(layout, pin=True)
+        shared = _shared_pool(pool_path, layout, rank)
+        if shared is not None and not shared.pin():
+            log.warning("rank %d: cannot page-lock %s; pinning a private pool", rank, pool_path)
+            shared.unlink()
+            shared = None
+        pool = shared.tensor if shared is not None else allocate_pool(layout, pin=True)
         engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(
             kv, pool, layout, fail=copy_fails
         )
-        return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size, device=dev))
+        model = SyntheticModel(layout, rank, tp_size, device=dev)
+        return RankResources(kv, pool, engine, model, shared)
     if device != "cpu":
         raise ValueError(f"parallel.device must be cpu or cuda, got {device!r}")
     kv = allocate_kv(layout)
-    pool = allocate_pool(layout)
+    shared = _shared_pool(pool_path, layout, rank)
+    pool = shared.tensor if shared is not None else allocate_pool(layout)
     engine = CpuTransferEngine(
         kv, pool, layout, threaded=threaded, exec_delay=exec_delay, fail=copy_fails
     )
-    return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size))
+    return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size), shared)
+
+
+def _shared_pool(path: str | None, layout: KVLayout, rank: int) -> SharedPool | None:
+    """The shard in shared memory, or None (private memory) when there is no room for it: a
+    rank that cannot keep its shard across a restart still serves, as Ray's object store falls
+    back from a small /dev/shm."""
+    if not path:
+        return None
+    try:
+        return SharedPool(path, layout)
+    except MemoryError as exc:
+        log.warning("rank %d keeps its CPU-pool shard in private memory: %s", rank, exc)
+        return None

@@ -51,7 +51,7 @@ def test_job_finishes_only_when_every_rank_acked_it_once() -> None:
     assert table.ack(99, 7) is None and table.stats.bad_rank == 1
     table.create("r", [3], is_store=False)
     stale = table.reset()
-    assert stale == [1]
+    assert [j.job_id for j in stale] == [1]
     assert table.ack(1, 0) is None and table.stats.stale == 1
 
 
@@ -105,6 +105,38 @@ def test_reset_flushes_everything_in_flight_and_ignores_late_acks() -> None:
     r.run()
     assert r.connector.jobs.stats.stale >= len(in_flight)
     assert b.finished and c.finished
+    assert r.engine.totals.transfer.mismatches == 0
+    r.drained()
+
+
+def test_a_restart_with_shards_intact_fails_only_what_was_in_flight() -> None:
+    from tests.connector.test_load_path import forget_gpu_blocks
+
+    r = Runner(block_size=4, num_gpu_blocks=32)
+    prompt = tokens(13)
+    r.add("a", prompt)
+    r.run()
+    forget_gpu_blocks(r, prompt)
+    r.pause_copies()
+    b = r.add("b", [*prompt, 1])  # loading a's chunks
+    c = r.add("c", tokens(9, 200), max_tokens=8)  # storing
+    r.step()
+    d = r.connector.directory
+    readable = d.readable_keys()
+    writing = d.stats().writing
+    assert readable and writing and b.load_job is not None
+    in_flight = set(r.connector.jobs.jobs)
+    r.engine.recover([0])  # a real replacement rank, mapping its predecessor's pool file
+    assert r.engine.totals.tier_kept_restarts == 1
+    assert d.readable_keys() == readable  # what was written stays readable
+    assert d.stats().writing == 0 and d.stats().reading == 0  # what was in flight is gone
+    assert len(r.connector.jobs) == 0 and not r.connector.fence
+    r.step()
+    assert set(r.records[-1].plan.flush) == in_flight
+    r.resume_copies()
+    r.run()
+    assert b.finished and c.finished
+    assert r.engine.scheduler.stats.cpu_hit_tokens >= 12  # b loaded a's chunks again
     assert r.engine.totals.transfer.mismatches == 0
     r.drained()
 

@@ -51,6 +51,29 @@ def test_cuda_ranks_under_heavy_reuse_and_sliding_windows() -> None:
     assert gpu["output_digest"] == run("cuda", offload=False, extra=extra)["output_digest"]
 
 
+def test_cuda_ranks_page_lock_their_shared_memory_shard(tmp_path) -> None:
+    from raykv.engine.workers import make_layout
+    from raykv.pool_files import PoolFiles
+    from raykv.transfer.rank import build_rank
+
+    cfg = load_config(None, [*SETS, "parallel.device=cuda"])
+    layout = make_layout(cfg, 16)
+    res = build_rank(layout, 0, 2, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    try:
+        assert res.shared is not None and res.pool.is_pinned()
+    finally:
+        res.engine.shutdown()
+        res.shared.unpin()
+
+
+def test_a_dead_cuda_rank_is_replaced_and_finds_the_cpu_tier() -> None:
+    extra = ('faults=["kill-worker:step=30:rank=1"]',)
+    gpu = run("cuda", extra=extra)
+    assert gpu["rank_restarts"] == gpu["tier_kept_restarts"] == 1
+    assert gpu["integrity"]["mismatches"] == 0
+    assert gpu["output_digest"] == run("cuda", offload=False)["output_digest"]
+
+
 def test_transfer_bench_on_cuda_reports_sane_numbers() -> None:
     result = run_transfer_bench("cuda", [64, 1024], 64, ["store", "load", "both"], repeat=1)
     assert result["device"] == "cuda"
