@@ -3,9 +3,10 @@
 Files are named ``raykv-<host>-<owner pid>-<token>-r<rank>g<generation>.pool`` in a tmpfs
 directory (``offload.shared_pool_dir``). The owner is the process that started the run (the
 ``raykv run`` process or the driver); it removes them at the end, and a later run on the same
-host removes files whose owner is gone (a crashed run). A new generation gives a rank a fresh
-file when its predecessor could not be confirmed dead: a live process must never share memory
-with its replacement. No torch here: the driver names and removes files without importing it.
+host removes files whose owner is gone (a crashed run). A replacement rank maps its
+predecessor's file once that process has exited; a new generation gives it a fresh file when
+the predecessor is still alive: a live process must never share memory with its replacement.
+No torch here: the driver names and removes files without importing it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import re
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 
 _NAME_RE = re.compile(r"^raykv-(?P<host>.+)-(?P<pid>\d+)-(?P<token>[0-9a-f]+)-r\d+g\d+\.pool$")
@@ -59,6 +61,35 @@ def remove_generations(path: str, keep: bool = False) -> None:
             os.unlink(other)
 
 
+def process_id() -> tuple[int, int | None]:
+    """This process's pid and its pid namespace (None where /proc cannot tell): a pid means
+    the same process only within one namespace."""
+    try:
+        ns: int | None = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = None
+    return os.getpid(), ns
+
+
+def successor_path(path: str, predecessor: tuple[int, int | None], wait_s: float) -> str:
+    """The shard file for a rank that replaces the process ``predecessor`` (``process_id()``
+    there): ``path`` itself once that process is gone, waiting up to ``wait_s`` for it to exit
+    (a rank killed with ``ray.kill`` can run on for a moment); the next generation's fresh file
+    if it is still alive then, or if it cannot be seen from here (another pid namespace), so
+    that two live processes never share a shard."""
+    pid, ns = predecessor
+    visible = ns is not None and ns == process_id()[1]
+    deadline = time.monotonic() + wait_s
+    while not visible or _alive(pid):
+        if not visible or time.monotonic() >= deadline:
+            m = re.search(r"g(\d+)\.pool$", path)
+            if m is None:
+                raise ValueError(f"not a shard file name: {path!r}")
+            return f"{path[: m.start()]}g{int(m[1]) + 1}.pool"
+        time.sleep(0.02)
+    return path
+
+
 def sweep_stale(directory: str) -> list[str]:
     """Delete shard files left by runs on this host whose owner process is gone."""
     host, removed = socket.gethostname(), []
@@ -73,10 +104,15 @@ def sweep_stale(directory: str) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie has let go of its memory already)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # someone else's live process
-    return True
+        pass  # someone else's process
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: existence is all we can tell

@@ -14,6 +14,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -23,7 +24,20 @@ from raykv.config import RaykvConfig
 from raykv.connector.plan import StepPlan, StepReport
 from raykv.connector.worker import RankDied
 from raykv.engine.core import RankFailed
-from raykv.pool_files import PoolFiles
+from raykv.pool_files import process_id, successor_path
+
+# A replacement rank waits this long for its killed predecessor's process to exit before it maps
+# the predecessor's CPU-pool shard; after that it takes a fresh one.
+PREDECESSOR_EXIT_S = 20.0
+
+
+@dataclass(slots=True)
+class RankInfo:
+    """What a rank actor reports once built."""
+
+    process: tuple[int, int | None]  # pid and pid namespace (``process_id()``)
+    pool_path: str | None  # its CPU-pool shard's file (None: private memory)
+    attached: bool  # the shard is its predecessor's, finished chunks intact
 
 
 class RankWorker:
@@ -36,12 +50,18 @@ class RankWorker:
         num_slots: int,
         incarnation: int = 0,
         pool_path: str | None = None,
+        predecessor: tuple[int, int | None] | None = None,
     ) -> None:
-        """``pool_path``: the shared-memory file of this rank's CPU-pool shard; a replacement
-        rank given its crashed predecessor's path finds the shard's chunks intact."""
+        """``pool_path``: the shared-memory file of this rank's CPU-pool shard. A replacement
+        rank gets its predecessor's path and process: once that process is gone it maps the file
+        and finds the finished chunks intact (see :func:`raykv.pool_files.successor_path`)."""
         import torch  # noqa: F401  (pay the import here, not in the first step)
 
         from raykv.engine.workers import LocalWorker
+
+        if pool_path is not None and predecessor is not None:
+            pool_path = successor_path(pool_path, predecessor, PREDECESSOR_EXIT_S)
+        self.pool_path = pool_path
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self.rank = rank
@@ -61,9 +81,10 @@ class RankWorker:
             return 0
         return h["steps"] if (job_id + h.get("offset", 0)) % h.get("every", 1) == 0 else 0
 
-    def ready(self) -> bool:
-        """Answers once the rank is built: whether it attached a predecessor's CPU-pool shard."""
-        return self.worker.pool_attached
+    def ready(self) -> RankInfo:
+        """Answers once the rank is built."""
+        w = self.worker
+        return RankInfo(process_id(), self.pool_path if w.shared else None, w.pool_attached)
 
     def execute(self, plan: StepPlan) -> StepReport:
         return self.worker.execute(plan)
@@ -105,15 +126,18 @@ class RayWorkerGroup:
         self,
         workers: list[Any],
         step_timeout_s: float | None = None,
-        spawn: Callable[[int, int, int], tuple[Any, bool]] | None = None,
+        spawn: Callable[[int, int, RankInfo], tuple[Any, RankInfo]] | None = None,
     ) -> None:
         self.workers = workers
         self.step_timeout_s = step_timeout_s
-        # (rank, incarnation, pool generation) -> (a new ready RankWorker, pool shard attached)
+        # (rank, incarnation, the predecessor's info) -> (a new ready RankWorker, its info)
         self.spawn = spawn
         self.incarnations = [0] * len(workers)
-        self.pool_generations = [0] * len(workers)
-        self._crashed: set[int] = set()  # ranks whose process is known to have exited
+        self.infos: list[RankInfo] = (
+            ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
+            if spawn is not None
+            else []
+        )
 
     @property
     def num_ranks(self) -> int:
@@ -133,9 +157,6 @@ class RayWorkerGroup:
                 continue
             try:
                 reports.append(pickle.loads(ray.get(ref)))
-            except ray.exceptions.ActorDiedError:
-                dead.append(rank)
-                self._crashed.add(rank)  # its process exited: it writes no memory any more
             except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
                 dead.append(rank)
         if dead:
@@ -143,26 +164,20 @@ class RayWorkerGroup:
         return reports
 
     def restart(self, ranks: list[int]) -> bool:
-        """Replace the ranks; True when every new rank attached its predecessor's CPU-pool shard.
-
-        Only a rank whose process is known to have exited (its step call failed with the
-        actor's death) passes its shard on. A rank killed for being silent may still be running
-        for a moment after ``ray.kill``, so its successor gets a fresh shard (a new generation):
-        two live processes never share a shard."""
+        """Replace the ranks; True when every new rank attached its predecessor's CPU-pool shard
+        (it does once the predecessor's process has exited, which a killed one does within
+        moments; one that lingers past ``PREDECESSOR_EXIT_S`` leaves its successor a fresh
+        shard, and the CPU tier is emptied)."""
         if self.spawn is None:
             raise RuntimeError(f"ranks {ranks} died and this worker group cannot replace them")
         intact = True
         for rank in ranks:
             with contextlib.suppress(Exception):
                 ray.kill(self.workers[rank], no_restart=True)
-            if rank not in self._crashed:
-                self.pool_generations[rank] += 1
-            self._crashed.discard(rank)
             self.incarnations[rank] += 1
-            generation = self.pool_generations[rank]
-            handle, attached = self.spawn(rank, self.incarnations[rank], generation)
-            self.workers[rank] = handle
-            intact &= attached
+            handle, info = self.spawn(rank, self.incarnations[rank], self.infos[rank])
+            self.workers[rank], self.infos[rank] = handle, info
+            intact &= info.attached
         return intact
 
 
@@ -182,7 +197,6 @@ class EngineServer:
         check_invariants: bool = False,
         offload: bool | None = None,
         placement: Any = None,
-        pool_files: PoolFiles | None = None,
     ) -> None:
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
@@ -191,7 +205,6 @@ class EngineServer:
         self.cfg = RaykvConfig.model_validate(cfg)
         self._cfg_json = cfg
         self._placement = placement
-        self._pool_files = pool_files
         self.group = RayWorkerGroup(workers, self.cfg.parallel.step_timeout_s, self._spawn)
         self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         self.driver = Driver(self.engine, check_invariants=check_invariants)
@@ -310,10 +323,10 @@ class EngineServer:
         """The rank actors now serving (replaced ones included)."""
         return list(self.group.workers)
 
-    def _spawn(self, rank: int, incarnation: int, generation: int) -> tuple[Any, bool]:
-        files = self._pool_files
-        path = files.path(rank, generation) if files is not None else None
-        handle = spawn_rank_worker(self._cfg_json, rank, incarnation, self._placement, path)
+    def _spawn(self, rank: int, incarnation: int, before: RankInfo) -> tuple[Any, RankInfo]:
+        handle = spawn_rank_worker(
+            self._cfg_json, rank, incarnation, self._placement, before.pool_path, before.process
+        )
         return handle, ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)
 
 
@@ -321,7 +334,12 @@ READY_TIMEOUT_S = 300.0  # torch import and KV allocation on every rank, on a bu
 
 
 def spawn_rank_worker(
-    cfg_json: dict[str, Any], rank: int, incarnation: int, pg: Any, pool_path: str | None = None
+    cfg_json: dict[str, Any],
+    rank: int,
+    incarnation: int,
+    pg: Any,
+    pool_path: str | None = None,
+    predecessor: tuple[int, int | None] | None = None,
 ) -> Any:
     """A ``RankWorker`` actor for ``rank`` in bundle ``rank`` of the placement group."""
     cfg = RaykvConfig.model_validate(cfg_json)
@@ -334,5 +352,5 @@ def spawn_rank_worker(
     return (
         ray.remote(RankWorker)
         .options(**options)
-        .remote(cfg_json, rank, cfg.cpu_slots(), incarnation, pool_path)
+        .remote(cfg_json, rank, cfg.cpu_slots(), incarnation, pool_path, predecessor)
     )

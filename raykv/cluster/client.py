@@ -82,7 +82,7 @@ class RaykvClient:
         ]
         server_cls = ray.remote(EngineServer)
         server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
-            cfg_json, workers, verify, check_invariants, offload, pg, files
+            cfg_json, workers, verify, check_invariants, offload, pg
         )
         client = cls(cfg, handle, pg, workers, server, files)
         try:

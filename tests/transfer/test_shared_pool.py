@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from raykv.pool_files import PoolFiles, remove_generations, sweep_stale
+from raykv.pool_files import PoolFiles, process_id, remove_generations, successor_path, sweep_stale
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.shared_pool import SharedPool
 
@@ -100,3 +100,26 @@ def test_a_rank_without_room_in_shared_memory_falls_back_to_private_memory(
         assert not os.listdir(tmp_path)  # nothing half-made left for a successor
     finally:
         res.engine.shutdown()
+
+
+def test_a_successor_maps_the_shard_only_once_its_predecessor_has_exited(tmp_path) -> None:
+    path = PoolFiles.new(str(tmp_path)).path(1, generation=3)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    ns = process_id()[1]
+    assert successor_path(path, (int(gone.stdout), ns), wait_s=5) == path
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:  # still alive after the wait: a fresh shard of the next generation
+        assert successor_path(path, (lingering.pid, ns), wait_s=0.2).endswith("-r1g4.pool")
+    finally:
+        lingering.kill()
+        lingering.wait()
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    assert successor_path(path, (exiting.pid, ns), wait_s=20) == path  # exited while waited for
+    exiting.wait()
+    # a process in another pid namespace cannot be watched from here: never share with it
+    assert successor_path(path, (int(gone.stdout), -1), wait_s=5).endswith("-r1g4.pool")
