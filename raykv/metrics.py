@@ -83,8 +83,7 @@ class EngineMetrics:
         s = e.scheduler.stats
         self._inc(self.hits, "hit_gpu", s.gpu_hit_tokens, {"tier": "gpu"})
         self._inc(self.hits, "hit_cpu", s.cpu_hit_tokens, {"tier": "cpu"})
-        missed = e.totals.prompt_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens
-        self._inc(self.misses, "miss", max(missed, 0))
+        self._inc(self.misses, "miss", s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens)
         c = e.connector
         if c is None:
             return

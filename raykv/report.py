@@ -63,16 +63,22 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
     table = Table(title="raykv run", title_justify="left", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
-    prompt = max(r["prompt_tokens"], 1)
+    # hits are counted per admission, so they are shown as a share of what admissions needed
+    # (more than the prompts when preemptions and restarts re-admit requests)
+    admitted = max(r["admitted_tokens"], 1)
     rows = [
         ("requests finished", f"{r['requests_finished']} / {r['requests']}"),
         ("prompt tokens", f"{r['prompt_tokens']:,}"),
         ("generated tokens", f"{r['generated_tokens']:,}"),
+        ("admitted tokens", f"{r['admitted_tokens']:,} (re-admissions count again)"),
         (
             "GPU prefix-cache hits",
-            f"{r['gpu_hit_tokens']:,} tokens ({r['gpu_hit_tokens'] / prompt:.1%})",
+            f"{r['gpu_hit_tokens']:,} tokens ({r['gpu_hit_tokens'] / admitted:.1%} of admitted)",
         ),
-        ("CPU-tier hits", f"{r['cpu_hit_tokens']:,} tokens ({r['cpu_hit_tokens'] / prompt:.1%})"),
+        (
+            "CPU-tier hits",
+            f"{r['cpu_hit_tokens']:,} tokens ({r['cpu_hit_tokens'] / admitted:.1%} of admitted)",
+        ),
         ("recomputed tokens", f"{r['recomputed_tokens']:,}"),
     ]
     for name in ("loads", "stores"):

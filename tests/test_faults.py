@@ -92,6 +92,10 @@ def run(faults: list[str], extra: tuple[str, ...] = (), threaded: bool = False):
     assert engine.pool.num_free == engine.pool.num_usable
     checked = check_cpu_tier(engine, workers)
     workers.shutdown()
+    # hits are a share of what admissions needed, re-admissions included (the report's basis)
+    hits = report["gpu_hit_tokens"] + report["cpu_hit_tokens"]
+    assert hits <= report["admitted_tokens"]
+    assert report["admitted_tokens"] >= report["prompt_tokens"]  # every request got in once
     return report, engine, checked
 
 

@@ -141,6 +141,7 @@ def progress_of(driver: Driver) -> dict[str, Any]:
         "steps": e.totals.steps,
         "generated_tokens": e.totals.generated_tokens,
         "prompt_tokens": e.totals.prompt_tokens,
+        "admitted_tokens": s.admitted_tokens,
         "gpu_hit_tokens": s.gpu_hit_tokens,
         "cpu_hit_tokens": s.cpu_hit_tokens,
     }
@@ -158,6 +159,7 @@ def build_report(
         "requests": admitted,
         "prompt_tokens": t.prompt_tokens,
         "generated_tokens": t.generated_tokens,
+        "admitted_tokens": s.admitted_tokens,
         "gpu_hit_tokens": s.gpu_hit_tokens,
         "cpu_hit_tokens": s.cpu_hit_tokens,
         "recomputed_tokens": s.recomputed_tokens,

@@ -39,6 +39,9 @@ class SchedulerStats:
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     recomputed_tokens: int = 0  # prompt tokens computed again after a preemption or failed load
+    # tokens each admission had to provide, from a cache or by computing them (re-admissions after
+    # a preemption, a failed load or a rank restart count again): what hits are a share of
+    admitted_tokens: int = 0
     deferred: int = 0
 
 
@@ -284,6 +287,7 @@ class Scheduler:
             req.num_gpu_hit_tokens, req.num_cpu_hit_tokens = local, ext
         self.stats.gpu_hit_tokens += local
         self.stats.cpu_hit_tokens += ext
+        self.stats.admitted_tokens += req.num_tokens
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
