@@ -58,6 +58,11 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def _restarts(r: dict) -> str:
+    n = r.get("rank_restarts", 0)
+    return f"{n:,} (CPU tier kept in {r.get('tier_kept_restarts', 0):,})" if n else "0"
+
+
 def print_run_report(console: Console, r: dict, verify: bool) -> None:
     """The final table of ``raykv run``."""
     table = Table(title="raykv run", title_justify="left", show_header=False)
@@ -94,10 +99,7 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
     rows += [
         ("fence flushes", f"reuse {f['reuse']}, preemption {f['preemption']}, reset {f['reset']}"),
         ("preemptions", f"{r['preemptions']:,}"),
-        (
-            "rank restarts",
-            f"{r.get('rank_restarts', 0):,} (CPU tier kept in {r.get('tier_kept_restarts', 0):,})",
-        ),
+        ("rank restarts", _restarts(r)),
         ("steps", f"{r['steps']:,} ({r['idle_steps']:,} polling only)"),
         ("wall time", f"{r['wall_seconds']:.2f} s"),
         ("output digest", r["output_digest"][:16]),
