@@ -39,11 +39,11 @@ def run_progress(console: Console, total: int) -> Iterator[callable]:
 
         def update(p: dict) -> None:
             elapsed = max(time.perf_counter() - start, 1e-9)
-            prompt = max(p["prompt_tokens"], 1)
+            admitted = max(p["admitted_tokens"], 1)
             hits = p["gpu_hit_tokens"] + p["cpu_hit_tokens"]
             stats = (
                 f"{p['generated_tokens'] / elapsed:7.0f} tok/s  "
-                f"hit {hits / prompt:6.1%}  cpu {p['cpu_hit_tokens'] / prompt:6.1%}"
+                f"hit {hits / admitted:6.1%}  cpu {p['cpu_hit_tokens'] / admitted:6.1%}"
             )
             bar.update(task, completed=p["finished"], stats=stats)
 
