@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from raykv.connector.jobs import JobTable
 from raykv.connector.plan import StepReport, TransferStats
-from raykv.core.request import RequestStatus
+from raykv.core.request import Request, RequestStatus
 from tests.connector.harness import Runner, tokens
 
 
@@ -80,7 +80,9 @@ def test_unknown_and_duplicate_reports_are_counted_and_ignored() -> None:
     r.drained()
 
 
-def test_reset_flushes_everything_in_flight_and_ignores_late_acks() -> None:
+def load_and_store_in_flight() -> tuple[Runner, Request, Request]:
+    """Request a's chunks are in the CPU tier (not on the GPU); b is loading them and c storing
+    its own, with the copies really pending."""
     from tests.connector.test_load_path import forget_gpu_blocks
 
     r = Runner(block_size=4, num_gpu_blocks=32)
@@ -89,9 +91,14 @@ def test_reset_flushes_everything_in_flight_and_ignores_late_acks() -> None:
     r.run()
     forget_gpu_blocks(r, prompt)
     r.pause_copies()
-    b = r.add("b", [*prompt, 1])  # loading
-    c = r.add("c", tokens(9, 200), max_tokens=8)  # storing
+    b = r.add("b", [*prompt, 1])
+    c = r.add("c", tokens(9, 200), max_tokens=8)
     r.step()
+    return r, b, c
+
+
+def test_reset_flushes_everything_in_flight_and_ignores_late_acks() -> None:
+    r, b, c = load_and_store_in_flight()
     in_flight = set(r.connector.jobs.jobs)
     assert b.load_job is not None and in_flight
     r.engine.reset_offload()
@@ -110,17 +117,7 @@ def test_reset_flushes_everything_in_flight_and_ignores_late_acks() -> None:
 
 
 def test_a_restart_with_shards_intact_fails_only_what_was_in_flight() -> None:
-    from tests.connector.test_load_path import forget_gpu_blocks
-
-    r = Runner(block_size=4, num_gpu_blocks=32)
-    prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
-    forget_gpu_blocks(r, prompt)
-    r.pause_copies()
-    b = r.add("b", [*prompt, 1])  # loading a's chunks
-    c = r.add("c", tokens(9, 200), max_tokens=8)  # storing
-    r.step()
+    r, b, c = load_and_store_in_flight()
     d = r.connector.directory
     readable = d.readable_keys()
     writing = d.stats().writing
