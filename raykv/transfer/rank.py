@@ -13,7 +13,7 @@ from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
 from raykv.transfer.model import SyntheticModel
-from raykv.transfer.shared_pool import SharedPool
+from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,6 @@ def _shared_pool(path: str | None, layout: KVLayout, rank: int) -> SharedPool | 
         return None
     try:
         return SharedPool(path, layout)
-    except MemoryError as exc:
+    except SharedPoolUnavailable as exc:
         log.warning("rank %d keeps its CPU-pool shard in private memory: %s", rank, exc)
         return None

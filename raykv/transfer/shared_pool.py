@@ -20,6 +20,11 @@ import torch
 from raykv.transfer.layout import KVLayout
 
 
+class SharedPoolUnavailable(RuntimeError):
+    """The shard cannot live in shared memory here (no such directory, no room): the rank keeps
+    it in private memory instead."""
+
+
 class SharedPool:
     """One rank's CPU-pool shard mapped from ``path``: ``tensor`` has the shape of
     :func:`~raykv.transfer.layout.allocate_pool`'s pool, and ``attached`` says whether the file
@@ -32,7 +37,12 @@ class SharedPool:
         self.path = path
         self._nbytes = nbytes
         self._pinned = False
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise SharedPoolUnavailable(
+                f"cannot create the CPU-pool shard {path!r} (offload.shared_pool_dir): {exc}"
+            ) from exc
         try:
             self.attached = os.fstat(fd).st_size == nbytes
             if not self.attached:
@@ -76,7 +86,7 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
     st = os.statvfs(directory)
     free = st.f_bavail * st.f_frsize
     if free < nbytes:
-        raise MemoryError(
+        raise SharedPoolUnavailable(
             f"offload.shared_pool_dir {directory!r} has {free / 2**20:,.0f} MiB free; this rank's "
             f"CPU-pool shard needs {nbytes / 2**20:,.0f} MiB (give the tmpfs more room, e.g. "
             "docker --shm-size, or point shared_pool_dir at a larger one)"
@@ -84,7 +94,7 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
-        raise MemoryError(
+        raise SharedPoolUnavailable(
             f"cannot reserve {nbytes / 2**20:,.0f} MiB for the CPU-pool shard {path!r} "
             f"(offload.shared_pool_dir): {exc}"
         ) from exc

@@ -12,7 +12,7 @@ import torch
 
 from raykv.pool_files import PoolFiles, process_id, remove_generations, successor_path, sweep_stale
 from raykv.transfer.layout import KVLayout
-from raykv.transfer.shared_pool import SharedPool
+from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable
 
 
 def layout(num_slots: int = 6) -> KVLayout:
@@ -54,7 +54,7 @@ def test_a_pool_larger_than_the_directory_is_refused_by_name(tmp_path, monkeypat
         f_bavail, f_frsize = 1, 4096
 
     monkeypatch.setattr(os, "statvfs", lambda _: Tiny())
-    with pytest.raises(MemoryError, match=r"offload\.shared_pool_dir"):
+    with pytest.raises(SharedPoolUnavailable, match=r"offload\.shared_pool_dir"):
         SharedPool(PoolFiles.new(str(tmp_path)).path(0), layout(num_slots=1000))
 
 
@@ -123,3 +123,16 @@ def test_a_successor_maps_the_shard_only_once_its_predecessor_has_exited(tmp_pat
     exiting.wait()
     # a process in another pid namespace cannot be watched from here: never share with it
     assert successor_path(path, (int(gone.stdout), -1), wait_s=5).endswith("-r1g4.pool")
+
+
+def test_a_missing_directory_is_named_and_the_rank_still_serves(tmp_path, caplog) -> None:
+    from raykv.transfer.rank import build_rank
+
+    path = PoolFiles.new(str(tmp_path / "no-such-dir")).path(0)
+    with pytest.raises(SharedPoolUnavailable, match="no-such-dir"):
+        SharedPool(path, layout())
+    res = build_rank(layout(), 0, 1, "cpu", pool_path=path)  # e.g. macOS: no /dev/shm
+    try:
+        assert res.shared is None and "private memory" in caplog.text
+    finally:
+        res.engine.shutdown()
