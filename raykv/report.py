@@ -100,6 +100,11 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
         ("fence flushes", f"reuse {f['reuse']}, preemption {f['preemption']}, reset {f['reset']}"),
         ("preemptions", f"{r['preemptions']:,}"),
         ("rank restarts", _restarts(r)),
+        *(
+            [("scheduler restarts", str(r["scheduler_restarts"]))]
+            if r.get("scheduler_restarts")
+            else []
+        ),
         ("steps", f"{r['steps']:,} ({r['idle_steps']:,} polling only)"),
         ("wall time", f"{r['wall_seconds']:.2f} s"),
         ("output digest", r["output_digest"][:16]),

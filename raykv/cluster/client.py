@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -16,6 +18,12 @@ from raykv.config import RaykvConfig
 from raykv.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
+log = logging.getLogger(__name__)
+
+# The scheduler actor is replaced at most this many times in one client's life: a scheduler that
+# keeps dying (a bug that some request triggers every time) must surface, not loop.
+MAX_SCHEDULER_RESTARTS = 3
+
 
 class DeploymentError(RuntimeError):
     """The deployment could not start (no resources, an actor failed to come up)."""
@@ -28,6 +36,12 @@ class RaykvClient:
     ``RaykvClient.start(cfg)`` starts (or joins) Ray and the actors; ``run(specs)`` replays a
     workload and returns the report; ``submit`` + ``stream`` serve requests as they come;
     ``events`` returns the CPU tier's KV events; ``shutdown`` tears everything down.
+
+    If the scheduler actor dies, the client replaces the whole deployment (the rank actors'
+    state belongs to the dead scheduler's jobs) and carries on: ``stream`` resubmits every
+    request it has not yielded yet, ``run`` runs its workload again. The model is
+    deterministic, so every request still gets its tokens; what the CPU tier held is lost, and
+    KV events start a new sequence.
     """
 
     def __init__(
@@ -35,17 +49,18 @@ class RaykvClient:
         cfg: RaykvConfig,
         ray_handle: RayHandle,
         pg: Any,
-        workers: list[Any],
-        server: Any,
-        pool_files: PoolFiles | None = None,
+        actor_options: dict[str, Any],
     ) -> None:
         self.cfg = cfg
-        self._pool_files = pool_files
         self._ray = ray_handle
         self._pg = pg
-        self.workers = workers
-        self.server = server
+        self._options = actor_options  # verify, check_invariants, offload
+        self._pool_files: PoolFiles | None = None
+        self.workers: list[Any] = []
+        self.server: Any = None
         self._serving = False
+        self._unfinished: dict[str, RequestSpec] = {}  # submitted, not yet yielded by stream
+        self.scheduler_restarts = 0
 
     @classmethod
     def start(
@@ -71,29 +86,52 @@ class RaykvClient:
                 f"cannot place {tp} ranks needing {bundle} each with "
                 f"{cfg.parallel.placement_strategy} (cluster has {ray.cluster_resources()}): {exc}"
             ) from exc
-        cfg_json = cfg.model_dump(mode="json")
-        files = None
-        if cfg.offload.shared_pool and cfg.offload.enabled and offload is not False:
-            sweep_stale(cfg.offload.shared_pool_dir)
-            files = PoolFiles.new(cfg.offload.shared_pool_dir)
-        workers = [
-            spawn_rank_worker(cfg_json, i, 0, pg, files.path(i) if files else None)
-            for i in range(tp)
-        ]
-        server_cls = ray.remote(EngineServer)
-        server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
-            cfg_json, workers, verify, check_invariants, offload, pg
-        )
-        client = cls(cfg, handle, pg, workers, server, files)
+        options = {"verify": verify, "check_invariants": check_invariants, "offload": offload}
+        client = cls(cfg, handle, pg, options)
         try:
-            ray.get(
-                [w.ready.remote() for w in workers] + [server.ping.remote()],
-                timeout=READY_TIMEOUT_S,
-            )
+            client._deploy()
         except Exception as exc:
             client.shutdown()
             raise DeploymentError(f"raykv actors failed to start: {exc}") from exc
         return client
+
+    def _deploy(self) -> None:
+        """Create the rank actors (fresh CPU-pool shards) and the scheduler actor."""
+        cfg, o = self.cfg, self._options
+        cfg_json = cfg.model_dump(mode="json")
+        if cfg.offload.shared_pool and cfg.offload.enabled and o["offload"] is not False:
+            sweep_stale(cfg.offload.shared_pool_dir)
+            self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
+        files = self._pool_files
+        self.workers = [
+            spawn_rank_worker(cfg_json, i, 0, self._pg, files.path(i) if files else None)
+            for i in range(cfg.parallel.tensor_parallel_size)
+        ]
+        server_cls = ray.remote(EngineServer)
+        self.server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
+            cfg_json, self.workers, o["verify"], o["check_invariants"], o["offload"], self._pg
+        )
+        ray.get(
+            [w.ready.remote() for w in self.workers] + [self.server.ping.remote()],
+            timeout=READY_TIMEOUT_S,
+        )
+
+    def _replace_deployment(self, cause: Exception) -> None:
+        """The scheduler actor died: tear down what is left and deploy anew."""
+        self.scheduler_restarts += 1
+        if self.scheduler_restarts > MAX_SCHEDULER_RESTARTS:
+            raise RuntimeError(
+                f"the scheduler actor died {self.scheduler_restarts} times; last: {cause}"
+            ) from cause
+        log.warning("the scheduler actor died (%s); deploying a new one", cause)
+        self._teardown_actors()
+        self._deploy()
+        if self._serving:
+            ray.get(self.server.start.remote())
+            # they arrived long ago: due now
+            again = [dataclasses.replace(s, arrival=0) for s in self._unfinished.values()]
+            if again:
+                ray.get(self.server.submit.remote(again))
 
     # ---- batch ----------------------------------------------------------------------------
 
@@ -104,20 +142,36 @@ class RaykvClient:
         poll_s: float = 0.25,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
-        """Run ``specs`` to the end on the deployment; returns the run report."""
-        ref = self.server.run.remote(list(specs))
+        """Run ``specs`` to the end on the deployment; returns the run report. If the scheduler
+        actor dies, the run starts over on a new deployment."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                report = self._run_once(specs, progress, poll_s, deadline, timeout_s)
+                break
+            except ray.exceptions.RayActorError as exc:
+                self._replace_deployment(exc)
+        report["ranks_detail"] = self.rank_report(report)
+        report["scheduler_restarts"] = self.scheduler_restarts
+        return report
+
+    def _run_once(
+        self,
+        specs: Sequence[RequestSpec],
+        progress: Callable[[dict[str, Any]], None] | None,
+        poll_s: float,
+        deadline: float | None,
+        timeout_s: float | None,
+    ) -> dict[str, Any]:
+        ref = self.server.run.remote(list(specs))
         while True:
             ready, _ = ray.wait([ref], timeout=poll_s)
             if progress is not None:
                 progress(ray.get(self.server.progress.remote(), timeout=60))
             if ready:
-                break
+                return ray.get(ref)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run still going after {timeout_s} s")
-        report = ray.get(ref)
-        report["ranks_detail"] = self.rank_report(report)
-        return report
 
     def rank_report(self, report: dict[str, Any]) -> list[dict[str, Any]]:
         return [{"rank": i, **stats} for i, stats in enumerate(report.get("ranks", []))]
@@ -126,10 +180,16 @@ class RaykvClient:
 
     def submit(self, specs: Sequence[RequestSpec]) -> None:
         """Queue requests; they are served as they arrive (``arrival`` 0 means now)."""
-        if not self._serving:
-            ray.get(self.server.start.remote())
+        specs = list(specs)
+        self._unfinished.update((s.req_id, s) for s in specs)
+        try:
+            if not self._serving:
+                ray.get(self.server.start.remote())
+                self._serving = True
+            ray.get(self.server.submit.remote(specs))
+        except ray.exceptions.RayActorError as exc:
             self._serving = True
-        ray.get(self.server.submit.remote(list(specs)))
+            self._replace_deployment(exc)  # resubmits these with the rest
 
     def stream(
         self, timeout_s: float = 600.0, poll_s: float = 0.05
@@ -138,18 +198,31 @@ class RaykvClient:
         request has finished and every transfer is acked."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for item in ray.get(self.server.take_finished.remote()):
-                yield item
-            progress = ray.get(self.server.progress.remote())
-            if progress["error"]:
-                raise RuntimeError(f"the engine stopped: {progress['error']}")
-            if ray.get(self.server.idle.remote()):
-                for item in ray.get(self.server.take_finished.remote()):
+            try:
+                items, idle = self._poll_finished()
+            except ray.exceptions.RayActorError as exc:
+                self._replace_deployment(exc)
+                continue
+            for item in items:
+                # a request the dead scheduler finished but never handed over is recomputed
+                # and comes again: yield each request once
+                if self._unfinished.pop(item[0], None) is not None:
                     yield item
+            if idle:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests still running after {timeout_s} s")
             time.sleep(poll_s)
+
+    def _poll_finished(self) -> tuple[list[tuple[str, list[int], str]], bool]:
+        items = ray.get(self.server.take_finished.remote())
+        progress = ray.get(self.server.progress.remote())
+        if progress["error"]:
+            raise RuntimeError(f"the engine stopped: {progress['error']}")
+        idle = ray.get(self.server.idle.remote())
+        if idle:  # what finished between the first call and now
+            items += ray.get(self.server.take_finished.remote())
+        return items, idle
 
     def events(self) -> list[Any]:
         """The CPU tier's KV events since the last call (BlockStored / BlockRemoved)."""
@@ -171,7 +244,15 @@ class RaykvClient:
 
     def shutdown(self) -> None:
         """Stop the loop, the actors and the placement group; stop Ray if raykv started it."""
-        with contextlib.suppress(Exception):  # an actor already gone must not keep the rest alive
+        self._teardown_actors()
+        with contextlib.suppress(Exception):
+            remove_placement_group(self._pg)
+        self._ray.shutdown()
+
+    def _teardown_actors(self) -> None:
+        # an actor already gone must not keep the rest alive; ranks the scheduler replaced are
+        # its own actors and go with it
+        with contextlib.suppress(Exception):
             if self._serving:
                 ray.get(self.server.stop.remote(), timeout=60)
             self.workers = ray.get(self.server.workers.remote(), timeout=60)
@@ -179,11 +260,8 @@ class RaykvClient:
         for actor in [self.server, *self.workers]:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
-        with contextlib.suppress(Exception):
-            remove_placement_group(self._pg)
         if self._pool_files is not None:  # shards of ranks that died without cleaning up
             self._pool_files.remove()
-        self._ray.shutdown()
 
     def __enter__(self) -> RaykvClient:
         return self

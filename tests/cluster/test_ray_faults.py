@@ -61,3 +61,48 @@ def test_a_silent_rank_is_killed_and_its_successor_maps_its_shard_once_it_exited
     assert report["integrity"]["mismatches"] == 0 and bad == 0
     assert shards == [os.path.basename(files.path(r)) for r in (0, 1)]  # no new generation
     assert not [s for s in os.listdir(files.directory) if files.owner in s]  # shutdown cleaned
+
+
+def expected_outputs(cfg, specs) -> dict[str, list[int]]:
+    from raykv.engine.core import EngineCore
+    from raykv.engine.run import run_workload
+    from raykv.engine.workers import LocalWorkerGroup
+
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
+        engine = EngineCore(cfg, workers)
+        run_workload(engine, specs)
+        return {r.req_id: r.output for r in engine.requests.values()}
+
+
+def test_a_dead_scheduler_is_replaced_and_every_request_still_streams_once(ray_session):
+    # 120 requests arriving 2 per step: when the first has streamed, most have not arrived
+    cfg = load_config(None, [*SETS, "workload.num_requests=120"])
+    specs = make_workload(cfg)
+    outputs: dict[str, list[int]] = {}
+    with RaykvClient.start(cfg) as client:
+        client.submit(specs)
+        for req_id, tokens, _status in client.stream(timeout_s=600):
+            assert req_id not in outputs, f"{req_id} streamed twice"
+            outputs[req_id] = tokens
+            if len(outputs) == 1:
+                ray.kill(client.server, no_restart=True)  # the scheduler actor dies mid-stream
+        restarts = client.scheduler_restarts
+    assert restarts == 1
+    assert outputs == expected_outputs(cfg, specs)
+
+
+def test_a_dead_scheduler_mid_run_runs_the_workload_again(ray_session):
+    sets = [*SETS, "workload.num_requests=120"]
+    cfg = load_config(None, sets)
+    killed: list[bool] = []
+
+    def kill_once(progress: dict) -> None:
+        if progress["finished"] >= 1 and not killed:
+            killed.append(True)
+            ray.kill(client.server, no_restart=True)
+
+    with RaykvClient.start(cfg, verify=True) as client:
+        report = client.run(make_workload(cfg), progress=kill_once, poll_s=0.02, timeout_s=600)
+    assert killed and report["scheduler_restarts"] == 1
+    assert report["requests_finished"] == 120 and report["integrity"]["mismatches"] == 0
+    assert report["output_digest"] == local_digest(sets, False)
