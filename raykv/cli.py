@@ -132,6 +132,8 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     specs = make_workload(cfg)
     err = Console(stderr=True)
     if args.engine == "local":
+        if any(f.startswith("kill-scheduler") for f in cfg.faults):
+            raise ConfigError("fault kill-scheduler needs the Ray engine (--engine ray)")
         from raykv.engine.core import EngineCore
         from raykv.engine.run import run_workload
         from raykv.engine.workers import LocalWorkerGroup

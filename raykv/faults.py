@@ -8,6 +8,8 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 - ``drop-acks:rate=P``           each completion report is lost with probability P
 - ``dup-acks:rate=P``            each completion report is delivered twice with probability P
 - ``fail-copy:rate=P``           each copy job fails with probability P
+- ``kill-scheduler:step=N``      the scheduler actor dies at step N (Ray engine; its replacement
+                                 lives)
 
 Any of them takes ``:seed=S``. Every rank draws from its own generator seeded by (seed, rank,
 kind), so a run with the same faults fails the same way every time.
@@ -18,13 +20,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-KINDS = ("kill-worker", "delay-acks", "drop-acks", "dup-acks", "fail-copy")
+KINDS = ("kill-worker", "delay-acks", "drop-acks", "dup-acks", "fail-copy", "kill-scheduler")
 _PARAMS = {
     "kill-worker": {"rate", "step", "rank", "seed"},
     "delay-acks": {"rank", "steps", "seed"},
     "drop-acks": {"rate", "seed", "rank"},
     "dup-acks": {"rate", "seed", "rank"},
     "fail-copy": {"rate", "seed", "rank"},
+    "kill-scheduler": {"step"},
 }
 
 
@@ -42,7 +45,12 @@ class Fault:
     seed: int = 0
 
     def applies_to(self, rank: int) -> bool:
-        return self.rank is None or self.rank == rank
+        return self.kind != "kill-scheduler" and (self.rank is None or self.rank == rank)
+
+
+def scheduler_dies_at(faults: list[Fault], step: int, incarnation: int) -> bool:
+    """The scheduler actor dies after ``step`` (only the first one: a replacement lives)."""
+    return incarnation == 0 and any(f.kind == "kill-scheduler" and f.step == step for f in faults)
 
 
 def parse_fault(text: str) -> Fault:
@@ -69,6 +77,8 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: kill-worker:step=N needs rank=R")
     if kind == "delay-acks" and ("rank" not in values or "steps" not in values):
         raise FaultSpecError(f"fault {text!r}: delay-acks needs rank=R and steps=K")
+    if kind == "kill-scheduler" and "step" not in values:
+        raise FaultSpecError(f"fault {text!r}: kill-scheduler needs step=N")
     if kind in ("drop-acks", "dup-acks", "fail-copy") and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
     for key in ("rank", "step", "steps"):

@@ -188,6 +188,10 @@ def test_bad_acks_are_counted_and_ignored() -> None:
     [
         (["run", "--workload", "bogus"], "expected synthetic or trace:FILE"),
         (["run", "--fault", "explode:rate=1"], "unknown kind 'explode'"),
+        (
+            ["run", "--engine", "local", "--fault", "kill-scheduler:step=3"],
+            "kill-scheduler needs the Ray engine",
+        ),
         (["run", "--config", "no/such.yaml"], "cannot read config"),
         (["config", "check", "no/such.yaml"], "cannot read config"),
     ],

@@ -32,6 +32,7 @@ BASE = [
         ("drop-acks:rate=0.5", "drop-acks"),
         ("dup-acks:rate=1", "dup-acks"),
         ("fail-copy:rate=0.1:seed=9", "fail-copy"),
+        ("kill-scheduler:step=40", "kill-scheduler"),
     ],
 )
 def test_good_specs(spec: str, kind: str) -> None:
@@ -51,6 +52,8 @@ def test_good_specs(spec: str, kind: str) -> None:
         ("delay-acks:rank=1", "needs rank=R and steps=K"),
         ("fail-copy:rate=0.1:color=red", "bad parameter 'color=red'"),
         ("dup-acks:rate", "bad parameter 'rate'"),
+        ("kill-scheduler", "needs step=N"),
+        ("kill-scheduler:step=3:rank=0", "bad parameter 'rank=0'"),
     ],
 )
 def test_bad_specs_quote_the_spec(spec: str, message: str) -> None:

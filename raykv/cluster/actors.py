@@ -24,6 +24,7 @@ from raykv.config import RaykvConfig
 from raykv.connector.plan import StepPlan, StepReport
 from raykv.connector.worker import RankDied
 from raykv.engine.core import RankFailed
+from raykv.faults import parse_fault, scheduler_dies_at
 from raykv.pool_files import process_id, successor_path
 
 # A replacement rank waits this long for its killed predecessor's process to exit before it maps
@@ -197,7 +198,10 @@ class EngineServer:
         check_invariants: bool = False,
         offload: bool | None = None,
         placement: Any = None,
+        incarnation: int = 0,
     ) -> None:
+        """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
+        fault kills only the first)."""
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
         from raykv.metrics import EngineMetrics
@@ -205,6 +209,8 @@ class EngineServer:
         self.cfg = RaykvConfig.model_validate(cfg)
         self._cfg_json = cfg
         self._placement = placement
+        self._incarnation = incarnation
+        self._faults = [parse_fault(f) for f in self.cfg.faults]
         self.group = RayWorkerGroup(workers, self.cfg.parallel.step_timeout_s, self._spawn)
         self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         self.driver = Driver(self.engine, check_invariants=check_invariants)
@@ -225,10 +231,15 @@ class EngineServer:
             with self._lock:
                 if not self.driver.has_work():
                     break
-                self.driver.step()
+                self._step()
                 self.driver.take_finished()  # a batch run reports outputs in its digest only
-                self.metrics.update()
         return self.report()
+
+    def _step(self) -> None:
+        self.driver.step()
+        self.metrics.update()
+        if scheduler_dies_at(self._faults, self.engine.totals.steps, self._incarnation):
+            os._exit(1)  # an injected death is a real one: the process goes, state and all
 
     def progress(self) -> dict[str, Any]:
         from raykv.engine.run import progress_of
@@ -263,8 +274,7 @@ class EngineServer:
                         self._wake.wait(timeout=0.5)
                     if self._stop:
                         return
-                    self.driver.step()
-                    self.metrics.update()
+                    self._step()
         except Exception as exc:  # surfaced through progress(); the actor stays up to report it
             self._error = f"{type(exc).__name__}: {exc}"
 

@@ -109,7 +109,13 @@ class RaykvClient:
         ]
         server_cls = ray.remote(EngineServer)
         self.server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
-            cfg_json, self.workers, o["verify"], o["check_invariants"], o["offload"], self._pg
+            cfg_json,
+            self.workers,
+            o["verify"],
+            o["check_invariants"],
+            o["offload"],
+            self._pg,
+            self.scheduler_restarts,
         )
         ray.get(
             [w.ready.remote() for w in self.workers] + [self.server.ping.remote()],
