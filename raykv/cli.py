@@ -147,6 +147,8 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
 
         with err.status("starting Ray and the raykv actors..."):
             client = RaykvClient.start(cfg, address=args.address)
+        if client.metrics_url:
+            err.print(f"Prometheus metrics (while the run lasts): {client.metrics_url}")
         with client, run_progress(err, len(specs)) as progress:
             report = client.run(specs, progress=progress)
     report["engine"] = args.engine

@@ -139,6 +139,12 @@ class RaykvClient:
             if again:
                 ray.get(self.server.submit.remote(again))
 
+    @property
+    def metrics_url(self) -> str | None:
+        """The Prometheus endpoint of the embedded Ray instance (None when joining a cluster:
+        scrape its nodes' metrics agents as usual)."""
+        return self._ray.metrics_url
+
     # ---- batch ----------------------------------------------------------------------------
 
     def run(

@@ -15,6 +15,9 @@ class RayHandle:
 
     address: str
     started: bool
+    # where this node's Prometheus exporter answers (Ray's metrics agent; on loopback for an
+    # embedded instance); None when Ray does not say
+    metrics_url: str | None = None
 
     def shutdown(self) -> None:
         import ray
@@ -44,4 +47,7 @@ def connect(
         namespace=NAMESPACE,
         log_to_driver=True,
     )
-    return RayHandle(ctx.address_info.get("gcs_address", LOOPBACK), started=True)
+    info = ctx.address_info
+    port = info.get("metrics_export_port")
+    url = f"http://{LOOPBACK}:{port}/metrics" if port else None
+    return RayHandle(info.get("gcs_address", LOOPBACK), started=True, metrics_url=url)

@@ -147,3 +147,28 @@ def test_metrics_follow_the_engine(ray_session) -> None:
     assert metrics._last["b_store"] == engine.totals.transfer.store_bytes
     assert metrics._last["hit_cpu"] == engine.scheduler.stats.cpu_hit_tokens
     assert engine.connector.take_delays() == ([], [])  # drained by the metrics
+
+
+def test_metrics_reach_the_embedded_instances_prometheus_endpoint(ray_session) -> None:
+    import re
+    import time
+    import urllib.request
+
+    assert ray_session.metrics_url and ray_session.metrics_url.startswith("http://127.0.0.1:")
+    sets = [*SMALL, "parallel.tensor_parallel_size=2", "cache.num_gpu_blocks=48"]
+    cfg = load_config(None, sets)
+    with RaykvClient.start(cfg) as client:
+        report = client.run(make_workload(cfg), timeout_s=300)
+        assert report["cpu_hit_tokens"] > 0
+        name = "ray_raykv_kv_offload_hit_tokens_total"
+        pattern = re.compile(rf'^{name}\{{[^}}]*tier="cpu"[^}}]*\}} (\S+)$')
+        want = float(report["cpu_hit_tokens"])
+        values: list[float] = []
+        deadline = time.monotonic() + 90  # Ray exports every ~10 s
+        # one series per scheduler actor (this session's other tests run their own): this
+        # run's final count must show up among them
+        while want not in values and time.monotonic() < deadline:
+            time.sleep(2)
+            body = urllib.request.urlopen(ray_session.metrics_url, timeout=10).read().decode()
+            values = [float(m[1]) for line in body.splitlines() if (m := pattern.match(line))]
+    assert want in values, f"{name} cpu series {values}, want {want}"
