@@ -149,6 +149,11 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
             client = RaykvClient.start(cfg, address=args.address)
         if client.metrics_url:
             err.print(f"Prometheus metrics (while the run lasts): {client.metrics_url}")
+        if any(f.startswith("kill-") for f in cfg.faults):
+            err.print(
+                "injected faults kill processes: Ray reports each death below "
+                "('A worker died or was killed...'); that is expected, the run carries on"
+            )
         with client, run_progress(err, len(specs)) as progress:
             report = client.run(specs, progress=progress)
     report["engine"] = args.engine
