@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from raykv.config import load_config
 from raykv.connector.plan import StepPlan, StepReport
+from raykv.core.hashing import block_hashes
+from raykv.core.keys import make_key
 from raykv.core.request import Request
 from raykv.engine.core import EngineCore
 from raykv.engine.workers import LocalWorkerGroup
@@ -165,6 +167,29 @@ class Runner:
     def blocks(self, kind: str, req_id: str) -> set[int]:
         """Like ``all`` with group 0's block indices only (single-group tests)."""
         return {i for g, i in self.all(kind, req_id) if g == 0}
+
+    def forget_gpu_blocks(self, req_tokens: list[int], blocks: range | None = None) -> None:
+        """Drop cached prefix blocks from the GPU prefix cache (as if evicted), keeping the CPU
+        tier."""
+        pool = self.engine.pool
+        hashes = block_hashes(req_tokens, self.cfg.cache.block_size)
+        for b in blocks if blocks is not None else range(len(hashes)):
+            for g in range(len(self.cfg.cache.groups)):
+                key = make_key(hashes[b], g)
+                block = pool.lookup(key)
+                if block is not None:
+                    del pool._cached[key]
+                    pool._key[block] = None
+
+    def offload(self, req_id: str, prompt: list[int], gpu_blocks_kept: int = 0) -> Request:
+        """Run ``prompt`` to the end as ``req_id``, then drop its blocks (all but the first
+        ``gpu_blocks_kept``) from the GPU prefix cache: what it stored is left in the CPU tier
+        only, for a later request to load."""
+        req = self.add(req_id, prompt)
+        self.run()
+        n = len(block_hashes(prompt, self.cfg.cache.block_size))
+        self.forget_gpu_blocks(prompt, range(gpu_blocks_kept, n))
+        return req
 
     def drained(self) -> None:
         """DESIGN invariant 4: no jobs, empty fence, no request state, slots free or ready."""

@@ -83,13 +83,9 @@ def test_unknown_and_duplicate_reports_are_counted_and_ignored() -> None:
 def load_and_store_in_flight() -> tuple[Runner, Request, Request]:
     """Request a's chunks are in the CPU tier (not on the GPU); b is loading them and c storing
     its own, with the copies really pending."""
-    from tests.connector.test_load_path import forget_gpu_blocks
-
     r = Runner(block_size=4, num_gpu_blocks=32)
     prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
-    forget_gpu_blocks(r, prompt)
+    r.offload("a", prompt)
     r.pause_copies()
     b = r.add("b", [*prompt, 1])
     c = r.add("c", tokens(9, 200), max_tokens=8)

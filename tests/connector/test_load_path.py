@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-from raykv.core.keys import make_key
 from raykv.offload.directory import Directory
 from tests.connector.harness import Runner, tokens
-
-
-def forget_gpu_blocks(r: Runner, req_tokens: list[int], blocks: range | None = None) -> None:
-    """Drop cached prefix blocks from the GPU prefix cache (as if evicted), keeping the CPU tier."""
-    from raykv.core.hashing import block_hashes
-
-    pool = r.engine.pool
-    hashes = block_hashes(req_tokens, r.cfg.cache.block_size)
-    for b in blocks if blocks is not None else range(len(hashes)):
-        for g in range(len(r.cfg.cache.groups)):
-            block = pool.lookup(make_key(hashes[b], g))
-            if block is not None:
-                del pool._cached[make_key(hashes[b], g)]
-                pool._key[block] = None
 
 
 class CountingDirectory(Directory):
@@ -34,10 +19,8 @@ class CountingDirectory(Directory):
 def test_a_prefix_gone_from_the_gpu_is_loaded_back() -> None:
     r = Runner(block_size=4)
     prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
+    r.offload("a", prompt)
     assert r.blocks("stored", "a") == {0, 1, 2}
-    forget_gpu_blocks(r, prompt)
     b = r.add("b", [*prompt, 99, 98, 97, 96])
     r.run()
     assert r.blocks("loaded", "b") == {0, 1, 2}
@@ -50,9 +33,7 @@ def test_a_prefix_gone_from_the_gpu_is_loaded_back() -> None:
 def test_after_a_gpu_hit_only_the_rest_is_loaded() -> None:
     r = Runner(block_size=4)
     prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
-    forget_gpu_blocks(r, prompt, range(1, 3))  # block 0 stays cached on the GPU
+    r.offload("a", prompt, gpu_blocks_kept=1)
     b = r.add("b", [*prompt, 99])
     r.run()
     assert r.blocks("loaded", "b") == {1, 2}
@@ -74,9 +55,7 @@ def test_no_lookup_below_one_chunk_and_one_for_a_single_chunk() -> None:
 def test_concurrent_lookups_of_one_prefix_load_it_once() -> None:
     r = Runner(block_size=4)
     prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
-    forget_gpu_blocks(r, prompt)
+    r.offload("a", prompt)
     r.add("b", [*prompt, 99])
     c = r.add("c", [*prompt, 98])
     r.run()
@@ -91,9 +70,7 @@ def test_concurrent_lookups_of_one_prefix_load_it_once() -> None:
 def test_an_aborted_loading_request_is_kept_until_its_load_lands() -> None:
     r = Runner(block_size=4)
     prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
-    forget_gpu_blocks(r, prompt)
+    r.offload("a", prompt)
     r.pause_copies()
     b = r.add("b", [*prompt, 99])
     r.step()
@@ -112,9 +89,7 @@ def test_an_aborted_loading_request_is_kept_until_its_load_lands() -> None:
 def test_loads_never_enter_the_fence() -> None:
     r = Runner(block_size=4)
     prompt = tokens(13)
-    r.add("a", prompt)
-    r.run()
-    forget_gpu_blocks(r, prompt)
+    r.offload("a", prompt)
     r.pause_copies()
     b = r.add("b", [*prompt, 99])
     r.step(2)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from tests.connector.harness import Runner, tokens
 from tests.connector.test_fence import finish_with_stores_pending
 from tests.connector.test_lifecycle import make_preemption
-from tests.connector.test_load_path import forget_gpu_blocks
 from tests.connector.test_store_path import ScriptedDirectory
 
 
@@ -79,9 +78,7 @@ def test_vllm_46951_every_allocation_path_feeds_the_fence() -> None:
     """The allocation seen by the load path must reach the fence (vLLM #46951's lesson)."""
     r = Runner(block_size=4, num_gpu_blocks=4)  # 3 usable blocks: b must reuse a's
     shared = tokens(8)
-    r.add("c", shared)
-    r.run()  # the CPU tier holds c's two chunks
-    forget_gpu_blocks(r, shared)
+    r.offload("c", shared)  # the CPU tier holds c's two chunks, the GPU cache none
     a_blocks = finish_with_stores_pending(r, "a", tokens(8, 100))
     r.resume_copies()  # copies may run again, but only after this step's flush decision
     b = r.add("b", [*shared, 7])
