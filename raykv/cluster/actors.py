@@ -27,6 +27,9 @@ from raykv.engine.core import RankFailed
 from raykv.faults import parse_fault, scheduler_dies_at
 from raykv.pool_files import process_id, successor_path
 
+# The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
+REJECTED = "rejected"
+
 # A replacement rank waits this long for its killed predecessor's process to exit before it maps
 # the predecessor's CPU-pool shard; after that it takes a fresh one.
 PREDECESSOR_EXIT_S = 20.0
@@ -220,6 +223,7 @@ class EngineServer:
         self._loop: threading.Thread | None = None
         self._stop = False
         self._error: str | None = None
+        self._rejected_taken = 0  # how many of the driver's refusals take_finished handed out
 
     # ---- batch runs -----------------------------------------------------------------------
 
@@ -278,10 +282,19 @@ class EngineServer:
         except Exception as exc:  # surfaced through progress(); the actor stays up to report it
             self._error = f"{type(exc).__name__}: {exc}"
 
-    def take_finished(self) -> list[tuple[str, list[int], str]]:
-        """Outputs of requests finished since the last call: (request id, tokens, status)."""
+    def take_finished(self) -> list[tuple[str, list[int], str, str | None]]:
+        """Requests finished or refused since the last call: (request id, tokens, status,
+        reason). A refused request (bad token id, too long, an id the engine still holds) has
+        status ``rejected``, no tokens and the engine's error as its reason; None otherwise."""
         with self._lock:
-            return [(r.req_id, list(r.output), r.status.value) for r in self.driver.take_finished()]
+            out: list[tuple[str, list[int], str, str | None]] = [
+                (r.req_id, list(r.output), r.status.value, None)
+                for r in self.driver.take_finished()
+            ]
+            refused = self.driver.rejected[self._rejected_taken :]
+            self._rejected_taken += len(refused)
+            out += [(r["request"], [], REJECTED, r["error"]) for r in refused]
+            return out
 
     def take_events(self) -> list[Any]:
         """KV events (BlockStored / BlockRemoved, with sequence numbers) since the last call."""

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from raykv.cluster.actors import READY_TIMEOUT_S, EngineServer, spawn_rank_worker
+from raykv.cluster.actors import READY_TIMEOUT_S, REJECTED, EngineServer, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
 from raykv.pool_files import PoolFiles, sweep_stale
@@ -27,6 +27,39 @@ MAX_SCHEDULER_RESTARTS = 3
 
 class DeploymentError(RuntimeError):
     """The deployment could not start (no resources, an actor failed to come up)."""
+
+
+class StreamItem(tuple):
+    """One request out of ``RaykvClient.stream``: unpacks as ``(req_id, tokens, status)``.
+
+    ``status`` is the request's final status (``finished_length``, ``finished_stopped``, ...)
+    or ``rejected`` for a request that was refused (bad token id, too long for the GPU pool,
+    duplicate id); then ``tokens`` is empty and ``reason`` says why (None otherwise)."""
+
+    reason: str | None
+
+    def __new__(
+        cls, req_id: str, tokens: list[int], status: str, reason: str | None = None
+    ) -> StreamItem:
+        item = super().__new__(cls, (req_id, tokens, status))
+        item.reason = reason
+        return item
+
+    @property
+    def req_id(self) -> str:
+        return self[0]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self[1]
+
+    @property
+    def status(self) -> str:
+        return self[2]
+
+    def __repr__(self) -> str:
+        why = f", reason={self.reason!r}" if self.reason is not None else ""
+        return f"StreamItem({self[0]!r}, {self[1]!r}, {self[2]!r}{why})"
 
 
 class RaykvClient:
@@ -60,6 +93,7 @@ class RaykvClient:
         self.server: Any = None
         self._serving = False
         self._unfinished: dict[str, RequestSpec] = {}  # submitted, not yet yielded by stream
+        self._refused: list[StreamItem] = []  # refused here (duplicate ids), not yet yielded
         self.scheduler_restarts = 0
 
     @classmethod
@@ -191,9 +225,22 @@ class RaykvClient:
     # ---- serving ----------------------------------------------------------------------------
 
     def submit(self, specs: Sequence[RequestSpec]) -> None:
-        """Queue requests; they are served as they arrive (``arrival`` 0 means now)."""
-        specs = list(specs)
-        self._unfinished.update((s.req_id, s) for s in specs)
+        """Queue requests; they are served as they arrive (``arrival`` 0 means now).
+
+        A request whose id is still in use (submitted and not yet yielded by ``stream``) is
+        refused here without touching the first one: ``stream`` yields it as ``rejected``."""
+        accepted = []
+        for spec in specs:
+            if spec.req_id in self._unfinished:
+                reason = (
+                    f"duplicate request id {spec.req_id!r}: a request with this id was "
+                    "submitted and has not finished"
+                )
+                self._refused.append(StreamItem(spec.req_id, [], REJECTED, reason))
+                continue
+            self._unfinished[spec.req_id] = spec
+            accepted.append(spec)
+        specs = accepted
         try:
             if not self._serving:
                 ray.get(self.server.start.remote())
@@ -203,30 +250,39 @@ class RaykvClient:
             self._serving = True
             self._replace_deployment(exc)  # resubmits these with the rest
 
-    def stream(
-        self, timeout_s: float = 600.0, poll_s: float = 0.05
-    ) -> Iterator[tuple[str, list[int], str]]:
-        """Yield (request id, generated tokens, status) as requests finish, until every submitted
-        request has finished and every transfer is acked."""
+    def stream(self, timeout_s: float = 600.0, poll_s: float = 0.05) -> Iterator[StreamItem]:
+        """Yield a ``StreamItem`` (request id, generated tokens, status) as each request
+        finishes or is refused, until every submitted request has been yielded and every
+        transfer is acked. Every submission is yielded exactly once: a refused one (bad token
+        id, too long, duplicate id) with status ``rejected`` and its ``reason``."""
         deadline = time.monotonic() + timeout_s
         while True:
+            while self._refused:
+                yield self._refused.pop(0)
             try:
                 items, idle = self._poll_finished()
             except ray.exceptions.RayActorError as exc:
                 self._replace_deployment(exc)
                 continue
-            for item in items:
+            for req_id, tokens, status, reason in items:
                 # a request the dead scheduler finished but never handed over is recomputed
-                # and comes again: yield each request once
-                if self._unfinished.pop(item[0], None) is not None:
-                    yield item
-            if idle:
+                # and comes again: yield each request once. A refused one leaves the table
+                # too, so a new scheduler is never handed it again
+                if self._unfinished.pop(req_id, None) is not None:
+                    yield StreamItem(req_id, tokens, status, reason)
+            if idle and not self._refused:
+                if self._unfinished:  # a bug: the engine forgot requests it was given
+                    lost = sorted(self._unfinished)
+                    raise RuntimeError(
+                        f"the engine went idle with {len(lost)} requests neither finished nor "
+                        f"refused: {lost[:10]}"
+                    )
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests still running after {timeout_s} s")
             time.sleep(poll_s)
 
-    def _poll_finished(self) -> tuple[list[tuple[str, list[int], str]], bool]:
+    def _poll_finished(self) -> tuple[list[tuple[str, list[int], str, str | None]], bool]:
         items = ray.get(self.server.take_finished.remote())
         progress = ray.get(self.server.progress.remote())
         if progress["error"]:
