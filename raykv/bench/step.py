@@ -92,7 +92,7 @@ class _StepSim:
         self._docs = [self._doc_tokens(d) for d in range(HOT_DOCS)]
         self._prefill(random.Random(seed))
         self._running: list[_Live] = []
-        self._loading: dict[str, _Live] = {}
+        self._loading: dict[Request, _Live] = {}
         self._retry: list[Request] = []
         self._reports: list[StepReport] = []
         self._serial = 0
@@ -183,9 +183,9 @@ class _StepSim:
             else:
                 pool.free(reversed(live.blocks))
         for live in loads:
-            self._loading[live.req.req_id] = live
+            self._loading[live.req] = live
         for load in done:  # landed loads: their requests compute from the next step on
-            live = self._loading.pop(load.req_id)
+            live = self._loading.pop(load.req)
             assert load.ok
             live.req.num_computed += live.load_tokens
             running.append(live)

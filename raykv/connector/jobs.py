@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raykv.core.request import Request
+
 
 @dataclass(slots=True)
 class TransferJobStatus:
     """One in-flight job, as the scheduler tracks it."""
 
     job_id: int
-    req_id: str
+    # the one admission of a request this job belongs to (never just its id: ids come back)
+    request: Request
     pending_count: int  # ranks that have not reported yet
     keys: list[int]
     is_store: bool
@@ -28,6 +31,10 @@ class TransferJobStatus:
     acked_ranks: int = 0  # bitmask: a rank counts at most once
     failed: bool = False
     created_step: int = 0
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
 
 
 @dataclass(slots=True)
@@ -57,7 +64,7 @@ class JobTable:
 
     def create(
         self,
-        req_id: str,
+        request: Request,
         keys: list[int],
         is_store: bool,
         fenced: list[int] | None = None,
@@ -65,7 +72,7 @@ class JobTable:
         step: int = 0,
     ) -> TransferJobStatus:
         job = TransferJobStatus(
-            self.next_id, req_id, self.num_ranks, keys, is_store, fenced or [], deferred or []
+            self.next_id, request, self.num_ranks, keys, is_store, fenced or [], deferred or []
         )
         job.created_step = step
         self.jobs[job.job_id] = job

@@ -66,7 +66,7 @@ class ConnectorPlan:
 
 @dataclass(slots=True)
 class FinishedLoad:
-    req_id: str
+    req: Request
     ok: bool
 
 
@@ -123,10 +123,14 @@ class ConnectorScheduler:
         self.jobs = JobTable(num_ranks)
         self.fence = Fence()
         self.stats = ConnectorStats()
-        self._reqs: dict[str, RequestOffloadState] = {}
+        # keyed by the request object: state belongs to one admission, never to an id (serving
+        # forgets finished requests, and a new request may come with an old one's id)
+        self._reqs: dict[Request, RequestOffloadState] = {}
         self._loading_keys: dict[int, int] = {}  # key -> loads in flight reading it
         self._allocated: set[int] = set()  # GPU blocks allocated this step
-        self._len_before: dict[tuple[str, int], int] = {}  # block list lengths before this step
+        # sliding-window blocks a running request released before storing them, by block: still
+        # storable (unchanged) until the pool hands them out again
+        self._released: dict[int, list[tuple[RequestOffloadState, int, int]]] = {}
         self._flush: dict[int, str] = {}  # job -> why, for this step's plan
         self._loads: list[TransferSpec] = []
         self._finished: list[RequestOffloadState] = []  # finished since the last plan
@@ -137,10 +141,10 @@ class ConnectorScheduler:
     # ---- lookups --------------------------------------------------------------------------
 
     def _state(self, req: Request) -> RequestOffloadState:
-        state = self._reqs.get(req.req_id)
+        state = self._reqs.get(req)
         if state is None:
             state = RequestOffloadState(req, [GroupState() for _ in self.groups])
-            self._reqs[req.req_id] = state
+            self._reqs[req] = state
         return state
 
     def _update_keys(self, state: RequestOffloadState) -> None:
@@ -162,7 +166,7 @@ class ConnectorScheduler:
         result = self._lookup(req, num_local)
         now = time.perf_counter()
         self.lookup_seconds.append(now - start)
-        state = self._reqs.get(req.req_id)
+        state = self._reqs.get(req)
         if state is not None:
             if result is None:
                 if state.deferred_since is None:
@@ -231,7 +235,9 @@ class ConnectorScheduler:
             if end <= start:
                 return start, [], False
         # a sliding-window group needs only the W chunks before the boundary; a boundary that
-        # fails it is moved left until every sliding group is satisfied (full groups still are)
+        # fails it is moved left until every sliding group is satisfied (full groups still are).
+        # Every key checked counts as looked up, once (the frequency filter counts lookups).
+        examined: dict[int, None] = {}
         while end > start:
             ok = True
             for g, group in enumerate(self.groups):
@@ -239,13 +245,17 @@ class ConnectorScheduler:
                     continue
                 w = group.window_chunks(self.tpc)
                 keys = state.groups[g].keys
-                lo = max(start, end - w, 0)
-                if any(k not in d for k in keys[lo:end]):
-                    ok = False
+                for key in keys[max(start, end - w, 0) : end]:
+                    examined[key] = None
+                    if key not in d:
+                        ok = False
+                        break
+                if not ok:
                     break
             if ok:
                 break
             end -= 1
+        d.count_lookups(examined)
         if end <= start:
             return start, [], False
         used: list[int] = []
@@ -264,16 +274,47 @@ class ConnectorScheduler:
         to each group's table (0 for positions that need no block), and which of them came fresh
         from the free pool (they will be written; revived prefix-cache blocks are only read).
         The fence is only as good as this feed."""
+        fresh = list(fresh)
+        self._forget_released(fresh)
         state = self._state(req)
-        before = self._len_before
-        for g, (gs, entries) in enumerate(zip(state.groups, new_entries, strict=True)):
-            before.setdefault((req.req_id, g), len(gs.block_ids))
+        for gs, entries in zip(state.groups, new_entries, strict=True):
             gs.block_ids.extend(entries)
         self._allocated.update(fresh)
 
+    def on_released(self, req: Request, group: int, positions: Sequence[int]) -> None:
+        """A running request gave back the blocks at ``positions`` of a sliding-window group's
+        table (they left the window). One not yet stored stays storable until the pool hands it
+        out again; one behind the store cursor is never needed again, so its entry is cleared
+        (a reset rewinds the cursor: it must not find another owner's block there)."""
+        state = self._reqs.get(req)
+        if state is None:
+            return
+        gs = state.groups[group]
+        stored_below = gs.next_stored_chunk * self.bpc
+        for i in positions:
+            block = gs.block_ids[i]
+            if block == NULL_BLOCK:
+                continue
+            if i < stored_below:
+                gs.block_ids[i] = NULL_BLOCK
+            else:
+                self._released.setdefault(block, []).append((state, group, i))
+
+    def _forget_released(self, fresh: Sequence[int]) -> None:
+        """Blocks handed out again: the positions that released them must never be stored
+        (they would store the new owner's KV under the old key, vLLM #42959)."""
+        released = self._released
+        if not released:
+            return
+        for block in fresh:
+            for state, group, i in released.pop(block, ()):
+                ids = state.groups[group].block_ids
+                if i < len(ids) and ids[i] == block:
+                    ids[i] = NULL_BLOCK
+
     def start_load(self, req: Request, num_local: int, num_external: int) -> int:
         """Build the load job for an admitted request whose blocks were just allocated."""
-        state = self._reqs[req.req_id]
+        state = self._reqs[req]
         assert not state.jobs, f"request {req.req_id}: load planned with jobs in flight"
         bs, bpc = self.block_size, self.bpc
         first, last = num_local // bs, (num_local + num_external) // bs
@@ -294,7 +335,7 @@ class ConnectorScheduler:
                     expect.append(BlockContent(g, parent_hash(req.hashes, i), toks))
         unique = list(dict.fromkeys(chunk_keys))
         slot_of = dict(zip(unique, self.directory.prepare_load(unique), strict=True))
-        job = self.jobs.create(req.req_id, unique, is_store=False, step=self.step)
+        job = self.jobs.create(req, unique, is_store=False, step=self.step)
         for key in unique:
             self._loading_keys[key] = self._loading_keys.get(key, 0) + 1
         state.jobs.add(job.job_id)
@@ -317,13 +358,12 @@ class ConnectorScheduler:
         stores."""
         for req in preempted:
             self._on_preempted(req)
-        self._zero_stale_blocks()
         for job_id in self.fence.jobs_on(self._allocated):
             self._flush.setdefault(job_id, "reuse")
         self._nudge_overdue()
         stores: list[TransferSpec] = []
         for item in scheduled:
-            state = self._reqs.get(item.req.req_id)
+            state = self._reqs.get(item.req)
             if state is not None and not state.finished:
                 self._build_store(state, item.req.num_computed + item.num_tokens, stores)
         for state in self._finished:
@@ -335,7 +375,7 @@ class ConnectorScheduler:
             setattr(self.stats, f"flushes_{why}", getattr(self.stats, f"flushes_{why}") + 1)
         reack = sorted(j for j, why in self._flush.items() if why == "timeout")
         plan = ConnectorPlan(self._loads, stores, sorted(self._flush), reack)
-        self._loads, self._flush, self._allocated, self._len_before = [], {}, set(), {}
+        self._loads, self._flush, self._allocated = [], {}, set()
         return plan
 
     def _nudge_overdue(self) -> None:
@@ -353,13 +393,13 @@ class ConnectorScheduler:
 
     def release_blocks(self, req: Request) -> None:
         """The request lost its GPU blocks outside a plan (a rank died and everything restarts)."""
-        state = self._reqs.get(req.req_id)
+        state = self._reqs.get(req)
         if state is not None:
             for gs in state.groups:
                 gs.block_ids.clear()
 
     def _on_preempted(self, req: Request) -> None:
-        state = self._reqs.get(req.req_id)
+        state = self._reqs.get(req)
         if state is None:
             return
         for job_id in state.jobs:
@@ -370,26 +410,6 @@ class ConnectorScheduler:
             self._fence_deferred(job)
         for gs in state.groups:
             gs.block_ids.clear()
-
-    def _zero_stale_blocks(self) -> None:
-        """A sliding-window block that left the window before it was stored is freed; once it is
-        handed out again its old position must never be stored (it would store the new owner's
-        KV under the old key). Zero it in the not-yet-stored range of every running request."""
-        if not self._allocated:
-            return
-        alloc, bpc = self._allocated, self.bpc
-        for req_id, state in self._reqs.items():
-            if state.finished:
-                continue
-            for g, (group, gs) in enumerate(zip(self.groups, state.groups, strict=True)):
-                if not group.is_sliding:
-                    continue
-                ids = gs.block_ids
-                # entries appended this step are the new allocations themselves
-                stop = self._len_before.get((req_id, g), len(ids))
-                for i in range(gs.next_stored_chunk * bpc, stop):
-                    if ids[i] in alloc:
-                        ids[i] = NULL_BLOCK
 
     def _build_store(
         self, state: RequestOffloadState, offloadable_tokens: int, out: list[TransferSpec]
@@ -438,7 +458,7 @@ class ConnectorScheduler:
         if len(set(blocks)) != len(blocks):
             raise FenceError(f"request {req.req_id}: a GPU block appears twice in one store")
         assert not state.has_load, f"request {req.req_id}: store planned while loading"
-        job = self.jobs.create(req.req_id, list(plan.keys), True, fenced, deferred, self.step)
+        job = self.jobs.create(req, list(plan.keys), True, fenced, deferred, self.step)
         self.fence.add(job.job_id, fenced)
         if state.finished:
             job.deferred_fenced = True
@@ -465,7 +485,7 @@ class ConnectorScheduler:
         """The request ended (EOS, length or abort) and its blocks are being freed. Its stores in
         flight now protect their blocks through the fence; the next plan builds the store of its
         last full chunks, after which no more jobs are submitted for it."""
-        state = self._reqs.get(req.req_id)
+        state = self._reqs.get(req)
         if state is None:
             return
         state.finished = True
@@ -477,7 +497,7 @@ class ConnectorScheduler:
 
     def _maybe_forget(self, state: RequestOffloadState) -> None:
         if state.finished_signaled and not state.jobs:
-            self._reqs.pop(state.req.req_id, None)
+            self._reqs.pop(state.req, None)
 
     def process_reports(self, reports: Iterable[StepReport]) -> list[FinishedLoad]:
         """Count every rank's acks; finalize jobs at full count. Returns the loads that ended."""
@@ -509,7 +529,7 @@ class ConnectorScheduler:
                     self._loading_keys[key] = n
                 else:
                     del self._loading_keys[key]
-        state = self._reqs.get(job.req_id)
+        state = self._reqs.get(job.request)
         if state is not None:
             state.jobs.discard(job.job_id)
             if not job.is_store:
@@ -518,15 +538,15 @@ class ConnectorScheduler:
                 state.has_load = False
                 state.req.load_job = None
             self._maybe_forget(state)
-        return None if job.is_store else FinishedLoad(job.req_id, not job.failed)
+        return None if job.is_store else FinishedLoad(job.request, not job.failed)
 
     def forget(self, req: Request) -> None:
         """Drop a request that never got anything in flight (aborted while queued)."""
-        state = self._reqs.get(req.req_id)
+        state = self._reqs.get(req)
         if state is not None and not state.jobs:
-            del self._reqs[req.req_id]
+            del self._reqs[req]
 
-    def reset(self, keep_tier: bool = False) -> list[str]:
+    def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.
 
         In-flight jobs are flushed by the next plan (a surviving rank may still be copying: its
@@ -535,7 +555,7 @@ class ConnectorScheduler:
         (every rank's CPU-pool shard survived) each abandoned job ends as failed: a store's keys
         never become readable, a load's chunks are released; what was readable stays readable.
         Returns the requests whose loads were cancelled (to recompute)."""
-        cancelled = [s.req.req_id for s in self._reqs.values() if s.has_load]
+        cancelled = [s.req for s in self._reqs.values() if s.has_load]
         for job in self.jobs.reset():
             self._flush[job.job_id] = "reset"
             if not keep_tier:
@@ -546,16 +566,16 @@ class ConnectorScheduler:
             else:
                 self.directory.complete_load(job.keys)
                 self.stats.failed_loads += 1
-        for req_id, state in list(self._reqs.items()):
+        for req, state in list(self._reqs.items()):
             if state.finished:
-                del self._reqs[req_id]
+                del self._reqs[req]
                 continue
             state.jobs.clear()
             state.has_load = False
             state.req.load_job = None
             for gs in state.groups:
                 gs.next_stored_chunk = 0
-        self._finished = [s for s in self._finished if s.req.req_id in self._reqs]
+        self._finished = [s for s in self._finished if s.req in self._reqs]
         if not keep_tier:
             self.directory.reset()
         self.fence.clear()
@@ -571,8 +591,8 @@ class ConnectorScheduler:
     def tracked(self) -> int:
         return len(self._reqs)
 
-    def in_flight(self, req_id: str) -> set[int]:
-        state = self._reqs.get(req_id)
+    def in_flight(self, req: Request) -> set[int]:
+        state = self._reqs.get(req)
         return set(state.jobs) if state else set()
 
     def check_invariants(self) -> None:
@@ -585,7 +605,7 @@ class ConnectorScheduler:
                 blocks += job.deferred_fence_block_ids
             for b in blocks:
                 fenced.setdefault(b, set()).add(job.job_id)
-            state = self._reqs.get(job.req_id)
+            state = self._reqs.get(job.request)
             assert state is not None and job.job_id in state.jobs, f"orphan job {job.job_id}"
         assert fenced == {b: self.fence.jobs_on([b]) for b in self.fence.blocks()}
         assert set(fenced) == self.fence.blocks()

@@ -46,6 +46,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed: int = 0
+    max_computed: int = 0  # the highest num_computed ever reached (to count recomputation)
     block_tables: list[list[int]] = field(default_factory=list)  # per KV group
     num_cached_blocks: list[int] = field(default_factory=list)  # per group: published to GPU cache
     hashes: list[int] = field(default_factory=list)  # chained hash of every full block of tokens

@@ -146,7 +146,7 @@ class EngineCore:
         was_queued = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         if self.connector is not None:
-            if was_queued and not self.connector.in_flight(req_id):
+            if was_queued and not self.connector.in_flight(req):
                 self.connector.forget(req)
             else:
                 self.connector.request_finished(req)
@@ -184,7 +184,7 @@ class EngineCore:
         self._absorb(reports)
         if self.connector is not None:
             for load in self.connector.process_reports(reports):
-                req = self.scheduler.finish_load(load.req_id, load.ok)
+                req = self.scheduler.finish_load(load.req, load.ok)
                 if req is None or req.finished:
                     continue
                 if load.ok:
@@ -298,8 +298,8 @@ class EngineCore:
         requests recompute; every job still in flight is flushed by the next step."""
         if self.connector is None:
             return
-        for req_id in self.connector.reset():
-            req = self.scheduler.finish_load(req_id, ok=False)
+        for cancelled in self.connector.reset():
+            req = self.scheduler.finish_load(cancelled, ok=False)
             if req is not None and not req.finished:
                 self.connector.release_blocks(req)
 

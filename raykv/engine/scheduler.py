@@ -65,9 +65,10 @@ class Scheduler:
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.loading: dict[str, Request] = {}
+        # requests whose KV is arriving from the CPU tier (by object: an aborted one keeps its
+        # blocks until its load lands, while a new request may already reuse its id)
+        self.loading: list[Request] = []
         self.stats = SchedulerStats()
-        self._ever_computed: dict[str, int] = {}  # highest num_computed each request reached
 
     # ---- queue management ---------------------------------------------------------------------
 
@@ -203,14 +204,16 @@ class Scheduler:
 
     def _drop_out_of_window(self, req: Request, next_position: int) -> None:
         bs = self.block_size
-        for group, table in zip(self.groups, req.block_tables, strict=True):
+        for g, (group, table) in enumerate(zip(self.groups, req.block_tables, strict=True)):
             if not group.is_sliding:
                 continue
             first = min(group.first_needed_block(next_position, bs), len(table))
-            gone = [b for b in table[:first] if b != NULL_BLOCK]
-            if gone:
-                self.pool.free(reversed(gone))
-                for i in range(first):
+            positions = [i for i in range(first) if table[i] != NULL_BLOCK]
+            if positions:
+                if self.connector is not None:
+                    self.connector.on_released(req, g, positions)
+                self.pool.free(reversed([table[i] for i in positions]))
+                for i in positions:
                     table[i] = NULL_BLOCK
 
     def _free_all(self, req: Request) -> None:
@@ -266,7 +269,7 @@ class Scheduler:
                 req.num_computed = num_local
                 req.load_tokens = ext
                 req.status = RequestStatus.WAITING_FOR_LOAD
-                self.loading[req.req_id] = req
+                self.loading.append(req)
                 self.connector.start_load(req, num_local, ext)  # type: ignore[union-attr]
                 out.started_loads += 1
                 continue
@@ -302,14 +305,14 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------------
 
-    def finish_load(self, req_id: str, ok: bool) -> Request | None:
+    def finish_load(self, req: Request, ok: bool) -> Request | None:
         """A load ended. On success the request runs on from after the loaded tokens. On failure
         it gives its blocks back and waits to be admitted again (its blocks were laid out for
         resuming after the load: a sliding-window group holds none before that window), so it
         recomputes from whatever the GPU prefix cache then still holds."""
-        req = self.loading.pop(req_id, None)
-        if req is None:
+        if req not in self.loading:
             return None
+        self.loading.remove(req)
         if req.status is RequestStatus.FINISHED_ABORTED:
             self._free_all(req)  # its blocks were kept until the load stopped writing them
             return req
@@ -331,7 +334,7 @@ class Scheduler:
         """Every request with KV on the GPU gives its blocks back and waits to recompute from
         scratch (a rank's KV is gone). Returns the requests that held blocks."""
         moved: list[Request] = []
-        for req in [*self.running, *self.loading.values()]:
+        for req in [*self.running, *self.loading]:
             if req.status is RequestStatus.FINISHED_ABORTED:
                 self._free_all(req)  # its load was what kept it
                 continue
@@ -361,19 +364,17 @@ class Scheduler:
 
     def note_computed(self, req: Request, start: int, end: int) -> None:
         """Count tokens computed a second time (after a preemption or a failed load)."""
-        prev = self._ever_computed.get(req.req_id, 0)
+        prev = req.max_computed
         self.stats.recomputed_tokens += max(0, min(end, prev) - start)
-        if end > prev:
-            self._ever_computed[req.req_id] = end
+        req.max_computed = max(prev, end)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request and free its blocks (an in-flight load keeps them until it lands)."""
         req.status = status
-        if req.req_id in self.loading:
+        if req in self.loading:
             return  # freed when the load finishes
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._free_all(req)
-        self._ever_computed.pop(req.req_id, None)

@@ -172,6 +172,22 @@ class Directory:
                 bump(key)
         return present, pending
 
+    def count_lookups(self, keys: Iterable[int]) -> None:
+        """Count keys a caller examined by membership alone (``in``) as looked up, as ``lookup``
+        would: towards the frequency filter and the lookup counters. A sliding-window group's
+        check of the window before a boundary is such a lookup."""
+        slot, writing = self._slot, self._writing
+        bump = self._filter.bump if self._filter is not None else None
+        for key in keys:
+            self._lookups += 1
+            if bump is not None:
+                bump(key)
+            if key in slot:
+                if key in writing:
+                    self._pending += 1
+                else:
+                    self._hits += 1
+
     def is_readable(self, key: int) -> bool:
         """True if the key is ready; unlike ``lookup`` it counts nothing."""
         return key in self._slot and key not in self._writing

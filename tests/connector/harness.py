@@ -51,6 +51,8 @@ class Runner:
         ack_delays: dict | None = None,
         exec_delays: dict | None = None,
         offload: bool = True,
+        keep_finished: bool = True,
+        store_threshold: int = 0,
     ) -> None:
         n_groups = groups.count("kind")
         self.cfg = load_config(
@@ -68,13 +70,19 @@ class Runner:
                 f"offload.policy={policy}",
                 f"engine.max_num_seqs={max_num_seqs}",
                 f"engine.max_num_batched_tokens={max_num_batched_tokens}",
+                f"offload.store_threshold={store_threshold}",
             ],
         )
         self.workers = LocalWorkerGroup(
             self.cfg, cpu_slots, ack_delays=ack_delays, exec_delays=exec_delays, threaded=False
         )
         self.engine = EngineCore(
-            self.cfg, self.workers, offload=offload, verify=True, directory=directory
+            self.cfg,
+            self.workers,
+            offload=offload,
+            verify=True,
+            directory=directory,
+            keep_finished=keep_finished,
         )
         self.connector = self.engine.connector
         self.records: list[StepRecord] = []
@@ -128,8 +136,22 @@ class Runner:
 
     # ---- what happened ------------------------------------------------------------------
 
-    def _offsets(self, req_id: str, blocks: list[int]) -> list[Offset]:
-        state = self.connector._reqs[req_id]
+    def state(self, req_id: str):
+        """The connector's state for the live request with this id (the newest one)."""
+        assert self.connector is not None
+        found = [s for req, s in self.connector._reqs.items() if req.req_id == req_id]
+        assert found, f"no connector state for {req_id}"
+        return found[-1]
+
+    def in_flight(self, req_id: str) -> set[int]:
+        """Jobs in flight of every tracked request with this id."""
+        assert self.connector is not None
+        states = self.connector._reqs.items()
+        return {j for req, state in states if req.req_id == req_id for j in state.jobs}
+
+    def _offsets(self, req: Request, blocks: list[int]) -> list[Offset]:
+        req_id = req.req_id
+        state = self.connector._reqs[req]
         out = []
         for b in blocks:
             found = [
@@ -150,8 +172,9 @@ class Runner:
         for spec, into in [(s, rec.stored) for s in plan.stores] + [
             (s, rec.loaded) for s in plan.loads
         ]:
-            req_id = jobs[spec.job_id].req_id
-            offsets = self._offsets(req_id, spec.copy.gpu_blocks)
+            owner = jobs[spec.job_id].request
+            req_id = owner.req_id
+            offsets = self._offsets(owner, spec.copy.gpu_blocks)
             rec.gpu_blocks[req_id].update(spec.copy.gpu_blocks)
             self._job_offsets[spec.job_id] = (req_id, offsets)
             into[req_id] += offsets
@@ -197,7 +220,7 @@ class Runner:
         assert c is not None
         assert len(c.jobs) == 0, f"jobs left: {list(c.jobs.jobs)}"
         assert not c.fence, f"fence not empty: {c.fence.blocks()}"
-        assert c.tracked() == 0, f"request states left: {list(c._reqs)}"
+        assert c.tracked() == 0, f"request states left: {[r.req_id for r in c._reqs]}"
         stats = c.directory.stats()
         assert stats.writing == 0 and stats.reading == 0
         for w in self.workers.workers:

@@ -14,8 +14,8 @@ def finish_with_stores_pending(r: Runner, req_id: str, prompt: list[int]) -> set
     r.pause_copies()
     req = r.add(req_id, prompt)
     r.step()
-    assert req.finished and r.connector.in_flight(req_id)
-    return set(r.connector._reqs[req_id].groups[0].block_ids)
+    assert req.finished and r.in_flight(req_id)
+    return set(r.state(req_id).groups[0].block_ids)
 
 
 def test_fence_is_populated_when_a_request_with_stores_in_flight_finishes() -> None:
@@ -23,11 +23,11 @@ def test_fence_is_populated_when_a_request_with_stores_in_flight_finishes() -> N
     r.pause_copies()
     a = r.add("a", tokens(9), max_tokens=6)
     r.step()
-    assert r.connector.in_flight("a") and not r.connector.fence  # running: its blocks are safe
+    assert r.in_flight("a") and not r.connector.fence  # running: its blocks are safe
     r.step(5)
     assert a.finished
     fenced = r.connector.fence.blocks()
-    assert fenced and fenced <= set(r.connector._reqs["a"].groups[0].block_ids)
+    assert fenced and fenced <= set(r.state("a").groups[0].block_ids)
     r.resume_copies()
     r.run()
     r.drained()
@@ -51,7 +51,7 @@ def test_every_in_flight_store_of_a_request_is_flushed_when_its_blocks_are_reuse
     a = r.add("a", tokens(4), max_tokens=9)  # KV for 4 + 8 positions: a block per job
     while not a.finished:
         r.step()
-    assert len(r.connector.in_flight("a")) == 3
+    assert len(r.in_flight("a")) == 3
     r.add("b", tokens(12, 100))
     r.step()  # b takes all three blocks at once: every job on them is flushed
     assert set(r.records[-1].flushed["a"]) == r.all("stored", "a") == {(0, 0), (0, 1), (0, 2)}
@@ -66,7 +66,7 @@ def test_sliding_window_blocks_are_fenced_at_creation_full_attention_at_finish()
     r.pause_copies()
     r.add("a", tokens(12), max_tokens=3)
     r.step()
-    jobs = [r.connector.jobs.jobs[j] for j in r.connector.in_flight("a")]
+    jobs = [r.connector.jobs.jobs[j] for j in r.in_flight("a")]
     assert jobs and all(j.fenced_block_ids and j.deferred_fence_block_ids for j in jobs)
     swa = {b for j in jobs for b in j.fenced_block_ids}
     full = {b for j in jobs for b in j.deferred_fence_block_ids}

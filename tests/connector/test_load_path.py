@@ -105,7 +105,7 @@ def test_a_request_with_jobs_in_flight_defers_its_lookup() -> None:
     r.pause_copies()
     a = r.add("a", tokens(9), max_tokens=5)
     r.step()
-    assert r.connector.in_flight("a")
+    assert r.in_flight("a")
     lookups = r.connector.directory.stats().lookups
     assert r.connector.lookup(a, 0) is None
     assert r.connector.directory.stats().lookups == lookups  # nothing was even looked up

@@ -46,7 +46,7 @@ def test_vllm_42959_stale_sliding_window_block_is_never_stored() -> None:
     r = Runner(block_size=4, groups=groups, num_gpu_blocks=4, max_num_batched_tokens=4, directory=d)
     r.add("a", tokens(16))
     r.step()
-    ids = r.connector._reqs["a"].groups[0].block_ids
+    ids = r.state("a").groups[0].block_ids
     first = ids[0]
     r.step(3)  # block 0 leaves the window in step 2 and comes back for position 12 in step 3
     assert ids[3] == first and ids[0] == 0  # the stale position was zeroed, not stored
@@ -103,7 +103,7 @@ def test_preempt_then_readmit_before_the_flush_is_acked_is_deferred() -> None:
     for _ in range(60):
         if not r.engine.has_work():
             break
-        pending = bool(r.connector.in_flight("victim"))
+        pending = bool(r.in_flight("victim"))
         r.step()
         if r.records[-1].loaded.get("victim"):
             victim_loads.append(pending)
