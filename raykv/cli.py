@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,50 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output file that cannot be written before the work, not after it."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: no such directory {str(parent)!r}")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write into {str(parent)!r}")
+
+
+def _check_device(cfg: RaykvConfig, engine: str, address: str | None) -> None:
+    """A device this machine lacks gets one line naming parallel.device, before anything is
+    deployed (the ranks would fail to build it, or on an embedded Ray wait for GPUs that do not
+    exist). On a joined cluster the ranks run on its nodes, not here: nothing to check."""
+    device = cfg.parallel.device
+    if device == "cpu":
+        return
+    if engine == "local":
+        gpus = 1  # ranks in one process share the GPUs there are
+    elif address or os.environ.get("RAY_ADDRESS"):
+        return
+    else:
+        gpus = cfg.parallel.tensor_parallel_size  # the embedded Ray gives each rank a GPU
+    from raykv.transfer.devices import device_problem
+
+    problem = device_problem(device, gpus)
+    if problem:
+        raise ConfigError(f"parallel.device: {device}: {problem}; use parallel.device=cpu")
+
+
 def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.policy import bench_work, prepare_accesses, run_policy_bench
     from raykv.offload.policies import policy_names, resolve_policy
@@ -36,6 +81,7 @@ def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
 
     names = policy_names() if args.policies.strip() == "all" else args.policies.split(",")
     names = [n.strip() for n in names if n.strip()]
+    _check_output("--json", args.json)
     for name in names:
         resolve_policy(name)  # unknown names fail before the replay starts
     requests = read_trace(args.trace, args.block_tokens, limit=args.limit)
@@ -63,15 +109,14 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.transfer import format_transfer_table, run_transfer_bench
 
     directions = [d.strip() for d in args.direction.split(",") if d.strip()]
-    if args.device == "cuda":
-        import torch
+    _check_output("--json", args.json)
+    if args.device != "cpu":
+        from raykv.transfer.devices import device_problem
 
         # checked here so a CPU-only machine gets a plain answer, not an engine error
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "--device cuda: CUDA is not available on this machine "
-                f"(torch {torch.__version__}); use --device cpu"
-            )
+        problem = device_problem(args.device)
+        if problem:
+            raise ValueError(f"--device {args.device}: {problem}; use --device cpu")
     result = run_transfer_bench(
         args.device, args.page_kib, args.blocks, directions, args.pattern, args.repeat
     )
@@ -83,10 +128,12 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
+    _check_output("--json", args.json)
     if args.engine == "ray":
         from raykv.cluster.bench import format_fanout_table, run_fanout_bench
 
         cfg = load_config(args.config, args.set or ())
+        _check_device(cfg, "ray", None)
         result = run_fanout_bench(cfg, args.tp, steps=min(args.steps, 400), repeat=args.repeat)
         console.print(format_fanout_table(result), highlight=False)
     else:
@@ -129,6 +176,8 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     from raykv.workload.requests import make_workload
 
     cfg = _run_config(args)
+    _check_output("--json-report", args.json_report)
+    _check_device(cfg, args.engine, args.address)
     specs = make_workload(cfg)
     err = Console(stderr=True)
     if args.engine == "local":
@@ -193,11 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies", default="all", help="comma-separated policy names, or 'all' (default)"
     )
     pol.add_argument("--json", help="write the results to this JSON file")
-    pol.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block")
     pol.add_argument(
-        "--repeat", type=int, default=3, help="timed replays per row; the fastest counts"
+        "--block-tokens", type=_positive_int, default=512, help="tokens per trace block"
     )
-    pol.add_argument("--limit", type=int, help="replay only the first N requests")
+    pol.add_argument(
+        "--repeat", type=_positive_int, default=3, help="timed replays per row; the fastest counts"
+    )
+    pol.add_argument("--limit", type=_positive_int, help="replay only the first N requests")
     pol.set_defaults(func=_cmd_bench_policy)
 
     tr = bench.add_parser(
@@ -281,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SPEC",
         help="inject a fault (repeatable): kill-worker:rate=P | kill-worker:step=N:rank=R | "
-        "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P, "
-        "each with an optional :seed=S",
+        "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P | "
+        "kill-scheduler:step=N, each with an optional :seed=S (R: a rank below "
+        "parallel.tensor_parallel_size)",
     )
     run.set_defaults(func=_cmd_run)
 

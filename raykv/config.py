@@ -125,6 +125,16 @@ class OffloadConfig(_Strict):
     def _policy_spec(cls, value: str) -> str:
         if not _POLICY_RE.match(value):
             raise ValueError("neither a policy name nor a module:Class import path")
+        # checked now, not when the CPU tier is built (in a Ray actor, after deployment). The
+        # import is deferred: the policies package is plain Python, but config is the top layer.
+        from raykv.offload.policies import resolve_policy
+
+        try:
+            resolve_policy(value)
+        except ValueError:
+            raise
+        except Exception as exc:  # a custom policy's module failed while importing
+            raise ValueError(f"cannot load policy {value!r}: {type(exc).__name__}: {exc}") from None
         return value
 
     @model_validator(mode="after")
@@ -267,6 +277,13 @@ class RaykvConfig(_Strict):
                 f"parallel.tensor_parallel_size ({tp}) must divide model.num_kv_heads "
                 f"({self.model.num_kv_heads})"
             )
+        for spec in self.faults:
+            rank = parse_fault(spec).rank
+            if rank is not None and rank >= tp:
+                raise ValueError(
+                    f"faults: fault {spec!r}: rank {rank} does not exist with "
+                    f"parallel.tensor_parallel_size {tp} (ranks 0-{tp - 1})"
+                )
         groups = len(self.cache.groups)
         if self.model.num_layers % groups:
             raise ValueError(
@@ -339,6 +356,8 @@ def _format_errors(exc: ValidationError, source: str) -> ConfigError:
         line = f"{path}: {msg}" if path else msg  # cross-field checks name their own keys
         lines.append(line if isinstance(got, dict) else f"{line} (got {got!r})")
     head = f"invalid configuration{f' in {source}' if source else ''}"
+    if len(lines) == 1:  # one mistake, one line
+        return ConfigError(f"{head}: {lines[0]}")
     return ConfigError(head + ":\n  " + "\n  ".join(lines))
 
 
@@ -385,6 +404,10 @@ def load_config(
             text = Path(source).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"{name}: cannot read config ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})"
+            ) from None
         try:
             tree = yaml.safe_load(text)
         except yaml.YAMLError as exc:

@@ -12,7 +12,9 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
                                  lives)
 
 Any of them takes ``:seed=S``. Every rank draws from its own generator seeded by (seed, rank,
-kind), so a run with the same faults fails the same way every time.
+kind), so a run with the same faults fails the same way every time (``kill-worker:step`` and
+``kill-scheduler`` draw nothing: the seed changes nothing there). A spec's ``rank`` must be a
+rank of the run (below ``parallel.tensor_parallel_size``; the config checks that).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _PARAMS = {
     "drop-acks": {"rate", "seed", "rank"},
     "dup-acks": {"rate", "seed", "rank"},
     "fail-copy": {"rate", "seed", "rank"},
-    "kill-scheduler": {"step"},
+    "kill-scheduler": {"step", "seed"},  # seed: accepted like everywhere, nothing is drawn
 }
 
 

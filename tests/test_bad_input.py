@@ -199,3 +199,169 @@ def test_bad_acks_are_counted_and_ignored() -> None:
 def test_cli_reports_bad_input_and_exits_2(argv, message, capsys) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- issue 10, defect 5: bad input that crashed (exit 1, a traceback) instead of naming it ----
+
+
+def _one_line_error(capsys) -> str:
+    """What main() printed to stderr, asserted to be a single error line without a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("raykv: error: "), err
+    return err
+
+
+def test_issue10_a_trace_line_below_one_block_without_hash_ids(tmp_path, capsys) -> None:
+    trace = tmp_path / "short.jsonl"
+    trace.write_text(
+        GOOD_LINE + '\n{"timestamp": 1, "input_length": 100, "output_length": 2, "hash_ids": []}\n'
+    )
+    argv = ["run", "--engine", "local", "--config", "configs/local.yaml"]
+    assert main([*argv, "--workload", f"trace:{trace}", "--num-requests", "2"]) == 2
+    err = _one_line_error(capsys)
+    assert "short.jsonl:2: 0 hash_ids for input_length 100; expected 1" in err
+    with pytest.raises(ValueError, match=r"short\.jsonl:2: 0 hash_ids"):
+        read_trace(trace)  # the policy bench reads the same lines
+
+
+def test_issue10_b_policy_name_checked_at_config_load(capsys) -> None:
+    assert main(["config", "check", "configs/local.yaml", "--set", "offload.policy=lfu"]) == 2
+    err = _one_line_error(capsys)
+    assert "offload.policy: unknown policy 'lfu' (known: arc, lru, recall)" in err
+    assert "configs/local.yaml: ok" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("lfu", r"offload\.policy: unknown policy 'lfu'"),
+        ("no.such.module:Cls", r"offload\.policy: cannot load policy 'no\.such\.module:Cls'"),
+        ("raykv.offload.policies:NoSuch", r"offload\.policy: cannot load policy"),
+        ("raykv.config:RaykvConfig", r"offload\.policy: policy .* is not a CachePolicy subclass"),
+        ("boom_policy:Policy", r"offload\.policy: cannot load policy 'boom_policy:Policy'.*boom"),
+    ],
+)
+def test_issue10_b_policy_spec_refused_naming_the_key(spec, message, tmp_path, monkeypatch):
+    (tmp_path / "boom_policy.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [f"offload.policy={spec}"])
+
+
+def test_issue10_b_policy_import_path_accepted() -> None:
+    spec = "raykv.offload.policies.lru:LRUPolicy"
+    assert load_config(None, [f"offload.policy={spec}"]).offload.policy == spec
+
+
+def test_issue10_c_cuda_device_without_cuda_is_one_line(capsys, monkeypatch) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    base = ["run", "--config", "configs/local.yaml", "--set", "parallel.device=cuda"]
+    assert main([*base, "--engine", "local", "--num-requests", "2"]) == 2
+    err = _one_line_error(capsys)
+    assert "parallel.device: cuda: CUDA is not available on this machine" in err
+
+
+def test_issue10_c_cuda_device_without_cuda_refused_before_ray_deploys(capsys, monkeypatch):
+    """On an embedded Ray the ranks would wait 300 s for GPUs that do not exist, then fail."""
+    import torch
+
+    from raykv.cluster.client import RaykvClient
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    base = ["run", "--config", "configs/local.yaml", "--set", "parallel.device=cuda"]
+
+    def deploy(*args, **kwargs):
+        raise AssertionError("deployment started with parallel.device: cuda and no CUDA")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(RaykvClient, "start", deploy)
+    assert main([*base, "--num-requests", "2"]) == 2
+    assert "parallel.device: cuda: CUDA is not available" in _one_line_error(capsys)
+
+
+def test_issue10_c_device_problem_says_why() -> None:
+    import torch
+
+    from raykv.transfer.devices import device_problem
+
+    assert device_problem("cpu") is None
+    if not torch.cuda.is_available():
+        assert "CUDA is not available on this machine" in (device_problem("cuda") or "")
+    else:
+        n = torch.cuda.device_count()
+        assert device_problem("cuda", n) is None
+        assert f"this machine has {n}" in (device_problem("cuda", n + 1) or "")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["kill-worker:step=5:rank=7", "kill-worker:step=5:rank=2", "delay-acks:rank=2:steps=3"],
+)
+def test_issue10_d_fault_rank_beyond_tp_refused(spec, capsys) -> None:
+    with pytest.raises(ValueError, match=rf"fault '{spec}': rank \d+ .*tensor_parallel_size"):
+        load_config(None, ["parallel.tensor_parallel_size=2", f"faults=[{spec!r}]"])
+    argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--num-requests", "2"]
+    assert main([*argv, "--set", "parallel.tensor_parallel_size=2", "--fault", spec]) == 2
+    err = _one_line_error(capsys)
+    assert f"fault {spec!r}: rank" in err
+
+
+def test_issue10_d_fault_rank_within_tp_accepted() -> None:
+    cfg = load_config(
+        None, ["parallel.tensor_parallel_size=2", "faults=['kill-worker:step=5:rank=1']"]
+    )
+    assert cfg.faults == ["kill-worker:step=5:rank=1"]
+
+
+def test_issue10_e_kill_scheduler_takes_a_seed() -> None:
+    from raykv.faults import parse_fault
+
+    fault = parse_fault("kill-scheduler:step=5:seed=3")
+    assert (fault.kind, fault.step, fault.seed) == ("kill-scheduler", 5, 3)
+    assert load_config(None, ["faults=['kill-scheduler:step=5:seed=3']"]).faults
+
+
+# ---- the same kind of bad input found elsewhere in the CLI ----
+
+
+def test_config_not_utf8_names_the_file(tmp_path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"offload:\n  policy: lru # caf\xe9\n")
+    with pytest.raises(ValueError, match=r"latin1\.yaml: not UTF-8 text"):
+        load_config(path)
+
+
+def test_trace_not_utf8_names_the_line(tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(GOOD_LINE.encode() + b"\n" + b'{"note": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: not UTF-8 text"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--block-tokens", "0"), ("--repeat", "0"), ("--limit", "0"), ("--limit", "-1")]
+)
+def test_bench_policy_counts_must_be_positive(flag, value, tmp_path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(GOOD_LINE + "\n")
+    argv = ["bench", "policy", "--trace", str(trace), "--capacity-tokens", "1000", flag, value]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected a positive integer, got {value!r}" in err
+
+
+def test_json_report_into_a_missing_directory_is_refused_before_the_run(tmp_path, capsys):
+    out = tmp_path / "no" / "such" / "report.json"
+    argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--num-requests", "2"]
+    assert main([*argv, "--json-report", str(out)]) == 2
+    err = _one_line_error(capsys)
+    assert f"--json-report {out}: no such directory" in err
+    assert "requests" not in capsys.readouterr().out  # nothing ran

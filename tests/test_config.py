@@ -77,8 +77,13 @@ def test_file_errors_name_the_file_and_line(tmp_path: Path) -> None:
         load_config(top)
     typo = tmp_path / "typo.yaml"
     typo.write_text("offload:\n  polcy: lru\n")
-    with pytest.raises(ConfigError, match=r"in .*typo\.yaml:\n  offload\.polcy: unknown key"):
+    with pytest.raises(ConfigError, match=r"in .*typo\.yaml: offload\.polcy: unknown key"):
         load_config(typo)
+    typo.write_text("offload:\n  polcy: lru\ncache:\n  block_size: big\n")
+    with pytest.raises(
+        ConfigError, match=r"typo\.yaml:\n  cache\.block_size: .*\n  offload\.polcy"
+    ):
+        load_config(typo)  # several mistakes: one line each
 
 
 def test_yaml_is_parsed_safely(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Reader for request traces in the Mooncake JSONL format.
 
 One JSON object per line: ``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens),
-``hash_ids`` (one id per ``block_tokens``-token prompt block, the last possibly partial; equal ids
-mean equal prefix blocks). Other fields are ignored. Every problem is reported with its line.
+``hash_ids`` (one id per ``block_tokens``-token prompt block, the last possibly partial, whose id
+may be left out; at least one id; equal ids mean equal prefix blocks). Other fields are ignored.
+Every problem is reported with its line.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def parse_trace_line(
         isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
     ):
         raise TraceError(f"{where}: field 'hash_ids' must be a list of non-negative integers")
-    lo, hi = input_length // block_tokens, math.ceil(input_length / block_tokens)
+    # the last, partial block's id may be missing, but a prompt needs at least one id: its
+    # tokens are derived from the ids
+    lo, hi = max(1, input_length // block_tokens), math.ceil(input_length / block_tokens)
     if not lo <= len(ids) <= hi:
         raise TraceError(
             f"{where}: {len(ids)} hash_ids for input_length {input_length}; expected "
@@ -81,11 +84,17 @@ def read_trace(
     path = Path(path)
     out: list[TraceRequest] = []
     try:
-        fh = path.open(encoding="utf-8")
+        fh = path.open("rb")  # decoded line by line, so a bad byte is reported with its line
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace ({exc.strerror})") from None
     with fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(
+                    f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             out.append(parse_trace_line(line, f"{path}:{lineno}", block_tokens))
