@@ -1,17 +1,28 @@
 """Where each run keeps its ranks' shared-memory CPU-pool shards, and who removes them.
 
 Files are named ``raykv-<host>-<owner pid>-<token>-r<rank>g<generation>.pool`` in a tmpfs
-directory (``offload.shared_pool_dir``). The owner is the process that started the run (the
-``raykv run`` process or the driver); it removes them at the end, and a later run on the same
-host removes files whose owner is gone (a crashed run). A replacement rank maps its
-predecessor's file once that process has exited; a new generation gives it a fresh file when
-the predecessor is still alive: a live process must never share memory with its replacement.
+directory (``offload.shared_pool_dir``) on the node where the rank runs. The owner is the
+process that started the run (the ``raykv run`` process or the driver), on ``<host>``, which
+may be another node. A replacement rank maps its predecessor's file once that process has
+exited; a new generation gives it a fresh file when the predecessor is still alive: a live
+process must never share memory with its replacement.
+
+Clean-up: a rank removes its own file when it shuts down and the owner removes what is left on
+its host at the end. Files of crashed runs are swept (:func:`sweep_stale`) on every node: each
+rank sweeps its node's directory when it starts (and the driver its own host). A rank holds a
+shared ``flock`` on its file while it lives (:func:`hold`), which its death releases; a sweep
+removes a file only when it can take the lock exclusively (no live rank holds it) and, where the
+owner can be seen (same host), the owner is gone too. A rank never sweeps its own run's files:
+a dead rank's shard waits for its successor. A sweep by another run in the moment between a
+rank's death and its successor's start may still remove that shard: the successor then starts
+a fresh one and the CPU tier is emptied, as when the shard cannot be kept (never stale bytes).
 No torch here: the driver names and removes files without importing it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import os
 import re
@@ -90,17 +101,63 @@ def successor_path(path: str, predecessor: tuple[int, int | None], wait_s: float
     return path
 
 
-def sweep_stale(directory: str) -> list[str]:
-    """Delete shard files left by runs on this host whose owner process is gone."""
+def owner_of(path: str) -> str | None:
+    """The run owner (``PoolFiles.owner``) a shard file's name carries; None if not one."""
+    m = _NAME_RE.match(os.path.basename(path))
+    return None if m is None else f"{m['host']}-{m['pid']}-{m['token']}"
+
+
+def hold(path: str) -> int | None:
+    """Hold a shared lock on the shard file ``path`` (created empty if missing) until the
+    returned descriptor is closed or this process ends, however it ends: while any process
+    holds one, :func:`sweep_stale` leaves the file alone. None when the file cannot be opened
+    (no such directory: the rank keeps its shard in private memory)."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a sweep is removing this file
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # a sweep removed the file between the open and the lock: again
+
+
+def sweep_stale(directory: str, keep_owner: str | None = None) -> list[str]:
+    """Delete shard files in ``directory`` (on this node) left by crashed runs: files no live
+    process holds (:func:`hold`) whose owner, when it ran on this host, is gone too. The files
+    of run ``keep_owner`` (the sweeping rank's own) are never touched."""
     host, removed = socket.gethostname(), []
     for path in glob.glob(os.path.join(directory, "raykv-*.pool")):
         m = _NAME_RE.match(os.path.basename(path))
-        if m is None or m["host"] != host or _alive(int(m["pid"])):
+        if m is None or owner_of(path) == keep_owner:
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if m["host"] == host and _alive(int(m["pid"])):
+            continue  # its run is alive
+        if _remove_unheld(path):
             removed.append(path)
     return removed
+
+
+def _remove_unheld(path: str) -> bool:
+    """Unlink ``path`` if no process holds it (an exclusive lock can be taken now)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # gone already, or someone else's file
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path).st_ino != os.fstat(fd).st_ino:
+            return False  # replaced meanwhile: not the file that was free
+        os.unlink(path)
+        return True
+    except OSError:  # held by a live rank (BlockingIOError), or removed meanwhile
+        return False
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

@@ -25,7 +25,7 @@ from raykv.connector.plan import StepPlan, StepReport
 from raykv.connector.worker import RankDied
 from raykv.engine.core import RankFailed
 from raykv.faults import parse_fault, scheduler_dies_at
-from raykv.pool_files import process_id, successor_path
+from raykv.pool_files import hold, owner_of, process_id, successor_path, sweep_stale
 
 # The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
 REJECTED = "rejected"
@@ -66,6 +66,12 @@ class RankWorker:
         if pool_path is not None and predecessor is not None:
             pool_path = successor_path(pool_path, predecessor, PREDECESSOR_EXIT_S)
         self.pool_path = pool_path
+        self._lease: int | None = None
+        if pool_path is not None:
+            # this node's leftovers of crashed runs (the driver sweeps only its own host), then
+            # hold this rank's shard so that no sweep elsewhere removes it while it lives
+            sweep_stale(os.path.dirname(pool_path), keep_owner=owner_of(pool_path))
+            self._lease = hold(pool_path)
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self.rank = rank
@@ -115,6 +121,9 @@ class RankWorker:
 
     def shutdown(self) -> None:
         self.worker.shutdown()
+        if self._lease is not None:
+            os.close(self._lease)
+            self._lease = None
 
 
 class RayWorkerGroup:
