@@ -200,8 +200,10 @@ class EngineConfig(_Strict):
     max_deferred_steps: int = Field(
         default=64,
         ge=0,
-        description="Steps a request may wait, in all, for chunks being written or its own "
-        "transfers before it recomputes instead.",
+        description="Steps a request may wait, in all, for chunks still being written (or "
+        "loaded by another request) before it recomputes instead. Its own transfers in flight "
+        "always make it wait: they end by themselves (acked, asked again, or failed with a "
+        "rank declared dead).",
     )
     ack_timeout_steps: int = Field(
         default=32,

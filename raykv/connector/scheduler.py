@@ -188,7 +188,10 @@ class ConnectorScheduler:
         self.stats.lookups += 1
         state = self._state(req)
         if state.jobs:
-            return self._defer(state)
+            # DESIGN invariant 3, whatever the deferral budget says: these jobs end by themselves
+            # (acked, asked again after ack_timeout_steps, or failed with a rank declared dead)
+            self.stats.deferred_lookups += 1
+            return None
         req.update_hashes(self.block_size)
         self._update_keys(state)
         tpc = self.tpc

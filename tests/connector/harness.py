@@ -53,6 +53,7 @@ class Runner:
         offload: bool = True,
         keep_finished: bool = True,
         store_threshold: int = 0,
+        max_deferred_steps: int = 64,
     ) -> None:
         n_groups = groups.count("kind")
         self.cfg = load_config(
@@ -71,6 +72,7 @@ class Runner:
                 f"engine.max_num_seqs={max_num_seqs}",
                 f"engine.max_num_batched_tokens={max_num_batched_tokens}",
                 f"offload.store_threshold={store_threshold}",
+                f"engine.max_deferred_steps={max_deferred_steps}",
             ],
         )
         self.workers = LocalWorkerGroup(

@@ -4,6 +4,7 @@ after what went wrong; every one of them failed before its fix."""
 from __future__ import annotations
 
 from tests.connector.harness import Runner, tokens
+from tests.connector.test_lifecycle import make_preemption
 
 
 def outputs_without_offload(prompts: list[tuple[str, list[int], int]], **kwargs) -> list:
@@ -124,3 +125,30 @@ def test_store_threshold_counts_sliding_window_lookups() -> None:
     ):
         assert sliding_hits(groups, 0) > 0
         assert sliding_hits(groups, 2) > 0, groups
+
+
+def test_a_request_with_jobs_in_flight_defers_its_lookup_past_the_deferral_budget() -> None:
+    """DESIGN invariant 3: a request whose own jobs are in flight defers its lookup, also after
+    its deferral budget is spent (that budget bounds waiting for other requests' writes; its own
+    jobs end by themselves: acked, asked again, or failed with a rank declared dead)."""
+    r = Runner(
+        block_size=4, num_gpu_blocks=6, tp=2, ack_delays={1: lambda job: 12}, max_deferred_steps=1
+    )
+    make_preemption(r)
+    r.resume_copies()
+    victim = r.engine.requests["victim"]
+    answered_with_jobs = []
+    for _ in range(80):
+        if not r.engine.has_work():
+            break
+        if r.in_flight("victim") and victim in r.engine.scheduler.waiting:
+            before = r.connector.stats.deferred_lookups
+            r.step()
+            if victim not in r.engine.scheduler.waiting:
+                answered_with_jobs.append(r.engine.totals.steps)
+            assert r.connector.stats.deferred_lookups > before or victim.finished
+        else:
+            r.step()
+    assert not answered_with_jobs, f"admitted with jobs in flight at steps {answered_with_jobs}"
+    assert victim.finished
+    r.drained()

@@ -113,9 +113,15 @@ def test_a_load_never_overwrites_a_block_a_kernel_is_still_reading() -> None:
 def test_jobs_of_one_direction_land_in_submission_order() -> None:
     layout, kv, pool, engine = setup()
     kv[1].fill_(1.0)
+    kv[2].fill_(2.0)
+    # Hold back the stream the first store will run on (a direction's streams are taken in
+    # turn): the second store, on the other stream, writes the same slot and would land first,
+    # then be overwritten by the first, if jobs were not chained by their end events.
+    first_stream = engine._streams[True][0]
+    with torch.cuda.stream(first_stream):
+        torch.cuda._sleep(50_000_000)
     engine.submit(spec(1, True, [1], [0], [0]))
-    kv[1].fill_(2.0)  # compute-stream write between the two stores of the same block and slot
-    engine.submit(spec(2, True, [1], [0], [0]))
+    engine.submit(spec(2, True, [2], [0], [0]))  # the slot, evicted and reused
     engine.flush([1, 2])
     assert float(pool_rows(pool, layout)[0].float().mean()) == 2.0
     assert engine.poll() == ([1, 2], [])
