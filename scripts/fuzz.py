@@ -2,15 +2,19 @@
 """Fuzz the one-process engine: random configurations, workloads, copy and ack delays, and
 faults, with every invariant checked after every step.
 
-Each episode draws (seeded) 1-4 ranks, one or two KV groups, tiny GPU pools and CPU tiers that
-force block reuse, preemption and eviction, a policy, chunk sizes, per-rank seeded delays for
-when a copy really runs and when it is acknowledged, and a mix of injected faults (lost,
-duplicated and late acks, failed copies, dead ranks, whose replacements find their CPU-pool
-shard in shared memory or start empty). It runs the workload with offloading, checking the
-scheduler's books after every step (each rank checks the fence before every write), then
+Each episode draws (seeded) 1-4 ranks, one to three KV groups (full attention, sliding windows
+of different sizes), tiny GPU pools and CPU tiers that force block reuse, preemption and
+eviction, a policy, a store threshold, chunk sizes, per-rank seeded delays for when a copy
+really runs and when it is acknowledged (or real copy threads), and a mix of injected faults
+(lost, duplicated and late acks, failed copies, dead ranks, whose replacements find their
+CPU-pool shard in shared memory or start empty). A hostile client aborts requests at random
+moments (queued, loading, running), resets the CPU tier mid-run, and with finished requests
+forgotten (the serving setting) hands their ids to new requests. The run with offloading checks
+the scheduler's books after every step (each rank checks the fence before every write), then
 requires the drain (no jobs, no fence, no request state, no busy slot, every GPU block free), a
-CPU tier whose every readable chunk holds the right bytes on every rank, and the same tokens as
-a run without offloading.
+CPU tier whose every readable chunk holds the right bytes on every rank, and the tokens of a
+run without offloading and without the client's mischief (an aborted request: a prefix of
+them).
 
 Usage: python scripts/fuzz.py --steps 1000000 [--seed S]   (CI runs a short version)
 Exit status 1, with the seed and episode to replay, on the first violation.
@@ -24,21 +28,39 @@ import random
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 
-from raykv.config import load_config
+from raykv.config import RaykvConfig, load_config
+from raykv.core.request import Request, RequestStatus
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
-from raykv.workload.requests import synthetic_chat
+from raykv.workload.requests import RequestSpec, synthetic_chat
 
 GROUPS = [
     "[{kind: full_attention}]",
     "[{kind: full_attention}, {kind: sliding_window, window_tokens: 12}]",
     "[{kind: sliding_window, window_tokens: 20}]",
+    # two sliding windows of different sizes, alone and beside a full-attention group
+    "[{kind: sliding_window, window_tokens: 6}, {kind: sliding_window, window_tokens: 17}]",
+    "[{kind: full_attention}, {kind: sliding_window, window_tokens: 5}, "
+    "{kind: sliding_window, window_tokens: 14}]",
 ]
 
 
-def episode(rng: random.Random) -> tuple[list[str], dict, int]:
+@dataclass(slots=True)
+class Chaos:
+    """What a hostile client does to the run with offloading (the reference run gets none of
+    it): abort requests at random moments (queued, loading or running), reset the CPU tier at
+    given steps, and, with finished requests forgotten (``keep_finished: false``, the serving
+    setting), give new requests the ids of finished or aborted ones."""
+
+    abort_rate: float = 0.0  # per live request and step
+    reset_steps: set[int] = field(default_factory=set)
+    reuse_ids: bool = False
+    seed: int = 0
+
+
+def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
     tp = rng.choice([1, 2, 3, 4])
     groups = rng.choice(GROUPS)
     faults = []
@@ -52,6 +74,7 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int]:
         faults.append(f"kill-worker:rate={rng.choice([0.005, 0.02])}:seed={rng.randrange(99)}")
     if rng.random() < 0.3:
         faults.append(f"delay-acks:rank={rng.randrange(tp)}:steps={rng.choice([2, 7])}")
+    keep_finished = rng.random() < 0.5
     sets = [
         f"parallel.tensor_parallel_size={tp}",
         f"model.num_kv_heads={tp}",
@@ -64,12 +87,14 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int]:
         f"offload.blocks_per_chunk={rng.choice([1, 2, 3])}",
         f"offload.cpu_slots={rng.choice([3, 8, 32])}",
         f"offload.policy={rng.choice(['lru', 'arc', 'recall'])}",
+        f"offload.store_threshold={rng.choice([0, 0, 2, 3])}",
         f"offload.shared_pool={rng.choice(['true', 'false'])}",  # a death keeps / drops the tier
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
         f"engine.max_deferred_steps={rng.choice([8, 64])}",
         f"engine.ack_timeout_steps={rng.choice([4, 16])}",
         f"engine.rank_timeout_steps={rng.choice([40, 120])}",
+        f"engine.keep_finished={'true' if keep_finished else 'false'}",
         "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
     ]
     workload = dict(
@@ -85,42 +110,131 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int]:
         arrival_rate=rng.choice([0.0, 0.7, 3.0]),
     )
     max_delay = rng.choice([0, 1, 3])
-    return sets, workload, max_delay
+    chaos = Chaos(
+        abort_rate=rng.choice([0.0, 0.0, 0.01, 0.05]),
+        reset_steps={rng.randrange(200) for _ in range(rng.choice([0, 0, 1, 3]))},
+        reuse_ids=not keep_finished and rng.random() < 0.7,
+        seed=rng.randrange(1 << 16),
+    )
+    # real copy threads: timing decides the interleaving, so such an episode replays only
+    # approximately; every check still holds
+    threaded = rng.random() < 0.15
+    return sets, workload, max_delay, chaos, threaded
 
 
-def run_episode(sets: list[str], workload: dict, max_delay: int, salt: int) -> int:
+def drive(
+    engine: EngineCore, specs: list[RequestSpec], chaos: Chaos
+) -> tuple[dict[int, tuple[int, ...]], set[int], list[Request]]:
+    """Run ``specs`` to the end under ``chaos``, checking the invariants after every step.
+    Returns each request's generated tokens by index, the indices aborted, and every request
+    the engine took (it may have forgotten them: their hash chains name the CPU tier's
+    chunks)."""
+    rng = random.Random(chaos.seed)
+    pending = sorted(range(len(specs)), key=lambda i: (specs[i].arrival, i))
+    live: dict[int, Request] = {}
+    seen: list[Request] = []
+    outputs: dict[int, tuple[int, ...]] = {}
+    aborted: set[int] = set()
+    free_ids: list[str] = []  # ids of requests that are gone (finished or aborted)
+    idle = 0
+    while pending or engine.has_work():
+        now = engine.totals.steps
+        if pending and not engine.has_work():
+            now = max(now, specs[pending[0]].arrival)
+        while pending and specs[pending[0]].arrival <= now:
+            index = pending.pop(0)
+            spec = specs[index]
+            req_id = spec.req_id
+            if chaos.reuse_ids and free_ids and rng.random() < 0.5:
+                req_id = free_ids.pop(rng.randrange(len(free_ids)))
+            req = Request(req_id, index, list(spec.prompt), spec.max_tokens)
+            try:
+                engine.add_request(req)
+            except ValueError:
+                continue  # refused in the reference run too (too long, bad token)
+            live[index] = req
+            seen.append(req)
+        if chaos.abort_rate:
+            for index, req in list(live.items()):
+                # a load is in flight for a few steps only: aim at it more often
+                loading = req.status is RequestStatus.WAITING_FOR_LOAD
+                if rng.random() < chaos.abort_rate * (10 if loading else 1):
+                    engine.abort(req.req_id)
+                    outputs[index] = tuple(req.output)
+                    aborted.add(index)
+                    free_ids.append(req.req_id)
+                    del live[index]
+        if engine.totals.steps in chaos.reset_steps:
+            engine.reset_offload()
+        finished = engine.step()
+        engine.check_invariants()
+        for req in finished:
+            outputs[req.index] = tuple(req.output)
+            free_ids.append(req.req_id)
+            live.pop(req.index, None)
+        idle = 0 if finished or engine.scheduler.running else idle + 1
+        assert idle <= 5000, f"no progress for {idle} steps"
+    return outputs, aborted, seen
+
+
+def check_drained(engine: EngineCore, workers: LocalWorkerGroup, seen: list[Request]) -> None:
+    """DESIGN's drain and integrity after a run with offloading: no jobs, no fence, no request
+    state, no busy slot, nothing loading, every GPU block free, no loaded block mismatched, and
+    every readable chunk of the CPU tier holding the right bytes on every rank."""
+    c = engine.connector
+    assert c is not None
+    assert len(c.jobs) == 0, f"{len(c.jobs)} jobs left"
+    assert not c.fence, f"fence not empty: {sorted(c.fence.blocks())}"
+    assert c.tracked() == 0, f"{c.tracked()} request states left"
+    d = c.directory.stats()
+    assert d.writing == d.reading == 0, "slots still busy"
+    assert not engine.scheduler.loading, "requests left loading"
+    assert all(w.connector.held == 0 for w in workers.workers), "acks still held by a rank"
+    checked, bad = workers.verify_cpu_tier(engine.cpu_tier_contents(seen))
+    assert bad == 0, f"{bad} of {checked} CPU-tier blocks hold wrong bytes"
+    assert engine.totals.transfer.mismatches == 0, "a loaded block mismatched"
+    assert engine.pool.num_free == engine.pool.num_usable, "GPU blocks leaked"
+
+
+def compare(outputs: dict, aborted: set[int], reference: dict) -> None:
+    """Every request not aborted has the reference's tokens; an aborted one a prefix of them."""
+    assert set(outputs) == set(reference), "a different set of requests was refused"
+    for index, tokens in outputs.items():
+        if index in aborted:
+            assert reference[index][: len(tokens)] == tokens, f"aborted request {index} diverged"
+        else:
+            assert tokens == reference[index], f"request {index}: tokens differ from no-offload"
+
+
+def reference_outputs(cfg: RaykvConfig, specs: list[RequestSpec]) -> dict:
+    """The tokens of a run without offloading and without chaos."""
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
+        engine = EngineCore(cfg, workers, offload=False)
+        reference, _, _ = drive(engine, specs, Chaos())
+        assert engine.pool.num_free == engine.pool.num_usable, "GPU blocks leaked (no offload)"
+    return reference
+
+
+def run_episode(
+    sets: list[str], workload: dict, max_delay: int, salt: int, chaos: Chaos, threaded: bool
+) -> int:
+    """The episode with offloading under ``chaos``, checked against the reference."""
     cfg = load_config(None, sets)
     tp = cfg.parallel.tensor_parallel_size
     specs = synthetic_chat(
         workload.pop("num_requests"), vocab_size=cfg.model.vocab_size, **workload
     )
-    digests, steps = [], 0
-    for offload in (True, False):
-        delays = (
-            {
-                r: (lambda j, r=r: (j * 2654435761 + r * 97 + salt) % (max_delay + 1))
-                for r in range(tp)
-            }
-            if offload
-            else None
-        )
-        with LocalWorkerGroup(cfg, cfg.cpu_slots(), exec_delays=delays, threaded=False) as workers:
-            engine = EngineCore(cfg, workers, offload=offload, verify=True)
-            report = run_workload(engine, specs, check_invariants=True, max_idle_steps=5000)
-            if offload:
-                c = engine.connector
-                assert len(c.jobs) == 0, f"{len(c.jobs)} jobs left"
-                assert not c.fence, f"fence not empty: {sorted(c.fence.blocks())}"
-                assert c.tracked() == 0, f"{c.tracked()} request states left"
-                d = c.directory.stats()
-                assert d.writing == d.reading == 0, "slots still busy"
-                checked, bad = workers.verify_cpu_tier(engine.cpu_tier_contents())
-                assert bad == 0, f"{bad} of {checked} CPU-tier blocks hold wrong bytes"
-                assert report["integrity"]["mismatches"] == 0, "a loaded block mismatched"
-                steps = report["steps"]
-            assert engine.pool.num_free == engine.pool.num_usable, "GPU blocks leaked"
-            digests.append(report["output_digest"])
-    assert digests[0] == digests[1], "tokens differ from the run without offloading"
+    delays = {
+        r: (lambda j, r=r: (j * 2654435761 + r * 97 + salt) % (max_delay + 1)) for r in range(tp)
+    }
+    with LocalWorkerGroup(
+        cfg, cfg.cpu_slots(), exec_delays=None if threaded else delays, threaded=threaded
+    ) as workers:
+        engine = EngineCore(cfg, workers, verify=True)
+        outputs, aborted, seen = drive(engine, specs, chaos)
+        check_drained(engine, workers, seen)
+        steps = engine.totals.steps
+    compare(outputs, aborted, reference_outputs(cfg, specs))
     return steps
 
 
@@ -131,16 +245,17 @@ def worker(seed: int, first: int, stride: int, quota: int, quiet: bool) -> tuple
     ep = first
     while total < quota:
         rng = random.Random(f"{seed}/{ep}")
-        sets, workload, max_delay = episode(rng)
+        sets, workload, max_delay, chaos, threaded = episode(rng)
         try:
-            total += run_episode(sets, dict(workload), max_delay, ep)
+            total += run_episode(sets, dict(workload), max_delay, ep, chaos, threaded)
         except Exception:
             return (
                 episodes,
                 total,
                 (
                     f"{traceback.format_exc()}FAIL: seed {seed} episode {ep}\n"
-                    f"  sets: {sets}\n  workload: {workload}"
+                    f"  sets: {sets}\n  workload: {workload}\n  chaos: {chaos}, "
+                    f"threaded: {threaded}"
                 ),
             )
         episodes += 1
@@ -163,8 +278,10 @@ def main() -> int:
     args = ap.parse_args()
     start = time.perf_counter()
     if args.episode is not None:
-        sets, workload, max_delay = episode(random.Random(f"{args.seed}/{args.episode}"))
-        steps = run_episode(sets, dict(workload), max_delay, args.episode)
+        sets, workload, max_delay, chaos, threaded = episode(
+            random.Random(f"{args.seed}/{args.episode}")
+        )
+        steps = run_episode(sets, dict(workload), max_delay, args.episode, chaos, threaded)
         print(f"ok: episode {args.episode}, {steps} steps")
         return 0
     jobs = max(1, args.jobs)

@@ -22,7 +22,7 @@ def run(*argv: str) -> str:
 
 
 def test_fuzz_short() -> None:
-    out = run(str(SCRIPTS / "fuzz.py"), "--steps", "2500", "--seed", "3", "--quiet")
+    out = run(str(SCRIPTS / "fuzz.py"), "--steps", "6000", "--seed", "3", "--quiet")
     assert "0 violations" in out and out.startswith("ok:")
 
 

@@ -8,7 +8,7 @@ land instead of spinning.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -303,14 +303,17 @@ class EngineCore:
             if req is not None and not req.finished:
                 self.connector.release_blocks(req)
 
-    def cpu_tier_contents(self) -> list[tuple[int, int, BlockContent]]:
+    def cpu_tier_contents(
+        self, requests: Iterable[Request] | None = None
+    ) -> list[tuple[int, int, BlockContent]]:
         """(slot, position in chunk, expected content) of every block of every readable chunk,
-        from the requests whose hash chains produced them: what ``verify_cpu_tier`` on each rank
-        compares the pool with."""
+        from the requests whose hash chains produced them (by default the engine's own, which
+        are all of them unless finished ones are forgotten): what ``verify_cpu_tier`` on each
+        rank compares the pool with."""
         if self.connector is None:
             return []
         where: dict[int, tuple[Request, int]] = {}
-        for req in self.requests.values():
+        for req in self.requests.values() if requests is None else requests:
             for b, h in enumerate(req.hashes):
                 where.setdefault(h, (req, b))
         d, bs = self.connector.directory, self.block_size

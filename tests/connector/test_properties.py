@@ -1,37 +1,52 @@
 """Property test: random workloads through the whole engine, against its invariants.
 
 Each example draws a configuration (1-4 ranks, tiny GPU pools that force block reuse and
-preemption, one or two KV groups, every policy, chunk sizes) and, per rank, seeded delays both
-for when a copy really runs and for when its completion is reported. The engine checks the
+preemption, one to three KV groups including two sliding windows of different sizes, every
+policy, a store threshold, chunk sizes, finished requests kept or forgotten) and, per rank,
+seeded delays both for when a copy really runs and for when its completion is reported (or real
+copy threads). A hostile client (the fuzzer's ``Chaos``) aborts requests at random moments,
+resets the CPU tier mid-run and reuses the ids of requests that are gone. The engine checks the
 fence on every rank before each write (a violation raises), and after every step the scheduler
 side checks its books: each job acked at most once per rank and finalized once, the fence exactly
 the blocks of unfinished stores, one load xor stores per request. At the end the run must be
-drained, every loaded block verified, and the output identical to a run without offloading.
+drained, every loaded block and every chunk left in the CPU tier verified, and the tokens those
+of a run without offloading and without the client's mischief.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.workload.requests import synthetic_chat
 
-GROUPS = [
-    "[{kind: full_attention}]",
-    "[{kind: full_attention}, {kind: sliding_window, window_tokens: 12}]",
-    "[{kind: sliding_window, window_tokens: 20}]",
-]
+
+def _load_fuzzer():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "fuzz.py"
+    spec = importlib.util.spec_from_file_location("raykv_fuzz", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+fuzz = _load_fuzzer()
 
 
 @st.composite
 def scenarios(draw):
     tp = draw(st.sampled_from([1, 2, 3, 4]))
-    groups = draw(st.sampled_from(GROUPS))
+    groups = draw(st.sampled_from(fuzz.GROUPS))
     n_groups = groups.count("kind")
+    keep_finished = draw(st.booleans())
     sets = [
         f"parallel.tensor_parallel_size={tp}",
         f"model.num_kv_heads={tp}",
@@ -44,14 +59,23 @@ def scenarios(draw):
         f"offload.blocks_per_chunk={draw(st.sampled_from([1, 2, 3]))}",
         f"offload.cpu_slots={draw(st.sampled_from([3, 8, 32]))}",
         f"offload.policy={draw(st.sampled_from(['lru', 'arc', 'recall']))}",
+        f"offload.store_threshold={draw(st.sampled_from([0, 2]))}",
         f"engine.max_num_seqs={draw(st.sampled_from([1, 3, 6]))}",
         f"engine.max_num_batched_tokens={draw(st.sampled_from([8, 16, 48]))}",
+        f"engine.keep_finished={'true' if keep_finished else 'false'}",
     ]
+    chaos = fuzz.Chaos(
+        abort_rate=draw(st.sampled_from([0.0, 0.02, 0.08])),
+        reset_steps=set(draw(st.lists(st.integers(0, 80), max_size=2))),
+        reuse_ids=not keep_finished and draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
     seed = draw(st.integers(0, 2**16))
     arrival = draw(st.sampled_from([0.0, 0.7, 3.0]))
     max_exec = draw(st.integers(0, 3))
     max_ack = draw(st.integers(0, 3))
-    return sets, seed, arrival, tp, max_exec, max_ack
+    threaded = draw(st.sampled_from([False, False, False, True]))
+    return sets, seed, arrival, tp, max_exec, max_ack, chaos, threaded
 
 
 def delays(seed: int, tp: int, most: int, salt: int) -> dict:
@@ -65,7 +89,7 @@ def delays(seed: int, tp: int, most: int, salt: int) -> dict:
 @settings(max_examples=30, deadline=None)
 @given(scenarios())
 def test_random_runs_keep_every_invariant_and_match_the_run_without_offload(scenario) -> None:
-    sets, seed, arrival, tp, max_exec, max_ack = scenario
+    sets, seed, arrival, tp, max_exec, max_ack, chaos, threaded = scenario
     cfg = load_config(None, sets)
     specs = synthetic_chat(
         18,
@@ -80,27 +104,15 @@ def test_random_runs_keep_every_invariant_and_match_the_run_without_offload(scen
         concurrent_conversations=3,
         arrival_rate=arrival,
     )
-    reports = []
-    for offload in (True, False):
-        workers = LocalWorkerGroup(
-            cfg,
-            cfg.cpu_slots(),
-            ack_delays=delays(seed, tp, max_ack, 1) if offload else None,
-            exec_delays=delays(seed, tp, max_exec, 2) if offload else None,
-            threaded=False,
-        )
-        with workers:
-            engine = EngineCore(cfg, workers, offload=offload, verify=True)
-            report = run_workload(engine, specs, check_invariants=True, max_idle_steps=500)
-            if offload:
-                c = engine.connector
-                assert len(c.jobs) == 0 and not c.fence and c.tracked() == 0
-                stats = c.directory.stats()
-                assert stats.writing == stats.reading == 0
-                assert all(w.connector.held == 0 for w in workers.workers)
-            assert engine.pool.num_free == engine.pool.num_usable
-        reports.append(report)
-    with_offload, without = reports
-    assert with_offload["integrity"]["mismatches"] == 0
-    assert with_offload["requests_finished"] + len(with_offload["rejected"]) == len(specs)
-    assert with_offload["output_digest"] == without["output_digest"]
+    workers = LocalWorkerGroup(
+        cfg,
+        cfg.cpu_slots(),
+        ack_delays=delays(seed, tp, max_ack, 1),
+        exec_delays=None if threaded else delays(seed, tp, max_exec, 2),
+        threaded=threaded,
+    )
+    with workers:
+        engine = EngineCore(cfg, workers, verify=True)
+        outputs, aborted, seen = fuzz.drive(engine, specs, chaos)
+        fuzz.check_drained(engine, workers, seen)
+    fuzz.compare(outputs, aborted, fuzz.reference_outputs(cfg, specs))
