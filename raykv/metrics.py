@@ -3,6 +3,14 @@ metrics (``vllm:kv_offload_*`` there, ``raykv_kv_offload_*`` here: Ray no longer
 
 The scheduler actor calls ``update`` after every step; it turns the engine's cumulative counters
 into increments, so the metrics cost a few dict operations per step whatever is cached.
+
+One convention for the transfer metrics: **counters are totals over all ranks** (``bytes``,
+``seconds`` and ``flush_seconds`` add up what every rank copied or waited), and **histograms
+observe one rank's one step** (``transfer_size_bytes`` and ``transfer_time_seconds`` get one
+observation per rank per step in which that rank copied: its own bytes and its own seconds).
+So a histogram's observations add up to the matching counter and its ``_count`` counts
+rank-steps (Ray 2.60's exporter rebuilds a histogram's ``_sum`` from bucket midpoints, so read
+totals from the counters).
 """
 
 from __future__ import annotations
@@ -22,15 +30,25 @@ class EngineMetrics:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         d = ("direction",)
-        self.bytes = Counter(_P + "bytes", "Bytes copied, by direction.", d)
-        self.seconds = Counter(_P + "seconds", "Seconds spent copying, by direction.", d)
+        self.bytes = Counter(_P + "bytes", "Bytes copied by all ranks, by direction.", d)
+        self.seconds = Counter(
+            _P + "seconds", "Seconds all ranks spent copying (summed), by direction.", d
+        )
         self.size = Histogram(
-            _P + "transfer_size_bytes", "Bytes one rank copied in one step.", _SIZE_BUCKETS, d
+            _P + "transfer_size_bytes",
+            "Bytes one rank copied in one step (one observation per rank and step).",
+            _SIZE_BUCKETS,
+            d,
         )
         self.time = Histogram(
-            _P + "transfer_time_seconds", "Seconds one rank copied in one step.", _DELAY_BUCKETS, d
+            _P + "transfer_time_seconds",
+            "Seconds one rank spent copying in one step (one observation per rank and step).",
+            _DELAY_BUCKETS,
+            d,
         )
-        self.flush_seconds = Counter(_P + "flush_seconds", "Seconds ranks spent in flushes.")
+        self.flush_seconds = Counter(
+            _P + "flush_seconds", "Seconds all ranks spent in flushes (summed)."
+        )
         self.flushes = Counter(_P + "flushes", "Jobs flushed, by cause.", ("cause",))
         self.allocation_failures = Counter(
             _P + "allocation_failure", "Stores the CPU tier could not make room for."
@@ -66,19 +84,18 @@ class EngineMetrics:
     def update(self) -> None:
         e = self.engine
         t = e.totals.transfer
-        for direction, nbytes, secs in (
-            ("store", t.store_bytes, t.store_seconds),
-            ("load", t.load_bytes, t.load_seconds),
-        ):
+        for direction in ("store", "load"):
             tags = {"direction": direction}
-            step_bytes = self._delta("b_" + direction, nbytes)
-            step_secs = self._delta("s_" + direction, secs)
-            if step_bytes > 0:
-                self.bytes.inc(step_bytes, tags=tags)
-                self.size.observe(step_bytes / max(len(e.totals.per_rank), 1), tags=tags)
-            if step_secs > 0:
-                self.seconds.inc(step_secs, tags=tags)
-                self.time.observe(step_secs, tags=tags)
+            nbytes, secs = direction + "_bytes", direction + "_seconds"
+            self._inc(self.bytes, nbytes, getattr(t, nbytes), tags)
+            self._inc(self.seconds, secs, getattr(t, secs), tags)
+            for rank, stats in enumerate(e.totals.per_rank):
+                step_bytes = self._delta(f"{nbytes}/{rank}", stats[nbytes])
+                step_secs = self._delta(f"{secs}/{rank}", stats[secs])
+                if step_bytes > 0:
+                    self.size.observe(step_bytes, tags=tags)
+                if step_secs > 0:
+                    self.time.observe(step_secs, tags=tags)
         self._inc(self.flush_seconds, "flush_s", t.flush_seconds)
         s = e.scheduler.stats
         self._inc(self.hits, "hit_gpu", s.gpu_hit_tokens, {"tier": "gpu"})

@@ -134,19 +134,132 @@ def test_fanout_bench_reports_ratio_and_plan_sizes(ray_session) -> None:
     assert ray.is_initialized()  # the bench used the session's Ray and left it running
 
 
-def test_metrics_follow_the_engine(ray_session) -> None:
-    from raykv.metrics import EngineMetrics
+class Recorded:
+    """Stands in for a ``ray.util.metrics`` metric: keeps every value it is given, by tags."""
 
-    sets = [*SMALL, "cache.num_gpu_blocks=32", "workload.num_requests=20"]
+    made: dict[str, Recorded] = {}
+
+    def __init__(self, name: str, description: str, *rest: object) -> None:
+        self.name, self.description = name, description
+        self.calls: list[tuple[str, float, dict[str, str]]] = []
+        Recorded.made[name] = self
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("inc", value, dict(tags or {})))
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("observe", value, dict(tags or {})))
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.calls.append(("set", value, dict(tags or {})))
+
+    def values(self, **tags: str) -> list[float]:
+        return [v for _, v, t in self.calls if all(t.get(k) == w for k, w in tags.items())]
+
+    def total(self, **tags: str) -> float:
+        return sum(self.values(**tags))
+
+
+def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
+    """What the engine hands Ray's metrics API, per metric and tag, against the run report's
+    own numbers (and per-rank, per-step copies the test samples itself): a metric that is not
+    exported, or exported under another convention, fails here. The config is one where every
+    counter moves (reuse, preemption and reset flushes; unknown, stale and duplicate acks;
+    allocation failures, evictions, pending hits, deferred lookups), so none compares 0 to 0."""
+    import raykv.metrics as m
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(m, kind, Recorded)
+    Recorded.made = {}
+    sets = [
+        *SMALL,
+        "parallel.tensor_parallel_size=2",
+        "cache.num_gpu_blocks=32",
+        "cache.block_size=8",
+        "workload.num_requests=50",
+        "offload.cpu_slots=24",
+        'faults=["dup-acks:rate=0.05:seed=3","kill-worker:step=20:rank=1",'
+        '"fail-copy:rate=0.05:seed=2"]',
+    ]
     cfg = load_config(None, sets)
-    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
+    # rank 0 keeps every other copy pending 4 steps, rank 1 reports every third job 3 late
+    exec_delays = {0: lambda job: 4 if job % 2 == 0 else 0}
+    ack_delays = {1: lambda job: 3 if job % 3 == 0 else 0}
+    steps: list[dict] = []
+    with LocalWorkerGroup(
+        cfg, cfg.cpu_slots(), exec_delays=exec_delays, ack_delays=ack_delays, threaded=False
+    ) as workers:
         engine = EngineCore(cfg, workers)
-        metrics = EngineMetrics(engine)
-        run_workload(engine, make_workload(cfg), progress=lambda _: metrics.update())
-    # every cumulative counter was turned into increments up to the engine's totals
-    assert metrics._last["b_store"] == engine.totals.transfer.store_bytes
-    assert metrics._last["hit_cpu"] == engine.scheduler.stats.cpu_hit_tokens
-    assert engine.connector.take_delays() == ([], [])  # drained by the metrics
+        metrics = m.EngineMetrics(engine)
+
+        def after_step(_progress: dict) -> None:
+            metrics.update()
+            c = engine.connector
+            per_rank = [dict(r) for r in engine.totals.per_rank]
+            steps.append({"ranks": per_rank, "jobs": len(c.jobs)})
+
+        report = run_workload(engine, make_workload(cfg), progress=after_step)
+        lookups = engine.connector.directory.stats()
+        assert engine.connector.take_delays() == ([], [])  # drained by the metrics
+    got = {name.removeprefix("raykv_kv_offload_"): r for name, r in Recorded.made.items()}
+    approx = pytest.approx
+
+    # bytes and seconds: counters summed over all ranks
+    for direction, key in (("store", "stores"), ("load", "loads")):
+        assert report[key]["bytes"] > 0
+        assert got["bytes"].total(direction=direction) == report[key]["bytes"]
+        assert got["seconds"].total(direction=direction) == approx(report[key]["seconds"])
+        ranks_bytes = sum(r[f"{direction}_bytes"] for r in report["ranks"])
+        assert ranks_bytes == report[key]["bytes"]
+        # histograms: one observation per rank and step that copied, that rank's own amount
+        for hist, field in (("transfer_size_bytes", "bytes"), ("transfer_time_seconds", "seconds")):
+            name = f"{direction}_{field}"
+            want, prev = [], [0] * len(report["ranks"])
+            for step in steps:
+                for rank, stats in enumerate(step["ranks"]):
+                    if stats[name] - prev[rank] > 0:
+                        want.append(stats[name] - prev[rank])
+                    prev[rank] = stats[name]
+            assert sorted(got[hist].values(direction=direction)) == approx(sorted(want)), hist
+    flush_s = sum(r["flush_seconds"] for r in report["ranks"])
+    assert flush_s > 0 and got["flush_seconds"].total() == approx(flush_s)
+
+    # tokens by tier; everything admitted and found nowhere was computed
+    assert report["cpu_hit_tokens"] > 0 and report["gpu_hit_tokens"] > 0
+    assert got["hit_tokens"].total(tier="cpu") == report["cpu_hit_tokens"]
+    assert got["hit_tokens"].total(tier="gpu") == report["gpu_hit_tokens"]
+    missed = report["admitted_tokens"] - report["gpu_hit_tokens"] - report["cpu_hit_tokens"]
+    assert missed > 0 and got["miss_tokens"].total() == missed
+
+    for cause in ("reuse", "preemption", "reset"):
+        assert report["flushes"][cause] > 0, cause
+        assert got["flushes"].total(cause=cause) == report["flushes"][cause], cause
+    for kind in ("acks", "unknown", "stale", "duplicate"):
+        assert report["acks"][kind] > 0, kind
+        assert got["acks"].total(kind=kind) == report["acks"][kind], kind
+    for metric, want in (
+        ("allocation_failure", report["allocation_failures"]),
+        ("deferred_lookups", report["deferred_lookups"]),
+        ("evictions", report["cpu_tier"]["evictions"]),
+    ):
+        assert want > 0 and got[metric].total() == want, metric
+    for result, want in (
+        ("hit", lookups.hits),
+        ("hit_pending", lookups.hit_pending),
+        ("miss", lookups.misses),
+    ):
+        assert want > 0 and got["lookups"].total(result=result) == want, result
+    assert len(got["lookup_sync_delay_seconds"].values()) > 0
+    assert len(got["lookup_async_delay_seconds"].values()) > 0
+
+    # gauges: the value after every step
+    jobs = got["jobs_in_flight"].values()
+    assert jobs == [s["jobs"] for s in steps] and max(jobs) > 0 and jobs[-1] == 0
+    used = 100.0 * report["cpu_tier"]["used"] / report["cpu_tier"]["slots"]
+    assert got["cpu_cache_usage_perc"].values(state="used")[-1] == approx(used)
+    for state in ("writing", "reading"):
+        series = got["cpu_cache_usage_perc"].values(state=state)
+        assert len(series) == len(steps) and max(series) > 0 and series[-1] == 0, state
 
 
 def test_metrics_reach_the_embedded_instances_prometheus_endpoint(ray_session) -> None:
@@ -160,15 +273,25 @@ def test_metrics_reach_the_embedded_instances_prometheus_endpoint(ray_session) -
     with RaykvClient.start(cfg) as client:
         report = client.run(make_workload(cfg), timeout_s=300)
         assert report["cpu_hit_tokens"] > 0
-        name = "ray_raykv_kv_offload_hit_tokens_total"
-        pattern = re.compile(rf'^{name}\{{[^}}]*tier="cpu"[^}}]*\}} (\S+)$')
-        want = float(report["cpu_hit_tokens"])
-        values: list[float] = []
+        # counters are exact (a histogram's _sum is not: Ray 2.60 rebuilds it from bucket
+        # midpoints)
+        series = {
+            ("ray_raykv_kv_offload_hit_tokens_total", 'tier="cpu"'): report["cpu_hit_tokens"],
+            ("ray_raykv_kv_offload_bytes_total", 'direction="store"'): report["stores"]["bytes"],
+        }
+        found: dict[tuple[str, str], list[float]] = {}
         deadline = time.monotonic() + 90  # Ray exports every ~10 s
         # one series per scheduler actor (this session's other tests run their own): this
         # run's final count must show up among them
-        while want not in values and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             time.sleep(2)
             body = urllib.request.urlopen(ray_session.metrics_url, timeout=10).read().decode()
-            values = [float(m[1]) for line in body.splitlines() if (m := pattern.match(line))]
-    assert want in values, f"{name} cpu series {values}, want {want}"
+            for name, tag in series:
+                pattern = re.compile(rf"^{name}\{{[^}}]*{tag}[^}}]*\}} (\S+)$")
+                found[name, tag] = [
+                    float(m[1]) for line in body.splitlines() if (m := pattern.match(line))
+                ]
+            if all(float(want) in found[key] for key, want in series.items()):
+                break
+    for key, want in series.items():
+        assert float(want) in found[key], f"{key} series {found[key]}, want {want}"
