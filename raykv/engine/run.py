@@ -26,9 +26,56 @@ def output_digest(outputs: Outputs) -> str:
     """SHA-256 over every request's generated tokens, in request order."""
     h = hashlib.sha256()
     for index in sorted(outputs):
-        req_id, tokens = outputs[index]
-        h.update(f"{req_id}:{','.join(map(str, tokens))};".encode())
+        _feed(h, *outputs[index])
     return h.hexdigest()
+
+
+def _feed(h: Any, req_id: str, tokens: Sequence[int]) -> None:
+    h.update(f"{req_id}:{','.join(map(str, tokens))};".encode())
+
+
+class StreamingDigest:
+    """``output_digest`` taken in as requests finish, in any order: an output is hashed as soon
+    as every earlier request (by index) has finished or been refused, and held until then. So
+    what is held is only what finished ahead of an earlier request still running, not every
+    output of a long run."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._next = 0  # the lowest index not hashed or skipped yet
+        self._ahead: dict[int, tuple[str, tuple[int, ...]]] = {}  # finished, waiting for _next
+        self._skipped: set[int] = set()  # refused, above _next
+
+    def add(self, index: int, req_id: str, tokens: Sequence[int]) -> None:
+        self._ahead[index] = (req_id, tuple(tokens))
+        self._advance()
+
+    def skip(self, index: int) -> None:
+        """Request ``index`` will never finish (refused): it is not part of the digest."""
+        self._skipped.add(index)
+        self._advance()
+
+    def _advance(self) -> None:
+        while True:
+            if self._next in self._skipped:
+                self._skipped.discard(self._next)
+            elif self._next in self._ahead:
+                _feed(self._hash, *self._ahead.pop(self._next))
+            else:
+                return
+            self._next += 1
+
+    @property
+    def held(self) -> int:
+        """Outputs held until an earlier request finishes."""
+        return len(self._ahead)
+
+    def hexdigest(self) -> str:
+        """``output_digest`` of every output added so far (those held included)."""
+        h = self._hash.copy()
+        for index in sorted(self._ahead):
+            _feed(h, *self._ahead[index])
+        return h.hexdigest()
 
 
 class Driver:
@@ -37,14 +84,17 @@ class Driver:
     Used by ``run_workload`` here and by the scheduler actor's loop on Ray, so both deployments
     drive the engine the same way. A request the engine refuses (too long for the GPU pool, bad
     token ids) is recorded with the reason and the run goes on without it. Finished requests are
-    kept only as their outputs (for the digest), so a long run's memory stays flat.
+    handed over by ``take_finished`` and then forgotten: the output digest takes each output in
+    as soon as it can (:class:`StreamingDigest`), so a long run's memory stays flat (with
+    ``engine.keep_finished: false``, which lets the engine forget them too).
     """
 
     def __init__(self, engine: EngineCore, *, check_invariants: bool = False) -> None:
         self.engine = engine
         self.check_invariants = check_invariants
         self.admitted = 0
-        self.outputs: Outputs = {}
+        self._finished = 0
+        self._digest = StreamingDigest()
         self.rejected: list[dict[str, str]] = []
         self._recent: list[Request] = []  # finished since take_finished
         self._pending: list[tuple[float, int, RequestSpec]] = []
@@ -63,7 +113,13 @@ class Driver:
 
     @property
     def finished_count(self) -> int:
-        return len(self.outputs)
+        return self._finished
+
+    @property
+    def outputs_held(self) -> int:
+        """Finished requests' outputs still held (for the digest, until every earlier request
+        has finished)."""
+        return self._digest.held
 
     def has_work(self) -> bool:
         return bool(self._pending) or self.engine.has_work()
@@ -80,6 +136,7 @@ class Driver:
                 engine.add_request(req)
             except ValueError as exc:  # this request is at fault; the run goes on
                 self.rejected.append({"request": spec.req_id, "error": str(exc)})
+                self._digest.skip(index)
                 continue
             self.admitted += 1
 
@@ -90,7 +147,8 @@ class Driver:
         if self.check_invariants:
             self.engine.check_invariants()
         for req in finished:
-            self.outputs[req.index] = (req.req_id, tuple(req.output))
+            self._digest.add(req.index, req.req_id, req.output)
+        self._finished += len(finished)
         self._recent += finished
         self._idle = 0 if finished or self.engine.scheduler.running else self._idle + 1
         if self._idle > max_idle_steps:
@@ -106,7 +164,9 @@ class Driver:
 
     def report(self) -> dict[str, Any]:
         seconds = time.perf_counter() - self.started
-        report = build_report(self.engine, self.outputs, self.admitted, seconds)
+        report = build_report(
+            self.engine, self._finished, self._digest.hexdigest(), self.admitted, seconds
+        )
         report["rejected"] = list(self.rejected)
         return report
 
@@ -148,14 +208,14 @@ def progress_of(driver: Driver) -> dict[str, Any]:
 
 
 def build_report(
-    engine: EngineCore, outputs: Outputs, admitted: int, seconds: float
+    engine: EngineCore, finished: int, digest: str, admitted: int, seconds: float
 ) -> dict[str, Any]:
     t = engine.totals
     tr = t.transfer
     s = engine.scheduler.stats
     c = engine.connector.stats if engine.connector is not None else None
     report: dict[str, Any] = {
-        "requests_finished": len(outputs),
+        "requests_finished": finished,
         "requests": admitted,
         "prompt_tokens": t.prompt_tokens,
         "generated_tokens": t.generated_tokens,
@@ -188,7 +248,7 @@ def build_report(
         "deferred_lookups": c.deferred_lookups if c else 0,
         "allocation_failures": c.allocation_failures if c else 0,
         "integrity": {"blocks_verified": tr.blocks_verified, "mismatches": tr.mismatches},
-        "output_digest": output_digest(outputs),
+        "output_digest": digest,
         "steps": t.steps,
         "idle_steps": t.idle_steps,
         "wall_seconds": seconds,
