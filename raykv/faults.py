@@ -4,31 +4,47 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 
 - ``kill-worker:rate=P``         each step, each rank dies with probability P
 - ``kill-worker:step=N:rank=R``  rank R dies at step N
-- ``delay-acks:rank=R:steps=K``  rank R reports every completion K steps late
+- ``delay-acks:rank=R:steps=K``  rank R reports every completion K steps late (with ``rate=P``,
+                                 each completion with probability P, the others at once)
 - ``drop-acks:rate=P``           each completion report is lost with probability P
 - ``dup-acks:rate=P``            each completion report is delivered twice with probability P
 - ``fail-copy:rate=P``           each copy job fails with probability P
 - ``kill-scheduler:step=N``      the scheduler actor dies at step N (Ray engine; its replacement
                                  lives)
 
-Any of them takes ``:seed=S``. Every rank draws from its own generator seeded by (seed, rank,
-kind), so a run with the same faults fails the same way every time (``kill-worker:step`` and
-``kill-scheduler`` draw nothing: the seed changes nothing there). A spec's ``rank`` must be a
+Any of them takes ``:seed=S``, and those of a rank ``:incarnation=I``: only that instance of the
+rank suffers it (0 is the first; each replacement after a death counts one up). Every rank draws
+from its own generator seeded by (seed, rank, kind), so a run with the same faults fails the same
+way every time (``kill-worker:step`` and ``kill-scheduler`` draw nothing: the seed changes
+nothing there). A spec's ``rank`` must be a
 rank of the run (below ``parallel.tensor_parallel_size``; the config checks that).
+
+The faults act at two seams, wrapped around a rank once where it is built: ``FaultyBackend``
+around its transfer backend (failed copies) and ``FaultyRank`` around its step (deaths; lost,
+duplicated and late reports). The production classes carry no fault hooks of their own.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from raykv.core.step import StepPlan, StepReport, TransferSpec, TransferStats
+
+
+class RankDied(RuntimeError):
+    """This rank is gone (an injected fault; on Ray the actor process exits instead)."""
+
 
 KINDS = ("kill-worker", "delay-acks", "drop-acks", "dup-acks", "fail-copy", "kill-scheduler")
 _PARAMS = {
-    "kill-worker": {"rate", "step", "rank", "seed"},
-    "delay-acks": {"rank", "steps", "seed"},
-    "drop-acks": {"rate", "seed", "rank"},
-    "dup-acks": {"rate", "seed", "rank"},
-    "fail-copy": {"rate", "seed", "rank"},
+    "kill-worker": {"rate", "step", "rank", "seed", "incarnation"},
+    "delay-acks": {"rank", "steps", "rate", "seed", "incarnation"},
+    "drop-acks": {"rate", "seed", "rank", "incarnation"},
+    "dup-acks": {"rate", "seed", "rank", "incarnation"},
+    "fail-copy": {"rate", "seed", "rank", "incarnation"},
     "kill-scheduler": {"step", "seed"},  # seed: accepted like everywhere, nothing is drawn
 }
 
@@ -45,9 +61,14 @@ class Fault:
     rank: int | None = None
     steps: int = 0
     seed: int = 0
+    incarnation: int | None = None  # only this instance of the rank (0: before any restart)
 
-    def applies_to(self, rank: int) -> bool:
-        return self.kind != "kill-scheduler" and (self.rank is None or self.rank == rank)
+    def applies_to(self, rank: int, incarnation: int = 0) -> bool:
+        return (
+            self.kind != "kill-scheduler"
+            and (self.rank is None or self.rank == rank)
+            and (self.incarnation is None or self.incarnation == incarnation)
+        )
 
 
 def scheduler_dies_at(faults: list[Fault], step: int, incarnation: int) -> bool:
@@ -70,7 +91,7 @@ def parse_fault(text: str) -> Fault:
             values[key] = float(raw) if key == "rate" else int(raw)
         except ValueError:
             raise FaultSpecError(f"fault {text!r}: {key}={raw!r} is not a number") from None
-    rate = float(values.get("rate", 0.0))
+    rate = float(values.get("rate", 1.0 if kind == "delay-acks" else 0.0))
     if not 0.0 <= rate <= 1.0:
         raise FaultSpecError(f"fault {text!r}: rate must be within [0, 1], got {rate}")
     if kind == "kill-worker" and ("rate" in values) == ("step" in values):
@@ -83,7 +104,7 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: kill-scheduler needs step=N")
     if kind in ("drop-acks", "dup-acks", "fail-copy") and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
-    for key in ("rank", "step", "steps"):
+    for key in ("rank", "step", "steps", "incarnation"):
         if key in values and int(values[key]) < 0:
             raise FaultSpecError(f"fault {text!r}: {key} must be >= 0")
     return Fault(
@@ -93,6 +114,7 @@ def parse_fault(text: str) -> Fault:
         rank=int(values["rank"]) if "rank" in values else None,
         steps=int(values.get("steps", 0)),
         seed=int(values.get("seed", 0)),
+        incarnation=int(values["incarnation"]) if "incarnation" in values else None,
     )
 
 
@@ -115,7 +137,9 @@ class RankFaults:
 
     def _mine(self, kind: str) -> list[tuple[int, Fault]]:
         return [
-            (i, f) for i, f in enumerate(self.faults) if f.kind == kind and f.applies_to(self.rank)
+            (i, f)
+            for i, f in enumerate(self.faults)
+            if f.kind == kind and f.applies_to(self.rank, self.incarnation)
         ]
 
     def dies_at(self, step: int) -> bool:
@@ -128,7 +152,16 @@ class RankFaults:
         return False
 
     def ack_delay(self) -> int:
-        return max((f.steps for _, f in self._mine("delay-acks")), default=0)
+        """Steps to hold the report of one completion back (0: report it now)."""
+        delay = 0
+        for i, f in self._mine("delay-acks"):
+            if f.rate >= 1.0 or self._rng(i).random() < f.rate:
+                delay = max(delay, f.steps)
+        return delay
+
+    @property
+    def delays_acks(self) -> bool:
+        return bool(self._mine("delay-acks"))
 
     def drops(self) -> bool:
         return any(self._rng(i).random() < f.rate for i, f in self._mine("drop-acks"))
@@ -141,4 +174,122 @@ class RankFaults:
 
     @property
     def active(self) -> bool:
-        return any(f.applies_to(self.rank) for f in self.faults)
+        return any(f.applies_to(self.rank, self.incarnation) for f in self.faults)
+
+
+class TransferBackend(Protocol):
+    """What a rank's transfer engine offers the connector's worker half."""
+
+    def submit(self, spec: TransferSpec) -> None: ...
+    def flush(self, job_ids: Iterable[int]) -> None: ...
+    def poll(self) -> tuple[list[int], list[int]]: ...
+    def wait(self, timeout_s: float) -> None: ...
+    def pending_reads(self) -> set[int]: ...
+    def pending_writes(self) -> set[int]: ...
+    def take_stats(self) -> TransferStats: ...
+
+
+class FaultyBackend:
+    """A transfer backend whose copies fail (``fail-copy``): a failed job copies nothing, holds
+    no block, and is reported failed by the next poll, as a copy that failed on the device."""
+
+    def __init__(self, inner: Any, faults: RankFaults) -> None:
+        self.inner = inner
+        self.faults = faults
+        self._failed: list[int] = []
+
+    def submit(self, spec: TransferSpec) -> None:
+        if self.faults.copy_fails():
+            self._failed.append(spec.job_id)
+        else:
+            self.inner.submit(spec)
+
+    def flush(self, job_ids: Iterable[int]) -> None:
+        failed = set(self._failed)
+        self.inner.flush([j for j in job_ids if j not in failed])
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        completed, failed = self.inner.poll()
+        if self._failed:
+            failed, self._failed = [*failed, *self._failed], []
+        return completed, failed
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._failed:
+            self.inner.wait(timeout_s)
+
+    def __getattr__(self, name: str) -> Any:
+        # everything else (pending sets, stats, pause, shutdown) is the real engine's
+        return getattr(self.inner, name)
+
+
+class Rank(Protocol):
+    def execute(self, plan: StepPlan) -> StepReport: ...
+
+
+@dataclass(slots=True)
+class _Held:
+    release_step: int
+    job_id: int
+    ok: bool
+
+
+class FaultyRank:
+    """A rank that dies (``kill-worker``) and whose reports are late (``delay-acks``), lost
+    (``drop-acks``) or delivered twice (``dup-acks``). The rank itself ran the step: a lost
+    report is a lost message, so the scheduler's re-ack request still finds the job reported."""
+
+    def __init__(self, inner: Rank, faults: RankFaults) -> None:
+        self.inner = inner
+        self.faults = faults
+        self._held: list[_Held] = []
+
+    def execute(self, plan: StepPlan) -> StepReport:
+        f = self.faults
+        if f.dies_at(plan.step):
+            raise RankDied(f"rank {f.rank} killed at step {plan.step} (injected fault)")
+        report = self.inner.execute(plan)
+        t = report.transfers
+        completed, failed = self._release(plan, t.completed, t.failed)
+        t.completed, t.failed = self._deliver(completed), self._deliver(failed)
+        return report
+
+    def _release(
+        self, plan: StepPlan, completed: list[int], failed: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Hold completions back; what the scheduler asked again for (re-acks) is answered at
+        once, like the lost reports it stands for."""
+        if not self.faults.delays_acks and not self._held:
+            return completed, failed
+        step, asked = plan.step, set(plan.transfers.reack)
+        if asked:  # answered now: a copy still held back would only arrive as a duplicate
+            self._held = [h for h in self._held if h.job_id not in asked]
+        for ok, ids in ((True, completed), (False, failed)):
+            for job_id in ids:
+                delay = 0 if job_id in asked else self.faults.ack_delay()
+                self._held.append(_Held(step + delay, job_id, ok))
+        out_ok: list[int] = []
+        out_fail: list[int] = []
+        keep: list[_Held] = []
+        for held in self._held:
+            if held.release_step <= step:
+                (out_ok if held.ok else out_fail).append(held.job_id)
+            else:
+                keep.append(held)
+        self._held = keep
+        return out_ok, out_fail
+
+    def _deliver(self, ids: list[int]) -> list[int]:
+        f = self.faults
+        out: list[int] = []
+        for job_id in ids:
+            if f.drops():
+                continue
+            out.append(job_id)
+            if f.duplicates():
+                out.append(job_id)
+        return out
+
+    def held_jobs(self) -> list[int]:
+        """Jobs whose completion this rank has not reported yet."""
+        return [h.job_id for h in self._held]

@@ -27,13 +27,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raykv.connector.plan import StepReport, TransferStats
 from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
 from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import block_hashes
 from raykv.core.keys import make_key
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request
+from raykv.core.step import StepReport, TransferReport
 from raykv.offload.directory import Directory
 
 BLOCK_SIZE = 16
@@ -170,7 +170,7 @@ class _StepSim:
         # ---- the engine's own bookkeeping after the step (not timed)
         job_ids = [s.job_id for s in plan.loads] + [s.job_id for s in plan.stores]
         self._reports = [
-            StepReport(rank, self._step, list(job_ids), [], [], TransferStats())
+            StepReport(rank, self._step, TransferReport(list(job_ids)))
             for rank in range(NUM_RANKS)
         ]
         self._account(plan.flush, len(ending), len(job_ids))

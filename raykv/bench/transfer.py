@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from raykv.connector.plan import BlockCopy, TransferSpec
+from raykv.core.step import BlockCopy, TransferSpec
 from raykv.transfer import CpuTransferEngine, KVLayout, allocate_kv, allocate_pool
 from raykv.transfer.cuda import CudaTransferEngine
 

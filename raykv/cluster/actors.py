@@ -21,10 +21,9 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raykv.config import RaykvConfig
-from raykv.connector.plan import StepPlan, StepReport
-from raykv.connector.worker import RankDied
+from raykv.core.step import StepPlan, StepReport
 from raykv.engine.core import RankFailed
-from raykv.faults import parse_fault, scheduler_dies_at
+from raykv.faults import RankDied, parse_fault, scheduler_dies_at
 from raykv.pool_files import hold, owner_of, process_id, successor_path, sweep_stale
 
 # The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
@@ -75,21 +74,9 @@ class RankWorker:
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self.rank = rank
-        self._hold: dict[str, int] = {}
         self.worker = LocalWorker(
-            self.cfg,
-            rank,
-            num_slots,
-            ack_delay=self._delay,
-            incarnation=incarnation,
-            pool_path=pool_path,
+            self.cfg, rank, num_slots, incarnation=incarnation, pool_path=pool_path
         )
-
-    def _delay(self, job_id: int) -> int:
-        h = self._hold
-        if not h:
-            return 0
-        return h["steps"] if (job_id + h.get("offset", 0)) % h.get("every", 1) == 0 else 0
 
     def ready(self) -> RankInfo:
         """Answers once the rank is built."""
@@ -107,10 +94,6 @@ class RankWorker:
         except RankDied:
             os._exit(1)  # an injected death is a real one: the process goes, memory and all
         return pickle.dumps(report, protocol=5)
-
-    def hold_acks(self, steps: int, every: int = 1, offset: int = 0) -> None:
-        """Test hook: report the completion of every ``every``-th job ``steps`` steps late."""
-        self._hold = {"steps": steps, "every": every, "offset": offset} if steps else {}
 
     def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
         return self.worker.verify_cpu_tier(items)

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raykv.cluster.actors import RayWorkerGroup
 from raykv.cluster.runtime import connect
 from raykv.config import RaykvConfig
-from raykv.connector.plan import StepPlan, StepReport, TransferStats
+from raykv.core.step import StepPlan, StepReport
 
 
 class _Rank:
@@ -34,7 +34,7 @@ class _Rank:
 
     def execute(self, plan: StepPlan) -> StepReport:
         samples = [0] * len(plan.batch)
-        return StepReport(self.rank, plan.step, [], [], samples, TransferStats())
+        return StepReport(self.rank, plan.step, samples=samples)
 
     def execute_blob(self, blob: bytes) -> bytes:
         return pickle.dumps(self.execute(pickle.loads(blob)), protocol=5)

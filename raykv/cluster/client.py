@@ -302,12 +302,6 @@ class RaykvClient:
     def report(self) -> dict[str, Any]:
         return ray.get(self.server.report.remote())
 
-    # ---- test hooks -------------------------------------------------------------------------
-
-    def hold_acks(self, rank: int, steps: int, every: int = 1, offset: int = 0) -> None:
-        """Make ``rank`` report every ``every``-th job's completion ``steps`` steps late."""
-        ray.get(self.workers[rank].hold_acks.remote(steps, every, offset))
-
     # ---- teardown ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:

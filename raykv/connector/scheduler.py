@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 from raykv.connector.fence import Fence, FenceError
 from raykv.connector.jobs import JobTable, TransferJobStatus
-from raykv.connector.plan import BlockContent, BlockCopy, StepReport, TransferSpec
 from raykv.core.block_pool import NULL_BLOCK
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import make_key
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request
+from raykv.core.step import BlockContent, BlockCopy, StepReport, TransferPlan, TransferSpec
 from raykv.offload.directory import Directory
 
 _DELAY_SAMPLES = 4096
@@ -54,14 +54,6 @@ class RequestOffloadState:
 class ScheduledRequest:
     req: Request
     num_tokens: int
-
-
-@dataclass(slots=True)
-class ConnectorPlan:
-    loads: list[TransferSpec]
-    stores: list[TransferSpec]
-    flush: list[int]
-    reack: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -356,7 +348,7 @@ class ConnectorScheduler:
 
     def plan(
         self, scheduled: Sequence[ScheduledRequest], preempted: Sequence[Request]
-    ) -> ConnectorPlan:
+    ) -> TransferPlan:
         """The transfers for this step: flush first, then loads, then (after the model step)
         stores."""
         for req in preempted:
@@ -377,7 +369,7 @@ class ConnectorScheduler:
         for why in self._flush.values():
             setattr(self.stats, f"flushes_{why}", getattr(self.stats, f"flushes_{why}") + 1)
         reack = sorted(j for j, why in self._flush.items() if why == "timeout")
-        plan = ConnectorPlan(self._loads, stores, sorted(self._flush), reack)
+        plan = TransferPlan(sorted(self._flush), reack, self._loads, stores)
         self._loads, self._flush, self._allocated = [], {}, set()
         return plan
 
@@ -506,7 +498,8 @@ class ConnectorScheduler:
         """Count every rank's acks; finalize jobs at full count. Returns the loads that ended."""
         done: list[FinishedLoad] = []
         for report in reports:
-            for ok, ids in ((True, report.completed), (False, report.failed)):
+            t = report.transfers
+            for ok, ids in ((True, t.completed), (False, t.failed)):
                 for job_id in ids:
                     job = self.jobs.ack(job_id, report.rank, ok)
                     if job is not None:

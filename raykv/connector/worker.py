@@ -1,58 +1,26 @@
-"""The connector's worker half: one per rank, turns each step's plan into copies.
+"""The connector's worker half: one per rank, it moves KV and nothing else.
 
-Per step, in this order: flush (finish the listed jobs now, submitting any of them that arrive
-in this very plan first), submit the loads, run the model step (write this step's KV, then read
-the KV each sampling request attends to), queue the stores, and poll finished jobs without
-blocking. Before the model writes a block, or a load is queued into one, the rank checks that no
-unfinished store on it still reads that block: the fence invariant, checked where it matters.
+The rank runner calls it around the model step: ``before_model`` flushes (finishes the listed
+jobs now, submitting any of them that arrive in this very plan first) and submits the loads;
+``after_model`` queues the stores and polls finished jobs without blocking. Before the model
+writes a block, or a load is queued into one, the rank asks ``check_writable``: no unfinished
+store on this rank may still read that block (the fence invariant, checked where it matters),
+and no unfinished load may still write it.
 
-No torch here: the copy backend, the model and the KV tensor are passed in.
+No torch here: the copy backend and the verifier of loaded blocks are passed in.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
 
-from raykv.connector.plan import (
-    BlockContent,
-    StepPlan,
-    StepReport,
-    TransferSpec,
-    TransferStats,
-    WriteSpan,
-)
-from raykv.faults import RankFaults
+from raykv.core.step import BlockContent, TransferPlan, TransferReport, TransferSpec, TransferStats
+from raykv.faults import TransferBackend
 
+# (GPU block, what it must hold) -> whether it does: the synthetic model's check of a load
+BlockVerifier = Callable[[int, BlockContent], bool]
 
-class RankDied(RuntimeError):
-    """This rank is gone (an injected fault; on Ray the actor process exits instead)."""
-
-
-class FenceViolation(RuntimeError):
-    """A rank was asked to write a GPU block that an unfinished store still reads, or to read or
-    write one a load has not finished writing. Always a protocol bug."""
-
-
-class TransferBackend(Protocol):
-    def submit(self, spec: TransferSpec) -> None: ...
-    def flush(self, job_ids: Iterable[int]) -> None: ...
-    def poll(self) -> tuple[list[int], list[int]]: ...
-    def wait(self, timeout_s: float) -> None: ...
-    def pending_reads(self) -> set[int]: ...
-    def pending_writes(self) -> set[int]: ...
-    def take_stats(self) -> TransferStats: ...
-
-
-class ModelBackend(Protocol):
-    def write(self, kv: Any, span: WriteSpan) -> None: ...
-    def checksum(self, kv: Any, blocks: list[int]) -> int: ...
-    def verify(self, kv: Any, block: int, content: BlockContent) -> bool: ...
-
-
-AckDelay = Callable[[int], int]  # job id -> steps to hold its report back (a test hook)
 _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
 # An idle step (no model work) gives copies this long to land before polling. Without it an
 # engine whose every request waits on loads spins through empty steps, and in one process the
@@ -61,44 +29,30 @@ _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
 IDLE_WAIT_S = 0.002
 
 
-@dataclass(slots=True)
-class _Held:
-    release_step: int
-    job_id: int
-    ok: bool
+class FenceViolation(RuntimeError):
+    """A rank was asked to write a GPU block that an unfinished store still reads, or to read or
+    write one a load has not finished writing. Always a protocol bug."""
 
 
 class ConnectorWorker:
     """The worker half for one rank."""
 
     def __init__(
-        self,
-        rank: int,
-        backend: TransferBackend,
-        model: ModelBackend,
-        kv: Any,
-        ack_delay: AckDelay | None = None,
-        faults: RankFaults | None = None,
+        self, rank: int, backend: TransferBackend, verify: BlockVerifier | None = None
     ) -> None:
         self.rank = rank
         self.backend = backend
-        self.model = model
-        self.kv = kv
-        self.faults = faults if faults is not None and faults.active else None
-        if ack_delay is None and self.faults is not None and self.faults.ack_delay():
-            steps = self.faults.ack_delay()
-            ack_delay = lambda job_id: steps  # noqa: E731 - a constant delay
-        self.ack_delay = ack_delay
-        self._held: list[_Held] = []
+        self.verify = verify
         self._verify: dict[int, TransferSpec] = {}  # loads to check once finished
         self._checked: dict[int, tuple[int, int]] = {}  # checked, not yet reported: (n, bad)
         self._reported: OrderedDict[int, bool] = OrderedDict()  # job -> ok, already reported
         self._step = -1
 
-    def execute(self, plan: StepPlan) -> StepReport:
-        self._step = plan.step
-        if self.faults is not None and self.faults.dies_at(plan.step):
-            raise RankDied(f"rank {self.rank} killed at step {plan.step} (injected fault)")
+    # ---- around the model step ---------------------------------------------------------
+
+    def before_model(self, step: int, plan: TransferPlan) -> None:
+        """Flush, then submit the loads (each checked against the fence)."""
+        self._step = step
         backend = self.backend
         flush = set(plan.flush)
         # a job flushed in the plan that creates it (a finished request's last store whose blocks
@@ -113,20 +67,23 @@ class ConnectorWorker:
             # count the result once the poll says whether the copy succeeded
             self._check_loads(plan.flush)
         for spec in plan.loads:
-            self._check(spec.copy.gpu_blocks, "load into")
+            self.check_writable(spec.copy.gpu_blocks, "load into")
             backend.submit(spec)
-            if spec.expect is not None:
+            if spec.expect is not None and self.verify is not None:
                 self._verify[spec.job_id] = spec
-        samples = self._model_step(plan)
+
+    def after_model(self, plan: TransferPlan, idle: bool) -> TransferReport:
+        """Queue the stores, poll, and report what ended (and what the plan asks again)."""
+        backend = self.backend
+        flush = set(plan.flush)
         for spec in plan.stores:
             if spec.job_id not in flush:
                 backend.submit(spec)
-        if not plan.batch:
+        if idle:
             backend.wait(IDLE_WAIT_S)
         completed, failed = backend.poll()
         stats = backend.take_stats()
         self._verify_loads(completed, failed, stats)
-        completed, failed = self._release(completed, failed)
         self._remember(completed, failed)
         # a job the scheduler has waited for too long: if this rank reported it already (and
         # the report was lost), it says so again; the scheduler counts a rank once per job
@@ -134,50 +91,10 @@ class ConnectorWorker:
             ok = self._reported.get(job_id)
             if ok is not None and job_id not in completed and job_id not in failed:
                 (completed if ok else failed).append(job_id)
-        if self.faults is not None:
-            completed, failed = self._ack_faults(completed), self._ack_faults(failed)
-        return StepReport(self.rank, plan.step, completed, failed, samples, stats)
+        return TransferReport(completed, failed, stats)
 
-    def _remember(self, completed: list[int], failed: list[int]) -> None:
-        reported = self._reported
-        for ok, ids in ((True, completed), (False, failed)):
-            for job_id in ids:
-                reported[job_id] = ok
-        while len(reported) > _REMEMBERED:
-            reported.popitem(last=False)
-
-    def _ack_faults(self, ids: list[int]) -> list[int]:
-        """Injected message faults: a report lost, or delivered twice."""
-        f = self.faults
-        assert f is not None
-        out: list[int] = []
-        for job_id in ids:
-            if f.drops():
-                continue
-            out.append(job_id)
-            if f.duplicates():
-                out.append(job_id)
-        return out
-
-    def _model_step(self, plan: StepPlan) -> list[int]:
-        if not plan.batch:
-            return []
-        kv, model = self.kv, self.model
-        writes = [b for entry in plan.batch for span in entry.writes for b in span.blocks]
-        self._check(writes, "write")
-        loading = self.backend.pending_writes()
-        for entry in plan.batch:
-            for span in entry.writes:
-                model.write(kv, span)
-        samples = []
-        for entry in plan.batch:
-            if loading and not loading.isdisjoint(entry.read_blocks):
-                bad = sorted(loading & set(entry.read_blocks))
-                raise FenceViolation(f"rank {self.rank}: reads blocks {bad} a load still writes")
-            samples.append(model.checksum(kv, entry.read_blocks) if entry.read_blocks else 0)
-        return samples
-
-    def _check(self, blocks: list[int], what: str) -> None:
+    def check_writable(self, blocks: list[int], what: str = "write") -> None:
+        """Raise unless no unfinished transfer on this rank uses ``blocks``."""
         if not blocks:
             return
         busy = self.backend.pending_reads() | self.backend.pending_writes()
@@ -188,13 +105,33 @@ class ConnectorWorker:
                 "that unfinished transfers still use"
             )
 
+    def check_readable(self, blocks: Iterable[int]) -> None:
+        """Raise if a load still writes any of ``blocks``."""
+        loading = self.backend.pending_writes()
+        if loading and not loading.isdisjoint(blocks):
+            bad = sorted(loading & set(blocks))
+            raise FenceViolation(f"rank {self.rank}: reads blocks {bad} a load still writes")
+
+    # ---- books ---------------------------------------------------------------------------
+
+    def _remember(self, completed: list[int], failed: list[int]) -> None:
+        reported = self._reported
+        for ok, ids in ((True, completed), (False, failed)):
+            for job_id in ids:
+                reported[job_id] = ok
+        while len(reported) > _REMEMBERED:
+            reported.popitem(last=False)
+
     def _check_loads(self, job_ids: Iterable[int]) -> None:
         """Compare finished loads' blocks with what they must hold; kept until the poll."""
+        verify = self.verify
+        if verify is None:
+            return
         for job_id in job_ids:
             spec = self._verify.pop(job_id, None)
             if spec is not None and spec.expect is not None:
                 bad = sum(
-                    not self.model.verify(self.kv, block, content)
+                    not verify(block, content)
                     for block, content in zip(spec.copy.gpu_blocks, spec.expect, strict=True)
                 )
                 self._checked[job_id] = (len(spec.expect), bad)
@@ -211,28 +148,3 @@ class ConnectorWorker:
                 stats.mismatches += result[1]
         for job_id in failed:  # a failed copy wrote nothing worth checking
             self._checked.pop(job_id, None)
-
-    def _release(self, completed: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
-        """Apply the ack-delay hook: completions may be reported steps after they happen."""
-        if self.ack_delay is None and not self._held:
-            return completed, failed
-        step = self._step
-        for ok, ids in ((True, completed), (False, failed)):
-            for job_id in ids:
-                delay = self.ack_delay(job_id) if self.ack_delay is not None else 0
-                self._held.append(_Held(step + max(0, delay), job_id, ok))
-        out_ok: list[int] = []
-        out_fail: list[int] = []
-        keep: list[_Held] = []
-        for held in self._held:
-            if held.release_step <= step:
-                (out_ok if held.ok else out_fail).append(held.job_id)
-            else:
-                keep.append(held)
-        self._held = keep
-        return out_ok, out_fail
-
-    @property
-    def held(self) -> int:
-        """Completions not yet reported."""
-        return len(self._held)

@@ -13,20 +13,21 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from raykv.config import RaykvConfig
-from raykv.connector.plan import (
-    BlockContent,
-    ModelEntry,
-    StepPlan,
-    StepReport,
-    TransferStats,
-    WriteSpan,
-)
-from raykv.connector.scheduler import ConnectorPlan, ConnectorScheduler
+from raykv.connector.scheduler import ConnectorScheduler
 from raykv.core.block_pool import NULL_BLOCK, BlockPool
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request, RequestStatus
+from raykv.core.step import (
+    BlockContent,
+    ModelEntry,
+    StepPlan,
+    StepReport,
+    TransferPlan,
+    TransferStats,
+    WriteSpan,
+)
 from raykv.engine.sampler import combine, sample
 from raykv.engine.scheduler import Scheduler, SchedulerOutput
 from raykv.offload.directory import Directory
@@ -168,9 +169,9 @@ class EngineCore:
         if self.connector is not None:
             cplan = self.connector.plan(sched.scheduled, sched.preempted)
         else:
-            cplan = ConnectorPlan([], [], [])
+            cplan = TransferPlan()
         batch = self._batch(sched)
-        plan = StepPlan(step, cplan.flush, cplan.reack, cplan.loads, cplan.stores, batch)
+        plan = StepPlan(step, cplan, batch)
         self.totals.steps += 1
         if not sched.scheduled:
             self.totals.idle_steps += 1
@@ -221,10 +222,11 @@ class EngineCore:
         while len(per_rank) < self.workers.num_ranks:
             per_rank.append({name: 0 for name in TransferStats.__slots__})
         for report in reports:
-            self.totals.transfer.add(report.stats)
+            stats = report.transfers.stats
+            self.totals.transfer.add(stats)
             mine = per_rank[report.rank]
             for name in TransferStats.__slots__:
-                mine[name] += getattr(report.stats, name)
+                mine[name] += getattr(stats, name)
 
     def _batch(self, sched: SchedulerOutput) -> list[ModelEntry]:
         bs = self.block_size

@@ -1,8 +1,9 @@
 """An in-process worker group: every tensor-parallel rank in this process, one after another.
 
 Each rank owns its shard of the KV cache (its KV heads of every block), its shard of the CPU
-pool, a transfer engine, the model's shard and the connector's worker half. The Ray deployment
-wraps exactly these objects in actors.
+pool, a transfer engine, the model's shard, the connector's worker half and the rank runner
+that orders a step; the configured faults are wrapped around the transfer engine and the rank
+here, once. The Ray deployment wraps exactly these objects in actors.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import weakref
 from collections.abc import Callable
 
 from raykv.config import RaykvConfig
-from raykv.connector.plan import BlockContent, StepPlan, StepReport
-from raykv.connector.worker import AckDelay, ConnectorWorker, RankDied
+from raykv.connector.worker import ConnectorWorker
+from raykv.core.step import BlockContent, StepPlan, StepReport
 from raykv.engine.core import RankFailed
-from raykv.faults import RankFaults, parse_fault
+from raykv.engine.rank_runner import RankRunner
+from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
 from raykv.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.rank import build_rank
@@ -44,7 +46,6 @@ class LocalWorker:
         cfg: RaykvConfig,
         rank: int,
         num_slots: int,
-        ack_delay: AckDelay | None = None,
         exec_delay: ExecDelay | None = None,
         threaded: bool = True,
         incarnation: int = 0,
@@ -62,7 +63,6 @@ class LocalWorker:
             cfg.parallel.device,
             threaded=threaded,
             exec_delay=exec_delay,
-            copy_fails=self.faults.copy_fails if self.faults.active else None,
             pool_path=pool_path,
         )
         self.kv, self.pool, self.engine, self.model = res.kv, res.pool, res.engine, res.model
@@ -70,12 +70,21 @@ class LocalWorker:
         if pool_path is not None:
             remove_generations(pool_path, keep=True)
         self.pool_attached = res.pool_attached
+        backend = FaultyBackend(self.engine, self.faults) if self.faults.active else self.engine
+        kv, model = self.kv, self.model
         self.connector = ConnectorWorker(
-            rank, self.engine, self.model, self.kv, ack_delay, self.faults
+            rank, backend, lambda block, content: model.verify(kv, block, content)
         )
+        self.runner: Rank = RankRunner(rank, self.connector, model, kv)
+        if self.faults.active:
+            self.runner = FaultyRank(self.runner, self.faults)
 
     def execute(self, plan: StepPlan) -> StepReport:
-        return self.connector.execute(plan)
+        return self.runner.execute(plan)
+
+    def held_jobs(self) -> list[int]:
+        """Jobs whose completion this rank has not reported yet (late acks)."""
+        return self.runner.held_jobs() if isinstance(self.runner, FaultyRank) else []
 
     def verify_cpu_tier(self, items: list[tuple[int, int, BlockContent]]) -> tuple[int, int]:
         """Compare this rank's CPU-pool shard with what each listed block must hold; returns
@@ -107,15 +116,15 @@ class LocalWorkerGroup:
         self,
         cfg: RaykvConfig,
         num_slots: int,
-        ack_delays: dict[int, AckDelay] | None = None,
         exec_delays: dict[int, ExecDelay] | None = None,
         threaded: bool = True,
     ) -> None:
-        """``ack_delays`` / ``exec_delays`` (per rank) hold completions back or keep copies
-        really pending for a number of steps; with ``threaded=False`` copies run only at each
-        step's poll, so a seeded test reproduces the same interleaving every time."""
+        """``exec_delays`` (per rank) keep copies really pending for a number of steps; with
+        ``threaded=False`` copies run only at each step's poll, so a seeded test reproduces the
+        same interleaving every time. Late, lost and duplicated acks are faults
+        (``cfg.faults``)."""
         self._cfg, self._num_slots, self._threaded = cfg, num_slots, threaded
-        self._acks, self._execs = ack_delays or {}, exec_delays or {}
+        self._execs = exec_delays or {}
         self.incarnations = [0] * cfg.parallel.tensor_parallel_size
         self.pool_files: PoolFiles | None = None
         if cfg.offload.enabled and cfg.offload.shared_pool:
@@ -130,7 +139,6 @@ class LocalWorkerGroup:
             self._cfg,
             rank,
             self._num_slots,
-            self._acks.get(rank),
             self._execs.get(rank),
             self._threaded,
             self.incarnations[rank],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
-from raykv.connector.plan import TransferStats
+from raykv.core.step import TransferStats
 
 
 class TransferEngineBase:

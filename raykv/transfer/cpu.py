@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raykv.connector.plan import TransferSpec, TransferStats
+from raykv.core.step import TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.layout import KVLayout, pool_rows
 
@@ -176,7 +176,6 @@ class CpuTransferEngine(TransferEngineBase):
         *,
         threaded: bool = True,
         exec_delay: Callable[[int], int] | None = None,
-        fail: Callable[[], bool] | None = None,
     ) -> None:
         """``threaded=False`` runs no copy thread: queued jobs are copied, in FIFO order, at the
         start of :meth:`poll` (or by :meth:`flush`). With ``exec_delay`` (job id -> polls to wait)
@@ -211,7 +210,6 @@ class CpuTransferEngine(TransferEngineBase):
         self._closing = False  # no more submits
         self._closed = False  # copy thread must exit
         self._exec_delay = exec_delay
-        self._fail = fail  # fault injection: a copy that fails, reported as a failed job
         self._wait_polls: dict[int, int] = {}  # job id -> polls left before it may run
         self._thread: threading.Thread | None = None
         if threaded:
@@ -407,15 +405,10 @@ class CpuTransferEngine(TransferEngineBase):
         start = time.perf_counter()
         error: str | None = None
         try:
-            if self._fail is not None and self._fail():
-                raise OSError("injected copy failure")
             self._copy(spec)
         except Exception as exc:  # a failed copy fails the job, never the engine
             error = f"{type(exc).__name__}: {exc}"
-            injected = isinstance(exc, OSError) and str(exc) == "injected copy failure"
-            (log.debug if injected else log.warning)(
-                "transfer job %d failed: %s", spec.job_id, error
-            )
+            log.warning("transfer job %d failed: %s", spec.job_id, error)
         elapsed = time.perf_counter() - start
         with self._cond:
             ok = error is None

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from raykv.connector.plan import TransferSpec, TransferStats
+from raykv.core.step import TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.layout import KVLayout, pool_rows
 
@@ -74,7 +74,6 @@ class CudaTransferEngine(TransferEngineBase):
         pool: torch.Tensor,
         layout: KVLayout,
         streams_per_direction: int = 2,
-        fail: Callable[[], bool] | None = None,
     ) -> None:
         if kv.device.type != "cuda":
             raise ValueError(f"kv must be on a CUDA device, got {kv.device}")
@@ -99,7 +98,6 @@ class CudaTransferEngine(TransferEngineBase):
         self._paused = False
         self._closed = False
         self._stats = TransferStats()
-        self._fail = fail  # fault injection: a copy that fails, reported as a failed job
 
     # ---- the backend interface ------------------------------------------------------------
 
@@ -228,8 +226,6 @@ class CudaTransferEngine(TransferEngineBase):
                 not 0 <= s < lay.num_slots for s in copy.cpu_slots
             ):
                 raise ValueError("CPU slot or sub-block out of range")
-            if self._fail is not None and self._fail():
-                raise ValueError("injected copy failure")
         except ValueError as exc:
             job.error = str(exc)
             return

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from raykv.connector.plan import BlockContent, WriteSpan
+from raykv.core.step import BlockContent, WriteSpan
 from raykv.transfer.layout import KVLayout, pool_rows
 
 _MASK64 = (1 << 64) - 1

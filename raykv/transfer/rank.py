@@ -40,7 +40,6 @@ def build_rank(
     *,
     threaded: bool = True,
     exec_delay: Callable[[int], int] | None = None,
-    copy_fails: Callable[[], bool] | None = None,
     pool_path: str | None = None,
 ) -> RankResources:
     """``device`` is ``cpu`` or ``cuda``. CUDA ranks take GPU ``rank % device_count`` (under Ray
@@ -62,9 +61,7 @@ def build_rank(
             shared.unlink()
             shared = None
         pool = shared.tensor if shared is not None else allocate_pool(layout, pin=True)
-        engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(
-            kv, pool, layout, fail=copy_fails
-        )
+        engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(kv, pool, layout)
         model = SyntheticModel(layout, rank, tp_size, device=dev)
         return RankResources(kv, pool, engine, model, shared)
     if device != "cpu":
@@ -72,9 +69,7 @@ def build_rank(
     kv = allocate_kv(layout)
     shared = _shared_pool(pool_path, layout, rank)
     pool = shared.tensor if shared is not None else allocate_pool(layout)
-    engine = CpuTransferEngine(
-        kv, pool, layout, threaded=threaded, exec_delay=exec_delay, fail=copy_fails
-    )
+    engine = CpuTransferEngine(kv, pool, layout, threaded=threaded, exec_delay=exec_delay)
     return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size), shared)
 
 

@@ -13,10 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from raykv.config import load_config
-from raykv.connector.plan import StepPlan, StepReport
 from raykv.core.hashing import block_hashes
 from raykv.core.keys import make_key
 from raykv.core.request import Request
+from raykv.core.step import StepPlan, StepReport, TransferPlan
 from raykv.engine.core import EngineCore
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.offload.directory import Directory
@@ -26,7 +26,7 @@ Offset = tuple[int, int]  # (KV group, block index within the request)
 
 @dataclass
 class StepRecord:
-    plan: StepPlan
+    plan: TransferPlan  # the step plan's transfer part
     stored: dict[str, list[Offset]] = field(default_factory=lambda: defaultdict(list))
     loaded: dict[str, list[Offset]] = field(default_factory=lambda: defaultdict(list))
     flushed: dict[str, list[Offset]] = field(default_factory=lambda: defaultdict(list))
@@ -48,7 +48,7 @@ class Runner:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 64,
         directory: Directory | None = None,
-        ack_delays: dict | None = None,
+        faults: tuple[str, ...] = (),
         exec_delays: dict | None = None,
         offload: bool = True,
         keep_finished: bool = True,
@@ -73,10 +73,11 @@ class Runner:
                 f"engine.max_num_batched_tokens={max_num_batched_tokens}",
                 f"offload.store_threshold={store_threshold}",
                 f"engine.max_deferred_steps={max_deferred_steps}",
+                "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
             ],
         )
         self.workers = LocalWorkerGroup(
-            self.cfg, cpu_slots, ack_delays=ack_delays, exec_delays=exec_delays, threaded=False
+            self.cfg, cpu_slots, exec_delays=exec_delays, threaded=False
         )
         self.engine = EngineCore(
             self.cfg,
@@ -166,7 +167,8 @@ class Runner:
             out.append(found[0])
         return out
 
-    def _record(self, plan: StepPlan) -> StepRecord:
+    def _record(self, step_plan: StepPlan) -> StepRecord:
+        plan = step_plan.transfers
         rec = StepRecord(plan, fence=self.connector.fence.blocks() if self.connector else set())
         if self.connector is None:
             return rec
@@ -225,8 +227,8 @@ class Runner:
         assert c.tracked() == 0, f"request states left: {[r.req_id for r in c._reqs]}"
         stats = c.directory.stats()
         assert stats.writing == 0 and stats.reading == 0
-        for w in self.workers.workers:
-            assert w.connector.held == 0
+        for w in self.workers.workers:  # late reports: only of jobs a reset abandoned
+            assert all(j < c.jobs.stale_below for j in w.held_jobs())
 
 
 def tokens(n: int, start: int = 0) -> list[int]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from raykv.connector.jobs import JobTable
-from raykv.connector.plan import StepReport, TransferStats
 from raykv.core.request import Request, RequestStatus
+from raykv.core.step import StepReport, TransferReport
 from tests.connector.harness import Runner, tokens
 
 
@@ -56,7 +56,7 @@ def test_job_finishes_only_when_every_rank_acked_it_once() -> None:
 
 
 def test_engine_completes_a_job_only_after_the_slow_rank_reports() -> None:
-    r = Runner(block_size=4, tp=3, ack_delays={2: lambda job: 3})
+    r = Runner(block_size=4, tp=3, faults=("delay-acks:rank=2:steps=3",))
     r.add("a", tokens(8))
     r.step()
     job_id = r.records[0].plan.stores[0].job_id
@@ -74,7 +74,7 @@ def test_unknown_and_duplicate_reports_are_counted_and_ignored() -> None:
     r = Runner(block_size=4, tp=2)
     r.add("a", tokens(8))
     r.run()
-    bogus = StepReport(0, 99, completed=[12345], failed=[], samples=[], stats=TransferStats())
+    bogus = StepReport(0, 99, TransferReport(completed=[12345], failed=[]))
     assert r.connector.process_reports([bogus, bogus]) == []
     assert r.connector.jobs.stats.unknown == 2
     r.drained()
@@ -147,7 +147,7 @@ def test_a_finished_request_is_forgotten_only_after_its_last_job() -> None:
 
 
 def test_steps_go_on_without_blocking_while_only_transfers_remain() -> None:
-    r = Runner(block_size=4, ack_delays={0: lambda job: 5})
+    r = Runner(block_size=4, faults=("delay-acks:rank=0:steps=5",))
     r.add("a", tokens(8))
     r.step()
     assert r.engine.requests["a"].finished

@@ -73,9 +73,15 @@ def scenarios(draw):
     seed = draw(st.integers(0, 2**16))
     arrival = draw(st.sampled_from([0.0, 0.7, 3.0]))
     max_exec = draw(st.integers(0, 3))
-    max_ack = draw(st.integers(0, 3))
+    # late reports: each rank holds some of its completions back a few steps
+    late = [
+        f"delay-acks:rank={r}:steps={draw(st.integers(1, 3))}:rate=0.5:seed={seed + r}"
+        for r in range(tp)
+        if draw(st.booleans())
+    ]
+    sets.append("faults=[" + ",".join(f'"{f}"' for f in late) + "]")
     threaded = draw(st.sampled_from([False, False, False, True]))
-    return sets, seed, arrival, tp, max_exec, max_ack, chaos, threaded
+    return sets, seed, arrival, tp, max_exec, chaos, threaded
 
 
 def delays(seed: int, tp: int, most: int, salt: int) -> dict:
@@ -89,7 +95,7 @@ def delays(seed: int, tp: int, most: int, salt: int) -> dict:
 @settings(max_examples=30, deadline=None)
 @given(scenarios())
 def test_random_runs_keep_every_invariant_and_match_the_run_without_offload(scenario) -> None:
-    sets, seed, arrival, tp, max_exec, max_ack, chaos, threaded = scenario
+    sets, seed, arrival, tp, max_exec, chaos, threaded = scenario
     cfg = load_config(None, sets)
     specs = synthetic_chat(
         18,
@@ -107,7 +113,6 @@ def test_random_runs_keep_every_invariant_and_match_the_run_without_offload(scen
     workers = LocalWorkerGroup(
         cfg,
         cfg.cpu_slots(),
-        ack_delays=delays(seed, tp, max_ack, 1),
         exec_delays=None if threaded else delays(seed, tp, max_exec, 2),
         threaded=threaded,
     )

@@ -95,7 +95,7 @@ def test_vllm_46951_every_allocation_path_feeds_the_fence() -> None:
 def test_preempt_then_readmit_before_the_flush_is_acked_is_deferred() -> None:
     # rank 1 reports every completion four steps late: the preempted request's stores stay
     # unfinished in the scheduler's books after the flush, and its lookup must wait for them
-    r = Runner(block_size=4, num_gpu_blocks=6, tp=2, ack_delays={1: lambda job: 4})
+    r = Runner(block_size=4, num_gpu_blocks=6, tp=2, faults=("delay-acks:rank=1:steps=4",))
     make_preemption(r)
     r.resume_copies()
     deferred = r.connector.stats.deferred_lookups

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from raykv.connector.plan import BlockCopy, TransferSpec
+from raykv.core.step import BlockCopy, TransferSpec
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool, pool_rows
 

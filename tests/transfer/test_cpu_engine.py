@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raykv.connector.plan import BlockCopy, TransferSpec
+from raykv.core.step import BlockCopy, TransferSpec
 from raykv.transfer import (
     CpuTransferEngine,
     KVLayout,
@@ -396,7 +396,7 @@ def test_misaligned_tensors_use_narrow_views() -> None:
 
 
 def test_unthreaded_engine_copies_at_poll_after_the_delay() -> None:
-    from raykv.connector.plan import BlockCopy, TransferSpec
+    from raykv.core.step import BlockCopy, TransferSpec
     from raykv.transfer.cpu import CpuTransferEngine
     from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from raykv.connector.plan import BlockContent, WriteSpan
+from raykv.core.step import BlockContent, WriteSpan
 from raykv.transfer import KVLayout, SyntheticModel, allocate_kv, mix64, mix64_tensor
 
 BS = 4

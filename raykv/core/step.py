@@ -1,6 +1,8 @@
-"""What the scheduler sends to every rank each step, and what each rank sends back.
+"""The step message: what the scheduler sends to every rank each step, and what each rank sends
+back. Each has a transfer part (the connector's: jobs to flush, load and store; their acks) and
+a model part (the batch to compute; the sampled results).
 
-Plain data: ints and lists, cheap to build, to pickle for Ray, and to check in tests. Workers see
+Plain data: ints and lists, cheap to build, to pickle for Ray, and to check in tests. Ranks see
 job ids, GPU block ids and CPU slots; they never see requests' fence bookkeeping.
 """
 
@@ -73,15 +75,23 @@ class ModelEntry:
 
 
 @dataclass(slots=True)
-class StepPlan:
-    """The whole plan for one step, identical for every rank."""
+class TransferPlan:
+    """The transfer part of a step: jobs to finish now, jobs to report again, jobs to start
+    (loads before the model step, stores after it)."""
 
-    step: int
     flush: list[int] = field(default_factory=list)
     # jobs unacked for too long: a rank that already reported one reports it again
     reack: list[int] = field(default_factory=list)
     loads: list[TransferSpec] = field(default_factory=list)
     stores: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The whole plan for one step, identical for every rank."""
+
+    step: int
+    transfers: TransferPlan = field(default_factory=TransferPlan)
     batch: list[ModelEntry] = field(default_factory=list)
 
 
@@ -108,12 +118,19 @@ class TransferStats:
 
 
 @dataclass(slots=True)
+class TransferReport:
+    """The transfer part of a rank's reply: jobs that ended on it since its last report."""
+
+    completed: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    stats: TransferStats = field(default_factory=TransferStats)
+
+
+@dataclass(slots=True)
 class StepReport:
     """One rank's reply to one step."""
 
     rank: int
     step: int
-    completed: list[int]
-    failed: list[int]
-    samples: list[int]  # per batch entry that samples: this rank's partial checksum
-    stats: TransferStats
+    transfers: TransferReport = field(default_factory=TransferReport)
+    samples: list[int] = field(default_factory=list)  # per sampling batch entry: this rank's part
