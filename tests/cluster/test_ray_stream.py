@@ -51,8 +51,9 @@ def test_stream_yields_refused_requests_once_with_the_reason(ray_session) -> Non
 
 
 def test_refused_requests_are_not_resubmitted_after_a_scheduler_restart(ray_session) -> None:
-    # 120 requests arriving 2 per step: when the refused ones have streamed, most have not
-    # arrived; the scheduler dies then and the client resubmits what it has not yielded
+    # 120 requests arriving 2 per step: when the refused ones and a first output have
+    # streamed, most have not arrived; the scheduler dies then and the client resubmits what it
+    # has not yielded
     cfg = load_config(None, [*SETS, "workload.num_requests=120"])
     specs = make_workload(cfg)
     bad, huge, dup = refused_specs(cfg, specs)
@@ -66,8 +67,10 @@ def test_refused_requests_are_not_resubmitted_after_a_scheduler_restart(ray_sess
             seen.append((req_id, "rejected" if status == "rejected" else status[:8]))
             if status != "rejected":
                 outputs[req_id] = tokens
-            if not killed and len(seen) >= 3:
-                ray.kill(client.server, no_restart=True)  # the scheduler actor dies mid-stream
+            refused = {r for r, st in seen if st == "rejected"}
+            if not killed and outputs and refused == {bad.req_id, huge.req_id, dup.req_id}:
+                # every refusal and a first output have streamed: the scheduler actor dies
+                ray.kill(client.server, no_restart=True)
                 killed = True
         restarts = client.scheduler_restarts
         after = client.progress()  # the replacement scheduler's own counts
