@@ -36,11 +36,9 @@ def local_digest(sets: list[str], offload: bool) -> str:
         return run_workload(engine, make_workload(cfg))["output_digest"]
 
 
-def ray_run(sets: list[str], hold=()) -> dict:
+def ray_run(sets: list[str]) -> dict:
     cfg = load_config(None, sets)
     with RaykvClient.start(cfg, verify=True, check_invariants=True) as client:
-        for rank, steps, every, offset in hold:
-            client.hold_acks(rank, steps, every, offset)
         return client.run(make_workload(cfg), timeout_s=400)
 
 
@@ -93,10 +91,14 @@ def test_tp4_tiny_pool_forces_reuse_flushes_and_preemptions(ray_session) -> None
 def test_late_and_out_of_order_acks_across_ranks(ray_session) -> None:
     sets = [*SMALL, "parallel.tensor_parallel_size=3", "model.num_kv_heads=6"]
     sets += ["cache.num_gpu_blocks=32", "cache.block_size=8"]
-    # rank 1 reports every other job 3 steps late, rank 2 every third job 1 step late: each job
-    # completes only at full count, in a different order on every rank; the engine checks its
-    # books after every step and every rank checks the fence before every write
-    report = ray_run(sets, hold=[(1, 3, 2, 0), (2, 1, 3, 1)])
+    # rank 1 reports about every other job 3 steps late, rank 2 about every third job 1 step
+    # late: each job completes only at full count, in a different order on every rank; the
+    # engine checks its books after every step and every rank checks the fence before every write
+    late = [
+        "delay-acks:rank=1:steps=3:rate=0.5:seed=1",
+        "delay-acks:rank=2:steps=1:rate=0.34:seed=2",
+    ]
+    report = ray_run([*sets, "faults=[" + ",".join(f'"{f}"' for f in late) + "]"])
     assert report["acks"]["duplicate"] == 0 and report["acks"]["unknown"] == 0
     assert report["integrity"]["mismatches"] == 0
     assert report["output_digest"] == local_digest(sets, False)
@@ -177,18 +179,15 @@ def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
         "cache.num_gpu_blocks=32",
         "cache.block_size=8",
         "workload.num_requests=50",
-        "offload.cpu_slots=24",
+        "offload.cpu_slots=20",
+        # rank 1 reports about every third job 3 steps late
         'faults=["dup-acks:rate=0.05:seed=3","kill-worker:step=20:rank=1",'
-        '"fail-copy:rate=0.05:seed=2"]',
+        '"fail-copy:rate=0.05:seed=2","delay-acks:rank=1:steps=3:rate=0.34:seed=4"]',
     ]
     cfg = load_config(None, sets)
-    # rank 0 keeps every other copy pending 4 steps, rank 1 reports every third job 3 late
-    exec_delays = {0: lambda job: 4 if job % 2 == 0 else 0}
-    ack_delays = {1: lambda job: 3 if job % 3 == 0 else 0}
+    exec_delays = {0: lambda job: 4 if job % 2 == 0 else 0}  # rank 0: every other copy pending
     steps: list[dict] = []
-    with LocalWorkerGroup(
-        cfg, cfg.cpu_slots(), exec_delays=exec_delays, ack_delays=ack_delays, threaded=False
-    ) as workers:
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), exec_delays=exec_delays, threaded=False) as workers:
         engine = EngineCore(cfg, workers)
         metrics = m.EngineMetrics(engine)
 

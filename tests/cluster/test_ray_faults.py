@@ -46,12 +46,12 @@ def test_killed_ranks_are_replaced_and_outputs_match_the_fault_free_run(ray_sess
 
 
 def test_a_silent_rank_is_killed_and_its_successor_maps_its_shard_once_it_exited(ray_session):
-    # rank 1 answers every step but holds back every ack (a test hook of that actor only): it
+    # rank 1 answers every step but holds back every ack (its first incarnation only): it
     # counts as dead after rank_timeout_steps and is killed. It was alive when killed, so its
     # replacement waits for the old process to exit before it maps the old shard.
-    cfg = load_config(None, [*SETS, "engine.rank_timeout_steps=20"])
+    silent = "delay-acks:rank=1:steps=1000000:incarnation=0"
+    cfg = load_config(None, [*SETS, "engine.rank_timeout_steps=20", f'faults=["{silent}"]'])
     with RaykvClient.start(cfg, verify=True, check_invariants=True) as client:
-        client.hold_acks(1, steps=10**6)
         report = client.run(make_workload(cfg), timeout_s=600)
         _, bad = ray.get(client.server.verify_cpu_tier.remote(), timeout=300)
         files = client._pool_files

@@ -30,11 +30,10 @@ def soak():
 def test_books_read_while_jobs_are_in_flight_are_not_drained_and_after_the_run_they_are(
     soak,
 ) -> None:
-    cfg = load_config(None, [*SMALL, "parallel.tensor_parallel_size=2"])
     # rank 1 reports every job 3 steps late: jobs stay in the table, stores keep their slots
-    with LocalWorkerGroup(
-        cfg, cfg.cpu_slots(), ack_delays={1: lambda job: 3}, threaded=False
-    ) as workers:
+    late = 'faults=["delay-acks:rank=1:steps=3"]'
+    cfg = load_config(None, [*SMALL, "parallel.tensor_parallel_size=2", late])
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
         engine = EngineCore(cfg, workers)
         driver = Driver(engine)
         driver.submit(make_workload(cfg))
