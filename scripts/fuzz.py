@@ -31,6 +31,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from raykv.config import RaykvConfig, load_config
+from raykv.core.arith import cdiv
 from raykv.core.request import Request, RequestStatus
 from raykv.engine.core import EngineCore
 from raykv.engine.workers import LocalWorkerGroup
@@ -287,7 +288,7 @@ def main() -> int:
         print(f"ok: episode {args.episode}, {steps} steps")
         return 0
     jobs = max(1, args.jobs)
-    quota = -(-args.steps // jobs)
+    quota = cdiv(args.steps, jobs)
     if jobs == 1:
         results = [worker(args.seed, 0, 1, quota, args.quiet)]
     else:

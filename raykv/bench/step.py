@@ -2,13 +2,13 @@
 
 A steady-state engine step changes a fixed, small amount of state: a few running requests each
 compute one more block (one ``on_allocated`` each, one store job each in ``plan``), one waiting
-request is looked up, every other one of them loads a cached prefix (``start_load``), the workers'
-acks for the previous step's jobs come back (``process_reports``) and requests that computed
-their last block end (``request_finished``). This bench drives exactly that scheduler-side
-connector work against a CPU tier pre-filled with C chunks and a GPU pool of C + a margin blocks,
-and times only the connector's calls. The change per step is identical for every C (the workload
-is a deterministic function of the step number; ``same_work`` in the result checks it), so the
-cost per step should not depend on C.
+request is looked up, every other one of them loads a cached prefix (its ``on_allocated`` brings
+the load), the workers' acks for the previous step's jobs come back (``process_reports``) and
+requests that computed their last block end (``request_finished``). This bench drives exactly
+that scheduler-side connector work against a CPU tier pre-filled with C chunks and a GPU pool of
+C + a margin blocks, and times only the connector's calls. The change per step is identical for
+every C (the workload is a deterministic function of the step number; ``same_work`` in the
+result checks it), so the cost per step should not depend on C.
 
 What is deliberately not scaled with C: the connector's tracked requests. The engine tracks a
 request only until its last job is final, so the tracked set is bounded by the requests in flight
@@ -158,11 +158,10 @@ class _StepSim:
         # jobs: they are plain data built by the workers, so fakes stand in for them here
         t0 = time.perf_counter_ns()
         for live in loads:
-            conn.on_allocated(live.req, (live.blocks,), live.blocks)
-            conn.start_load(live.req, 0, live.load_tokens)
+            conn.on_allocated(live.req, (live.blocks,), live.blocks, live.load_tokens)
         for live, blocks in zip(computing, new_blocks, strict=True):
             conn.on_allocated(live.req, (blocks,), blocks)
-        plan = conn.plan(scheduled, ())
+        plan = conn.plan(self._step, scheduled, ())
         done = conn.process_reports(self._reports)
         for req in ending:
             conn.request_finished(req)
@@ -170,8 +169,7 @@ class _StepSim:
         # ---- the engine's own bookkeeping after the step (not timed)
         job_ids = [s.job_id for s in plan.loads] + [s.job_id for s in plan.stores]
         self._reports = [
-            StepReport(rank, self._step, TransferReport(list(job_ids)))
-            for rank in range(NUM_RANKS)
+            StepReport(rank, self._step, TransferReport(list(job_ids))) for rank in range(NUM_RANKS)
         ]
         self._account(plan.flush, len(ending), len(job_ids))
         running: list[_Live] = []

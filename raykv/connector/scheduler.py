@@ -111,7 +111,7 @@ class ConnectorScheduler:
         self.verify = verify
         self.max_deferred_steps = max_deferred_steps
         self.ack_timeout_steps = ack_timeout_steps
-        self.step = 0  # the engine step being planned (set by the engine)
+        self.step = 0  # the step being scheduled: jobs created now belong to it
         self.jobs = JobTable(num_ranks)
         self.fence = Fence()
         self.stats = ConnectorStats()
@@ -263,18 +263,25 @@ class ConnectorScheduler:
     # ---- allocation feed ------------------------------------------------------------------
 
     def on_allocated(
-        self, req: Request, new_entries: Sequence[Sequence[int]], fresh: Iterable[int]
+        self,
+        req: Request,
+        new_entries: Sequence[Sequence[int]],
+        fresh: Sequence[int],
+        load_tokens: int = 0,
     ) -> None:
         """Every path that appends to a request's block tables reports here: the entries appended
         to each group's table (0 for positions that need no block), and which of them came fresh
         from the free pool (they will be written; revived prefix-cache blocks are only read).
-        The fence is only as good as this feed."""
-        fresh = list(fresh)
+        The fence is only as good as this feed. An admission with a CPU-tier hit says how many
+        tokens after ``req.num_computed`` the load brings (what ``lookup`` answered); the load
+        job is built now, into the blocks just allocated."""
         self._forget_released(fresh)
         state = self._state(req)
         for gs, entries in zip(state.groups, new_entries, strict=True):
             gs.block_ids.extend(entries)
         self._allocated.update(fresh)
+        if load_tokens:
+            self._start_load(state, req.num_computed, load_tokens)
 
     def on_released(self, req: Request, group: int, positions: Sequence[int]) -> None:
         """A running request gave back the blocks at ``positions`` of a sliding-window group's
@@ -307,9 +314,9 @@ class ConnectorScheduler:
                 if i < len(ids) and ids[i] == block:
                     ids[i] = NULL_BLOCK
 
-    def start_load(self, req: Request, num_local: int, num_external: int) -> int:
+    def _start_load(self, state: RequestOffloadState, num_local: int, num_external: int) -> None:
         """Build the load job for an admitted request whose blocks were just allocated."""
-        state = self._reqs[req]
+        req = state.req
         assert not state.jobs, f"request {req.req_id}: load planned with jobs in flight"
         bs, bpc = self.block_size, self.bpc
         first, last = num_local // bs, (num_local + num_external) // bs
@@ -342,15 +349,15 @@ class ConnectorScheduler:
         self.stats.load_jobs += 1
         self.stats.load_blocks += len(blocks)
         req.load_job = job.job_id
-        return job.job_id
 
     # ---- the step plan ----------------------------------------------------------------------
 
     def plan(
-        self, scheduled: Sequence[ScheduledRequest], preempted: Sequence[Request]
+        self, step: int, scheduled: Sequence[ScheduledRequest], preempted: Sequence[Request]
     ) -> TransferPlan:
         """The transfers for this step: flush first, then loads, then (after the model step)
         stores."""
+        self.step = step
         for req in preempted:
             self._on_preempted(req)
         for job_id in self.fence.jobs_on(self._allocated):
@@ -371,6 +378,7 @@ class ConnectorScheduler:
         reack = sorted(j for j, why in self._flush.items() if why == "timeout")
         plan = TransferPlan(sorted(self._flush), reack, self._loads, stores)
         self._loads, self._flush, self._allocated = [], {}, set()
+        self.step = step + 1  # jobs created from now on (loads at admission) belong to the next
         return plan
 
     def _nudge_overdue(self) -> None:
@@ -382,9 +390,9 @@ class ConnectorScheduler:
             if age >= timeout and age % timeout == 0:
                 self._flush.setdefault(job.job_id, "timeout")
 
-    def silent_ranks(self, timeout_steps: int) -> list[int]:
+    def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
         """Ranks that still have not acked a job after ``timeout_steps`` (to be declared dead)."""
-        return self.jobs.silent_ranks(self.step, timeout_steps)
+        return self.jobs.silent_ranks(step, timeout_steps)
 
     def release_blocks(self, req: Request) -> None:
         """The request lost its GPU blocks outside a plan (a rank died and everything restarts)."""
@@ -479,9 +487,13 @@ class ConnectorScheduler:
     def request_finished(self, req: Request) -> None:
         """The request ended (EOS, length or abort) and its blocks are being freed. Its stores in
         flight now protect their blocks through the fence; the next plan builds the store of its
-        last full chunks, after which no more jobs are submitted for it."""
+        last full chunks, after which no more jobs are submitted for it. One that holds no
+        blocks and has nothing in flight (aborted while queued) is forgotten at once."""
         state = self._reqs.get(req)
         if state is None:
+            return
+        if not state.jobs and not any(gs.block_ids for gs in state.groups):
+            del self._reqs[req]
             return
         state.finished = True
         for job_id in state.jobs:
@@ -535,12 +547,6 @@ class ConnectorScheduler:
                 state.req.load_job = None
             self._maybe_forget(state)
         return None if job.is_store else FinishedLoad(job.request, not job.failed)
-
-    def forget(self, req: Request) -> None:
-        """Drop a request that never got anything in flight (aborted while queued)."""
-        state = self._reqs.get(req)
-        if state is not None and not state.jobs:
-            del self._reqs[req]
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from raykv.core.arith import cdiv
+
 
 class GroupKind(str, Enum):
     FULL_ATTENTION = "full_attention"
@@ -44,4 +46,4 @@ class KVGroup:
         if not self.is_sliding:
             return 0
         assert self.window_tokens is not None
-        return max(1, -(-(self.window_tokens - 1) // tokens_per_chunk))
+        return max(1, cdiv(self.window_tokens - 1, tokens_per_chunk))

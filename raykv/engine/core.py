@@ -1,4 +1,5 @@
-"""EngineCore: one step is schedule -> plan -> execute on every rank -> update.
+"""EngineCore: one step is schedule (with the step's transfers) -> execute on every rank ->
+update, plus recovery when a rank fails.
 
 The loop never blocks on a transfer: while jobs are in flight and nothing is runnable, steps keep
 going with an empty batch, polling and acking. A worker blocks only to flush a job whose blocks
@@ -14,21 +15,19 @@ from typing import Protocol
 
 from raykv.config import RaykvConfig
 from raykv.connector.scheduler import ConnectorScheduler
-from raykv.core.block_pool import NULL_BLOCK, BlockPool
+from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request, RequestStatus
 from raykv.core.step import (
     BlockContent,
-    ModelEntry,
     StepPlan,
     StepReport,
-    TransferPlan,
     TransferStats,
-    WriteSpan,
 )
-from raykv.engine.sampler import combine, sample
+from raykv.engine.batch import model_batch
+from raykv.engine.sampler import sample_batch
 from raykv.engine.scheduler import Scheduler, SchedulerOutput
 from raykv.offload.directory import Directory
 
@@ -144,37 +143,17 @@ class EngineCore:
         req = self.requests.get(req_id)
         if req is None or req.finished:
             return
-        was_queued = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        if self.connector is not None:
-            if was_queued and not self.connector.in_flight(req):
-                self.connector.forget(req)
-            else:
-                self.connector.request_finished(req)
         self._done(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or (
-            self.connector is not None and self.connector.has_pending_work()
-        )
+        return self.scheduler.has_unfinished() or self.scheduler.has_pending_transfers()
 
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
-        step = self.totals.steps
-        if self.connector is not None:
-            self.connector.step = step
-        sched = self.scheduler.schedule()
-        if self.connector is not None:
-            cplan = self.connector.plan(sched.scheduled, sched.preempted)
-        else:
-            cplan = TransferPlan()
-        batch = self._batch(sched)
-        plan = StepPlan(step, cplan, batch)
-        self.totals.steps += 1
-        if not sched.scheduled:
-            self.totals.idle_steps += 1
+        sched, plan = self._schedule()
         try:
             reports = self.workers.execute(plan)
         except RankFailed as failure:
@@ -182,21 +161,31 @@ class EngineCore:
             self._absorb(failure.reports)
             self.recover(failure.dead)
             return []
+        finished = self._update(sched, plan, reports)
+        silent = self.scheduler.silent_ranks(plan.step, self.cfg.engine.rank_timeout_steps)
+        if silent:
+            self.recover(silent)
+        return finished
+
+    def _schedule(self) -> tuple[SchedulerOutput, StepPlan]:
+        sched = self.scheduler.schedule(self.totals.steps)
+        batch = model_batch(sched.scheduled, self.scheduler.kv)
+        plan = StepPlan(sched.step, sched.transfers, batch)
+        self.totals.steps += 1
+        if not sched.scheduled:
+            self.totals.idle_steps += 1
+        return sched, plan
+
+    def _update(
+        self, sched: SchedulerOutput, plan: StepPlan, reports: list[StepReport]
+    ) -> list[Request]:
         self._absorb(reports)
-        if self.connector is not None:
-            for load in self.connector.process_reports(reports):
-                req = self.scheduler.finish_load(load.req, load.ok)
-                if req is None or req.finished:
-                    continue
-                if load.ok:
-                    self.scheduler.publish(req)
-                else:
-                    self.connector.release_blocks(req)  # it starts over, in new blocks
-        finished = self._update(sched, batch, reports)
-        if self.connector is not None:
-            silent = self.connector.silent_ranks(self.cfg.engine.rank_timeout_steps)
-            if silent:
-                self.recover(silent)
+        m = self.cfg.model
+        sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
+        self.totals.generated_tokens += len(sampled)
+        finished = self.scheduler.update(sched, reports, sampled)
+        for req in finished:
+            self._done(req)
         return finished
 
     def recover(self, dead: list[int]) -> None:
@@ -209,13 +198,9 @@ class EngineCore:
         fault-free tokens."""
         self.totals.rank_restarts += len(dead)
         intact = self.workers.restart(dead)
-        if self.connector is not None:
-            self.totals.tier_kept_restarts += len(dead) if intact else 0
-            self.connector.reset(keep_tier=intact)
-        for req in self.scheduler.restart_all():
-            if self.connector is not None:
-                self.connector.release_blocks(req)
-        self.pool.reset_cache()
+        if self.connector is not None and intact:
+            self.totals.tier_kept_restarts += len(dead)
+        self.scheduler.restart_all(keep_tier=intact)
 
     def _absorb(self, reports: list[StepReport]) -> None:
         per_rank = self.totals.per_rank
@@ -227,64 +212,6 @@ class EngineCore:
             mine = per_rank[report.rank]
             for name in TransferStats.__slots__:
                 mine[name] += getattr(stats, name)
-
-    def _batch(self, sched: SchedulerOutput) -> list[ModelEntry]:
-        bs = self.block_size
-        batch = []
-        for i, item in enumerate(sched.scheduled):
-            req, n = item.req, item.num_tokens
-            start, end = req.num_computed, req.num_computed + n
-            hashes = req.update_hashes(bs)
-            first_b, last_b = start // bs, (end - 1) // bs
-            tokens = req.tokens[start:end]
-            writes = []
-            for g, table in enumerate(req.block_tables):
-                blocks = table[first_b : last_b + 1]
-                assert NULL_BLOCK not in blocks, f"{req.req_id}: writing into a null block"
-                parents = [parent_hash(hashes, b) for b in range(first_b, last_b + 1)]
-                writes.append(WriteSpan(g, start, tokens, blocks, parents))
-            read: list[int] = []
-            if end == req.num_tokens:  # the prompt is all in: this step samples a token
-                n_blocks = -(-end // bs)
-                for group, table in zip(self.groups, req.block_tables, strict=True):
-                    lo = group.first_needed_block(end - 1, bs)
-                    read.extend(b for b in table[lo:n_blocks] if b != NULL_BLOCK)
-            batch.append(ModelEntry(i, writes, read, end))
-        return batch
-
-    def _update(
-        self, sched: SchedulerOutput, batch: list[ModelEntry], reports: list[StepReport]
-    ) -> list[Request]:
-        finished = []
-        m = self.cfg.model
-        for i, item in enumerate(sched.scheduled):
-            req = item.req
-            start = req.num_computed
-            req.num_computed += item.num_tokens
-            self.scheduler.note_computed(req, start, req.num_computed)
-            self.scheduler.publish(req)
-            if not batch[i].read_blocks:
-                continue
-            token, eos = sample(
-                combine([r.samples[i] for r in reports]),
-                batch[i].position,
-                m.vocab_size,
-                m.eos_every,
-            )
-            req.tokens.append(token)
-            self.totals.generated_tokens += 1
-            status = None
-            if eos:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(req.output) >= req.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self.scheduler.finish(req, status)
-                if self.connector is not None:
-                    self.connector.request_finished(req)
-                self._done(req)
-                finished.append(req)
-        return finished
 
     def _done(self, req: Request) -> None:
         self.totals.finished += 1
@@ -298,12 +225,7 @@ class EngineCore:
     def reset_offload(self) -> None:
         """Empty the CPU tier (e.g. after a model swap). Loads in flight are abandoned: their
         requests recompute; every job still in flight is flushed by the next step."""
-        if self.connector is None:
-            return
-        for cancelled in self.connector.reset():
-            req = self.scheduler.finish_load(cancelled, ok=False)
-            if req is not None and not req.finished:
-                self.connector.release_blocks(req)
+        self.scheduler.reset_offload()
 
     def cpu_tier_contents(
         self, requests: Iterable[Request] | None = None
@@ -318,7 +240,7 @@ class EngineCore:
         for req in self.requests.values() if requests is None else requests:
             for b, h in enumerate(req.hashes):
                 where.setdefault(h, (req, b))
-        d, bs = self.connector.directory, self.block_size
+        d, bs = self.directory, self.block_size
         bpc = self.cfg.offload.blocks_per_chunk
         out = []
         for key in d.readable_keys():
@@ -331,7 +253,4 @@ class EngineCore:
         return out
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants()
-        if self.connector is not None:
-            self.connector.check_invariants()
-            self.connector.directory.check_invariants()
+        self.scheduler.check_invariants()

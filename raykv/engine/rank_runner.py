@@ -24,9 +24,7 @@ class ModelBackend(Protocol):
 class RankRunner:
     """Runs each step's plan on one rank."""
 
-    def __init__(
-        self, rank: int, transfers: ConnectorWorker, model: ModelBackend, kv: Any
-    ) -> None:
+    def __init__(self, rank: int, transfers: ConnectorWorker, model: ModelBackend, kv: Any) -> None:
         self.rank = rank
         self.transfers = transfers
         self.model = model

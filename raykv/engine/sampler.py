@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from raykv.core.step import ModelEntry, StepReport
+
 _MASK64 = (1 << 64) - 1
 _P61 = (1 << 61) - 1
 
@@ -25,3 +27,16 @@ def sample(checksum: int, position: int, vocab_size: int, eos_every: int) -> tup
     if eos_every and h % eos_every == 0:
         return vocab_size - 1, True
     return (h >> 17) % (vocab_size - 1), False
+
+
+def sample_batch(
+    batch: list[ModelEntry], reports: list[StepReport], vocab_size: int, eos_every: int
+) -> dict[int, tuple[int, bool]]:
+    """Every sampling entry's token and whether it is EOS, by batch index, from the ranks'
+    partial checksums of the KV it read."""
+    sampled: dict[int, tuple[int, bool]] = {}
+    for i, entry in enumerate(batch):
+        if entry.read_blocks:
+            checksum = combine([r.samples[i] for r in reports])
+            sampled[i] = sample(checksum, entry.position, vocab_size, eos_every)
+    return sampled

@@ -1,21 +1,26 @@
-"""Request scheduling over the paged GPU KV cache.
+"""Request scheduling over the paged GPU KV cache, and the connector's only caller.
 
-Waiting and running queues, a per-step token budget with chunked prefill, GPU prefix caching,
-admission through the connector (a request whose prefix the CPU tier holds waits for its load),
-and preemption by recompute when blocks run out. Every block allocation, from every path, is
-reported to the connector, which fences blocks that unfinished stores still read.
+Waiting and running queues, a per-step token budget with chunked prefill, admission through the
+connector (a request whose prefix the CPU tier holds waits for its load), load waits, and
+preemption by recompute when blocks run out. Block-table arithmetic is the KV-cache manager's
+(``core/kv_cache.py``); it reports every allocation and release here, and this scheduler passes
+them on to the connector. The connector is called in the protocol's order: lookup, allocations
+(with the load of an admitted hit), the step's plan, the ranks' reports, finished requests (and
+resets).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
-from raykv.core.block_pool import NULL_BLOCK, BlockPool
-from raykv.core.keys import make_key
+from raykv.core.block_pool import BlockPool
+from raykv.core.kv_cache import KVCacheManager
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request, RequestStatus
+from raykv.core.step import StepReport, TransferPlan
 
 
 class RequestTooLarge(ValueError):
@@ -24,8 +29,13 @@ class RequestTooLarge(ValueError):
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """What one step computes: the requests and their token counts, the requests preempted to
+    make room, and the step's transfers."""
+
+    step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    transfers: TransferPlan = field(default_factory=TransferPlan)
     started_loads: int = 0
 
     @property
@@ -59,10 +69,10 @@ class Scheduler:
     ) -> None:
         self.pool = pool
         self.groups = groups
-        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
+        self.kv = KVCacheManager(pool, groups, block_size, max_num_batched_tokens, self)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # requests whose KV is arriving from the CPU tier (by object: an aborted one keeps its
@@ -74,7 +84,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         # the last sampled token never gets KV: positions with KV top out one short
-        need = self.max_blocks_needed(req.num_prompt + req.max_tokens - 1)
+        need = self.kv.max_blocks_needed(req.num_prompt + req.max_tokens - 1)
         if need > self.pool.num_usable:
             raise RequestTooLarge(
                 f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
@@ -87,151 +97,34 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
-    # ---- block accounting -----------------------------------------------------------------------
+    def has_pending_transfers(self) -> bool:
+        """Jobs in flight or finished requests still to close: keep stepping."""
+        return self.connector is not None and self.connector.has_pending_work()
 
-    def max_blocks_needed(self, tokens: int) -> int:
-        """The most blocks a request of ``tokens`` positions ever holds at once when it runs
-        alone: every block for a full-attention group; for a sliding-window group its window
-        plus one step's worth of new tokens (earlier blocks are freed as it goes)."""
-        bs, budget = self.block_size, self.max_num_batched_tokens
-        total = 0
-        for group in self.groups:
-            blocks = -(-tokens // bs)
-            if group.is_sliding:
-                assert group.window_tokens is not None
-                # a step reads W - 1 earlier positions and writes up to a budget's worth
-                span = group.window_tokens - 1 + budget
-                blocks = min(blocks, -(-span // bs) + 1)
-            total += blocks
-        return total
+    # ---- the KV-cache manager's feed, passed on to the connector -------------------------------
 
-    def _local_hit(self, req: Request) -> tuple[int, list[list[int]]]:
-        """The GPU prefix-cache hit: tokens, and per group the table entries covering them."""
-        bs, pool = self.block_size, self.pool
-        hashes = req.update_hashes(bs)
-        limit = min(len(hashes), (req.num_tokens - 1) // bs)
-        n = limit
-        for g, group in enumerate(self.groups):
-            if group.is_sliding:
-                continue
-            k = 0
-            while k < n and pool.lookup(make_key(hashes[k], g)) is not None:
-                k += 1
-            n = k
-        while n > 0 and not all(
-            pool.lookup(make_key(hashes[b], g)) is not None
-            for g, group in enumerate(self.groups)
-            if group.is_sliding
-            for b in range(group.first_needed_block(n * bs, bs), n)
-        ):
-            n -= 1
-        tables = []
-        for g, group in enumerate(self.groups):
-            first = group.first_needed_block(n * bs, bs)
-            tables.append(
-                [
-                    NULL_BLOCK if b < first else pool.lookup(make_key(hashes[b], g)) or NULL_BLOCK
-                    for b in range(n)
-                ]
-            )
-        return n * bs, tables
-
-    def _admit(self, req: Request, local: list[list[int]], start: int, end: int) -> bool:
-        """Give a waiting request its cached blocks plus fresh ones for positions up to ``end``
-        (computing or loading resumes at ``start``). All or nothing."""
-        bs, pool = self.block_size, self.pool
-        revive = sum(1 for t in local for b in t if b != NULL_BLOCK and pool.ref_count(b) == 0)
-        fresh_needed = 0
-        plans = []
-        for group, table in zip(self.groups, local, strict=True):
-            first = group.first_needed_block(start, bs)
-            have = len(table)
-            need = -(-end // bs)
-            positions = range(have, need)
-            n_new = sum(1 for b in positions if b >= first)
-            fresh_needed += n_new
-            plans.append((first, positions))
-        if fresh_needed + revive > pool.num_free:
-            return False
-        new_entries: list[list[int]] = []
-        fresh_all: list[int] = []
-        # cached blocks before the window are not needed: keep only what is read. Revive every
-        # group's cached blocks before allocating any fresh one, or an allocation could hand out
-        # (and drop from the cache) a free block another group is about to revive.
-        kept = [
-            [b if i >= first else NULL_BLOCK for i, b in enumerate(table)]
-            for (first, _), table in zip(plans, local, strict=True)
-        ]
-        for entries in kept:
-            for b in entries:
-                if b != NULL_BLOCK:
-                    pool.acquire(b)
-        for (first, positions), entries in zip(plans, kept, strict=True):
-            n_new = sum(1 for b in positions if b >= first)
-            fresh = pool.allocate(n_new)
-            fresh_all += fresh
-            it = iter(fresh)
-            entries += [next(it) if b >= first else NULL_BLOCK for b in positions]
-            new_entries.append(entries)
-        for table, entries in zip(req.block_tables, new_entries, strict=True):
-            table.extend(entries)
-        req.num_cached_blocks = [len(t) for t in local]
+    def on_allocated(
+        self, req: Request, new_entries: Sequence[Sequence[int]], fresh: Sequence[int]
+    ) -> None:
         if self.connector is not None:
-            self.connector.on_allocated(req, new_entries, fresh_all)
-        return True
+            # an admission with a CPU hit brings its load: the tokens after num_computed
+            load = req.load_tokens if req.status is RequestStatus.WAITING_FOR_LOAD else 0
+            self.connector.on_allocated(req, new_entries, fresh, load)
 
-    def _grow(self, req: Request, end: int) -> bool:
-        """Extend a running request's tables to hold positions up to ``end``, first freeing the
-        sliding-window blocks that the tokens computed from now on no longer read."""
-        bs, pool = self.block_size, self.pool
-        self._drop_out_of_window(req, req.num_computed)
-        need = 0
-        for table in req.block_tables:
-            need += max(0, -(-end // bs) - len(table))
-        if need > pool.num_free:
-            return False
-        new_entries: list[list[int]] = []
-        fresh_all: list[int] = []
-        for table in req.block_tables:
-            n_new = max(0, -(-end // bs) - len(table))
-            fresh = pool.allocate(n_new)
-            table.extend(fresh)
-            fresh_all += fresh
-            new_entries.append(fresh)
-        if self.connector is not None and fresh_all:
-            self.connector.on_allocated(req, new_entries, fresh_all)
-        return True
-
-    def _drop_out_of_window(self, req: Request, next_position: int) -> None:
-        bs = self.block_size
-        for g, (group, table) in enumerate(zip(self.groups, req.block_tables, strict=True)):
-            if not group.is_sliding:
-                continue
-            first = min(group.first_needed_block(next_position, bs), len(table))
-            positions = [i for i in range(first) if table[i] != NULL_BLOCK]
-            if positions:
-                if self.connector is not None:
-                    self.connector.on_released(req, g, positions)
-                self.pool.free(reversed([table[i] for i in positions]))
-                for i in positions:
-                    table[i] = NULL_BLOCK
-
-    def _free_all(self, req: Request) -> None:
-        """Release every block (tails first, so they are reused first)."""
-        blocks = [b for table in req.block_tables for b in reversed(table) if b != NULL_BLOCK]
-        self.pool.free(blocks)
-        req.reset_blocks(len(self.groups))
+    def on_released(self, req: Request, group: int, positions: Sequence[int]) -> None:
+        if self.connector is not None:
+            self.connector.on_released(req, group, positions)
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self, step: int) -> SchedulerOutput:
+        out = SchedulerOutput(step)
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            while not self._grow(req, req.num_computed + n):
+            while not self.kv.grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -241,9 +134,10 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
-        if out.preempted:
-            return out  # no admissions in a step that had to take blocks back
-        self._admit_waiting(out, budget)
+        if not out.preempted:  # no admissions in a step that had to take blocks back
+            self._admit_waiting(out, budget)
+        if self.connector is not None:
+            out.transfers = self.connector.plan(step, out.scheduled, out.preempted)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -252,7 +146,7 @@ class Scheduler:
             if len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
             req = self.waiting.popleft()
-            num_local, local = self._local_hit(req)
+            num_local, local = self.kv.local_hit(req)
             ext = 0
             if self.connector is not None:
                 ext = self.connector.lookup(req, num_local)
@@ -261,20 +155,13 @@ class Scheduler:
                     skipped.append(req)
                     continue
             if ext > 0:
-                end = num_local + ext
-                if not self._admit(req, local, end, end):
+                if not self._admit_loading(req, local, num_local, ext):
                     self.waiting.appendleft(req)
                     break
-                self._count_hits(req, num_local, ext)
-                req.num_computed = num_local
-                req.load_tokens = ext
-                req.status = RequestStatus.WAITING_FOR_LOAD
-                self.loading.append(req)
-                self.connector.start_load(req, num_local, ext)  # type: ignore[union-attr]
                 out.started_loads += 1
                 continue
             n = min(req.num_tokens - num_local, budget)
-            if not self._admit(req, local, num_local, num_local + n):
+            if not self.kv.admit(req, local, num_local, num_local + n):
                 self.waiting.appendleft(req)
                 break
             self._count_hits(req, num_local, 0)
@@ -285,6 +172,22 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
+    def _admit_loading(
+        self, req: Request, local: list[list[int]], num_local: int, ext: int
+    ) -> bool:
+        """Admit a request whose next ``ext`` tokens come from the CPU tier: its blocks are
+        allocated now (the connector plans the load with them) and it waits for the load."""
+        status, computed = req.status, req.num_computed
+        req.num_computed, req.load_tokens = num_local, ext
+        req.status = RequestStatus.WAITING_FOR_LOAD
+        end = num_local + ext
+        if not self.kv.admit(req, local, end, end):
+            req.status, req.num_computed, req.load_tokens = status, computed, 0
+            return False
+        self._count_hits(req, num_local, ext)
+        self.loading.append(req)
+        return True
+
     def _count_hits(self, req: Request, local: int, ext: int) -> None:
         if req.num_preemptions == 0 and req.num_gpu_hit_tokens + req.num_cpu_hit_tokens == 0:
             req.num_gpu_hit_tokens, req.num_cpu_hit_tokens = local, ext
@@ -294,7 +197,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self._free_all(req)
+        self.kv.free(req)
         req.num_computed = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -305,7 +208,50 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------------
 
-    def finish_load(self, req: Request, ok: bool) -> Request | None:
+    def update(
+        self,
+        out: SchedulerOutput,
+        reports: list[StepReport],
+        sampled: dict[int, tuple[int, bool]],
+    ) -> list[Request]:
+        """The step ran on every rank. First the ranks' acks (a load that landed lets its
+        request run), then each scheduled request's progress, and the token it sampled
+        (``sampled``: batch index -> (token, is EOS)). Returns the requests that finished."""
+        self.process_reports(reports)
+        finished: list[Request] = []
+        for i, item in enumerate(out.scheduled):
+            req = item.req
+            start = req.num_computed
+            req.num_computed += item.num_tokens
+            self._note_computed(req, start, req.num_computed)
+            self.kv.publish(req)
+            if i not in sampled:
+                continue
+            token, eos = sampled[i]
+            req.tokens.append(token)
+            if eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif len(req.output) >= req.max_tokens:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+            else:
+                continue
+            finished.append(req)
+        return finished
+
+    def process_reports(self, reports: list[StepReport]) -> None:
+        """Count the ranks' acks; the loads that ended let their requests run, or start over."""
+        if self.connector is None:
+            return
+        for load in self.connector.process_reports(reports):
+            req = self._finish_load(load.req, load.ok)
+            if req is None or req.finished:
+                continue
+            if load.ok:
+                self.kv.publish(req)
+            else:
+                self.connector.release_blocks(req)  # it starts over, in new blocks
+
+    def _finish_load(self, req: Request, ok: bool) -> Request | None:
         """A load ended. On success the request runs on from after the loaded tokens. On failure
         it gives its blocks back and waits to be admitted again (its blocks were laid out for
         resuming after the load: a sliding-window group holds none before that window), so it
@@ -314,7 +260,7 @@ class Scheduler:
             return None
         self.loading.remove(req)
         if req.status is RequestStatus.FINISHED_ABORTED:
-            self._free_all(req)  # its blocks were kept until the load stopped writing them
+            self.kv.free(req)  # its blocks were kept until the load stopped writing them
             return req
         req.load_job = None
         if ok:
@@ -324,57 +270,73 @@ class Scheduler:
             self.running.append(req)
             return req
         req.load_tokens = 0
-        self._free_all(req)
+        self.kv.free(req)
         req.num_computed = 0
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         return req
 
-    def restart_all(self) -> list[Request]:
-        """Every request with KV on the GPU gives its blocks back and waits to recompute from
-        scratch (a rank's KV is gone). Returns the requests that held blocks."""
-        moved: list[Request] = []
-        for req in [*self.running, *self.loading]:
-            if req.status is RequestStatus.FINISHED_ABORTED:
-                self._free_all(req)  # its load was what kept it
-                continue
-            self._free_all(req)
-            req.num_computed = 0
-            req.load_tokens = 0
-            req.load_job = None
-            req.status = RequestStatus.PREEMPTED
-            req.num_preemptions += 1
-            moved.append(req)
-        self.running.clear()
-        self.loading.clear()
-        for req in sorted(moved, key=lambda r: r.index, reverse=True):
-            self.waiting.appendleft(req)
-        return moved
-
-    def publish(self, req: Request) -> None:
-        """Publish the request's newly full, computed blocks to the GPU prefix cache."""
-        bs, pool = self.block_size, self.pool
-        hashes = req.update_hashes(bs)
-        full = min(req.num_computed // bs, len(hashes))
-        for g, table in enumerate(req.block_tables):
-            for b in range(req.num_cached_blocks[g], min(full, len(table))):
-                if table[b] != NULL_BLOCK:
-                    pool.cache(table[b], make_key(hashes[b], g))
-            req.num_cached_blocks[g] = max(req.num_cached_blocks[g], min(full, len(table)))
-
-    def note_computed(self, req: Request, start: int, end: int) -> None:
+    def _note_computed(self, req: Request, start: int, end: int) -> None:
         """Count tokens computed a second time (after a preemption or a failed load)."""
         prev = req.max_computed
         self.stats.recomputed_tokens += max(0, min(end, prev) - start)
         req.max_computed = max(prev, end)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request and free its blocks (an in-flight load keeps them until it lands)."""
+        """End a request and free its blocks (an in-flight load keeps them until it lands); the
+        connector decides what its transfers still need (a last store, or nothing)."""
         req.status = status
-        if req in self.loading:
-            return  # freed when the load finishes
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self._free_all(req)
+        if req not in self.loading:
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.kv.free(req)
+        if self.connector is not None:
+            self.connector.request_finished(req)
+
+    # ---- recovery and maintenance ---------------------------------------------------------------
+
+    def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
+        """Ranks that have not acked a job for ``timeout_steps`` steps (to be declared dead)."""
+        return [] if self.connector is None else self.connector.silent_ranks(step, timeout_steps)
+
+    def restart_all(self, keep_tier: bool) -> None:
+        """A rank's KV is gone: every job in flight is abandoned (the CPU tier kept only when
+        ``keep_tier``), the GPU prefix cache is forgotten, and every request with KV on the GPU
+        gives its blocks back and waits to recompute from scratch."""
+        if self.connector is not None:
+            self.connector.reset(keep_tier=keep_tier)
+        moved: list[Request] = []
+        for req in [*self.running, *self.loading]:
+            self.kv.free(req)
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                continue  # its load was what kept it
+            req.num_computed = 0
+            req.load_tokens = 0
+            req.load_job = None
+            req.status = RequestStatus.PREEMPTED
+            req.num_preemptions += 1
+            moved.append(req)
+            if self.connector is not None:
+                self.connector.release_blocks(req)
+        self.running.clear()
+        self.loading.clear()
+        for req in sorted(moved, key=lambda r: r.index, reverse=True):
+            self.waiting.appendleft(req)
+        self.pool.reset_cache()
+
+    def reset_offload(self) -> None:
+        """Empty the CPU tier. Loads in flight are abandoned and their requests recompute."""
+        if self.connector is None:
+            return
+        for cancelled in self.connector.reset():
+            req = self._finish_load(cancelled, ok=False)
+            if req is not None and not req.finished:
+                self.connector.release_blocks(req)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        if self.connector is not None:
+            self.connector.check_invariants()
+            self.connector.directory.check_invariants()
