@@ -1,53 +1,27 @@
 """The connector's scheduler half: what to load, what to store, what to flush, and the books.
 
-It never touches tensors. Each step the engine tells it about every GPU block allocation (from
-every path: admissions, loads, running requests' growth), asks it how much of a waiting request
-the CPU tier can supply, and asks it for the step's transfer plan. Workers' reports come back
-through ``process_reports``.
+It never touches tensors, and its only caller is the engine scheduler, in the protocol's order:
+``lookup`` (how much of a waiting request the CPU tier can supply, ``connector/lookup.py``),
+``on_allocated`` / ``on_released`` (every GPU block allocation and sliding-window release, from
+every path; an admission with a hit brings its load), ``plan`` (the step's flushes, loads and
+stores), ``process_reports`` (the ranks' acks), ``request_finished`` and ``reset``. Per-request
+state and its changes are ``connector/state.py``'s.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raykv.connector.fence import Fence, FenceError
 from raykv.connector.jobs import JobTable, TransferJobStatus
-from raykv.core.block_pool import NULL_BLOCK
-from raykv.core.hashing import parent_hash
-from raykv.core.keys import make_key
+from raykv.connector.lookup import PrefixLookup
+from raykv.connector.state import ReleasedBlocks, RequestOffloadState
+from raykv.connector.stats import ConnectorStats
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request
-from raykv.core.step import BlockContent, BlockCopy, StepReport, TransferPlan, TransferSpec
+from raykv.core.step import BlockCopy, StepReport, TransferPlan, TransferSpec
 from raykv.offload.directory import Directory
-
-_DELAY_SAMPLES = 4096
-
-
-@dataclass(slots=True)
-class GroupState:
-    """One KV group of one tracked request."""
-
-    keys: list[int] = field(default_factory=list)  # offload key of each full chunk
-    block_ids: list[int] = field(default_factory=list)  # GPU block per block index (0 = none)
-    next_stored_chunk: int = 0  # the store cursor
-
-
-@dataclass(slots=True)
-class RequestOffloadState:
-    """What the connector remembers about a request, from its first lookup until it has finished
-    and its last job is final."""
-
-    req: Request
-    groups: list[GroupState]
-    jobs: set[int] = field(default_factory=set)  # one load, or any number of stores
-    has_load: bool = False
-    finished: bool = False
-    finished_signaled: bool = False
-    deferred_since: float | None = None  # when its lookups started being deferred
-    deferred_steps: int = 0  # lookups deferred so far, in all (the wait is bounded per request)
 
 
 @dataclass(slots=True)
@@ -62,24 +36,6 @@ class FinishedLoad:
     ok: bool
 
 
-@dataclass(slots=True)
-class ConnectorStats:
-    lookups: int = 0
-    deferred_lookups: int = 0
-    load_jobs: int = 0
-    load_blocks: int = 0
-    store_jobs: int = 0
-    store_blocks: int = 0
-    failed_loads: int = 0
-    failed_stores: int = 0
-    allocation_failures: int = 0
-    flushes_reuse: int = 0
-    flushes_preemption: int = 0
-    flushes_reset: int = 0
-    flushes_timeout: int = 0  # re-ack requests for jobs unacked too long
-    deferral_timeouts: int = 0  # requests that stopped waiting and recomputed
-
-
 class ConnectorScheduler:
     """The scheduler half of the offloading connector.
 
@@ -90,6 +46,8 @@ class ConnectorScheduler:
         blocks_per_chunk: GPU blocks per CPU chunk.
         num_ranks: ranks that must each acknowledge every job.
         verify: attach the expected content of each loaded block to load jobs.
+        max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
+        ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
     """
 
     def __init__(
@@ -109,42 +67,32 @@ class ConnectorScheduler:
         self.bpc = blocks_per_chunk
         self.tpc = block_size * blocks_per_chunk
         self.verify = verify
-        self.max_deferred_steps = max_deferred_steps
         self.ack_timeout_steps = ack_timeout_steps
         self.step = 0  # the step being scheduled: jobs created now belong to it
         self.jobs = JobTable(num_ranks)
         self.fence = Fence()
         self.stats = ConnectorStats()
+        self._lookup = PrefixLookup(
+            directory, groups, block_size, blocks_per_chunk, max_deferred_steps, self.stats
+        )
         # keyed by the request object: state belongs to one admission, never to an id (serving
         # forgets finished requests, and a new request may come with an old one's id)
         self._reqs: dict[Request, RequestOffloadState] = {}
         self._loading_keys: dict[int, int] = {}  # key -> loads in flight reading it
         self._allocated: set[int] = set()  # GPU blocks allocated this step
-        # sliding-window blocks a running request released before storing them, by block: still
-        # storable (unchanged) until the pool hands them out again
-        self._released: dict[int, list[tuple[RequestOffloadState, int, int]]] = {}
+        self._released = ReleasedBlocks()
         self._flush: dict[int, str] = {}  # job -> why, for this step's plan
         self._loads: list[TransferSpec] = []
         self._finished: list[RequestOffloadState] = []  # finished since the last plan
-        # the latest lookup delays, for the metrics; bounded in case nobody reads them
-        self.lookup_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
-        self.deferred_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
-
-    # ---- lookups --------------------------------------------------------------------------
 
     def _state(self, req: Request) -> RequestOffloadState:
         state = self._reqs.get(req)
         if state is None:
-            state = RequestOffloadState(req, [GroupState() for _ in self.groups])
+            state = RequestOffloadState.new(req, len(self.groups))
             self._reqs[req] = state
         return state
 
-    def _update_keys(self, state: RequestOffloadState) -> None:
-        hashes, bpc = state.req.hashes, self.bpc
-        n_chunks = len(hashes) // bpc
-        for g, gs in enumerate(state.groups):
-            for c in range(len(gs.keys), n_chunks):
-                gs.keys.append(make_key(hashes[(c + 1) * bpc - 1], g))
+    # ---- lookups --------------------------------------------------------------------------
 
     def lookup(self, req: Request, num_local: int) -> int | None:
         """How many tokens after the ``num_local`` already on the GPU the CPU tier can supply.
@@ -154,111 +102,11 @@ class ConnectorScheduler:
         would load are still being written, or another request is already loading them (it will
         find them in the GPU prefix cache once that load lands).
         """
-        start = time.perf_counter()
-        result = self._lookup(req, num_local)
-        now = time.perf_counter()
-        self.lookup_seconds.append(now - start)
-        state = self._reqs.get(req)
-        if state is not None:
-            if result is None:
-                if state.deferred_since is None:
-                    state.deferred_since = start
-            elif state.deferred_since is not None:
-                self.deferred_seconds.append(now - state.deferred_since)
-                state.deferred_since = None
-        return result
+        return self._lookup.lookup(self._state(req), num_local, self._loading_keys)
 
     def take_delays(self) -> tuple[list[float], list[float]]:
-        """Seconds spent in each lookup, and from a request's first deferred lookup to the one
-        that answered it, since the last call (for the lookup-delay histograms)."""
-        sync, deferred = list(self.lookup_seconds), list(self.deferred_seconds)
-        self.lookup_seconds.clear()
-        self.deferred_seconds.clear()
-        return sync, deferred
-
-    def _lookup(self, req: Request, num_local: int) -> int | None:
-        self.stats.lookups += 1
-        state = self._state(req)
-        if state.jobs:
-            # DESIGN invariant 3, whatever the deferral budget says: these jobs end by themselves
-            # (acked, asked again after ack_timeout_steps, or failed with a rank declared dead)
-            self.stats.deferred_lookups += 1
-            return None
-        req.update_hashes(self.block_size)
-        self._update_keys(state)
-        tpc = self.tpc
-        # at least the last token is computed, to produce the next one
-        max_chunks = (req.num_tokens - 1) // tpc
-        start = num_local // tpc
-        if max_chunks <= start:
-            return 0
-        end, used, pending = self._converge(state, start, max_chunks)
-        # refresh what resuming at ``end`` needs: a full-attention group's whole prefix, a
-        # sliding-window group's last window only (older chunks of it are never read again)
-        touched: list[int] = []
-        for group, gs in zip(self.groups, state.groups, strict=True):
-            lo = max(0, end - group.window_chunks(tpc)) if group.is_sliding else 0
-            touched.extend(gs.keys[lo:end])
-        self.directory.touch(touched)
-        if pending or any(k in self._loading_keys for k in used):
-            return self._defer(state)
-        return max(0, end * tpc - num_local)
-
-    def _defer(self, state: RequestOffloadState) -> int | None:
-        """Ask again next step, unless this request has waited its share: then it recomputes
-        (vLLM #49829: a write that never finishes must not park a request forever)."""
-        state.deferred_steps += 1
-        if state.deferred_steps > self.max_deferred_steps:
-            self.stats.deferral_timeouts += 1
-            return 0
-        self.stats.deferred_lookups += 1
-        return None
-
-    def _converge(
-        self, state: RequestOffloadState, start: int, max_chunks: int
-    ) -> tuple[int, list[int], bool]:
-        """The largest chunk boundary every group can resume at, the keys a load would read, and
-        whether any of them is still being written."""
-        d = self.directory
-        end = max_chunks
-        for g, group in enumerate(self.groups):
-            if group.is_sliding:
-                continue
-            keys = state.groups[g].keys
-            present, _ = d.match_prefix(keys[start:end])
-            end = start + present
-            if end <= start:
-                return start, [], False
-        # a sliding-window group needs only the W chunks before the boundary; a boundary that
-        # fails it is moved left until every sliding group is satisfied (full groups still are).
-        # Every key checked counts as looked up, once (the frequency filter counts lookups).
-        examined: dict[int, None] = {}
-        while end > start:
-            ok = True
-            for g, group in enumerate(self.groups):
-                if not group.is_sliding:
-                    continue
-                w = group.window_chunks(self.tpc)
-                keys = state.groups[g].keys
-                for key in keys[max(start, end - w, 0) : end]:
-                    examined[key] = None
-                    if key not in d:
-                        ok = False
-                        break
-                if not ok:
-                    break
-            if ok:
-                break
-            end -= 1
-        d.count_lookups(examined)
-        if end <= start:
-            return start, [], False
-        used: list[int] = []
-        for g, group in enumerate(self.groups):
-            keys = state.groups[g].keys
-            lo = max(start, end - group.window_chunks(self.tpc)) if group.is_sliding else start
-            used.extend(keys[lo:end])
-        return end, used, any(not d.is_readable(k) for k in used)
+        """Lookup delays since the last call (see ``PrefixLookup.take_delays``)."""
+        return self._lookup.take_delays()
 
     # ---- allocation feed ------------------------------------------------------------------
 
@@ -275,7 +123,7 @@ class ConnectorScheduler:
         The fence is only as good as this feed. An admission with a CPU-tier hit says how many
         tokens after ``req.num_computed`` the load brings (what ``lookup`` answered); the load
         job is built now, into the blocks just allocated."""
-        self._forget_released(fresh)
+        self._released.reallocated(fresh)
         state = self._state(req)
         for gs, entries in zip(state.groups, new_entries, strict=True):
             gs.block_ids.extend(entries)
@@ -289,30 +137,8 @@ class ConnectorScheduler:
         out again; one behind the store cursor is never needed again, so its entry is cleared
         (a reset rewinds the cursor: it must not find another owner's block there)."""
         state = self._reqs.get(req)
-        if state is None:
-            return
-        gs = state.groups[group]
-        stored_below = gs.next_stored_chunk * self.bpc
-        for i in positions:
-            block = gs.block_ids[i]
-            if block == NULL_BLOCK:
-                continue
-            if i < stored_below:
-                gs.block_ids[i] = NULL_BLOCK
-            else:
-                self._released.setdefault(block, []).append((state, group, i))
-
-    def _forget_released(self, fresh: Sequence[int]) -> None:
-        """Blocks handed out again: the positions that released them must never be stored
-        (they would store the new owner's KV under the old key, vLLM #42959)."""
-        released = self._released
-        if not released:
-            return
-        for block in fresh:
-            for state, group, i in released.pop(block, ()):
-                ids = state.groups[group].block_ids
-                if i < len(ids) and ids[i] == block:
-                    ids[i] = NULL_BLOCK
+        if state is not None:
+            self._released.release(state, group, positions, self.bpc)
 
     def _start_load(self, state: RequestOffloadState, num_local: int, num_external: int) -> None:
         """Build the load job for an admitted request whose blocks were just allocated."""
@@ -320,35 +146,19 @@ class ConnectorScheduler:
         assert not state.jobs, f"request {req.req_id}: load planned with jobs in flight"
         bs, bpc = self.block_size, self.bpc
         first, last = num_local // bs, (num_local + num_external) // bs
-        blocks: list[int] = []
-        chunk_keys: list[int] = []
-        subs: list[int] = []
-        expect: list[BlockContent] | None = [] if self.verify else None
-        for g, gs in enumerate(state.groups):
-            for i in range(first, last):
-                block = gs.block_ids[i]
-                if block == NULL_BLOCK:
-                    continue  # sliding-window position outside the window
-                blocks.append(block)
-                chunk_keys.append(gs.keys[i // bpc])
-                subs.append(i % bpc)
-                if expect is not None:
-                    toks = tuple(req.tokens[i * bs : (i + 1) * bs])
-                    expect.append(BlockContent(g, parent_hash(req.hashes, i), toks))
+        blocks, chunk_keys, subs, expect = state.load_targets(first, last, bs, bpc, self.verify)
         unique = list(dict.fromkeys(chunk_keys))
         slot_of = dict(zip(unique, self.directory.prepare_load(unique), strict=True))
         job = self.jobs.create(req, unique, is_store=False, step=self.step)
         for key in unique:
             self._loading_keys[key] = self._loading_keys.get(key, 0) + 1
-        state.jobs.add(job.job_id)
-        state.has_load = True
+        state.add_job(job.job_id, is_store=False)
         for gs in state.groups:  # chunk-level: what was loaded is not stored again
             gs.next_stored_chunk = max(gs.next_stored_chunk, last // bpc)
         copy = BlockCopy(blocks, [slot_of[k] for k in chunk_keys], subs)
         self._loads.append(TransferSpec(job.job_id, False, copy, expect))
         self.stats.load_jobs += 1
         self.stats.load_blocks += len(blocks)
-        req.load_job = job.job_id
 
     # ---- the step plan ----------------------------------------------------------------------
 
@@ -371,7 +181,8 @@ class ConnectorScheduler:
         for state in self._finished:
             self._build_store(state, state.req.num_computed, stores)
             state.finished_signaled = True  # no more submits for it after this point
-            self._maybe_forget(state)
+            if state.forgettable:
+                del self._reqs[state.req]
         self._finished = []
         for why in self._flush.values():
             setattr(self.stats, f"flushes_{why}", getattr(self.stats, f"flushes_{why}") + 1)
@@ -398,8 +209,7 @@ class ConnectorScheduler:
         """The request lost its GPU blocks outside a plan (a rank died and everything restarts)."""
         state = self._reqs.get(req)
         if state is not None:
-            for gs in state.groups:
-                gs.block_ids.clear()
+            state.clear_blocks()
 
     def _on_preempted(self, req: Request) -> None:
         state = self._reqs.get(req)
@@ -411,32 +221,23 @@ class ConnectorScheduler:
             self._flush.setdefault(job_id, "preemption")
             # its blocks are free from now on: protect them like a finished request's
             self._fence_deferred(job)
-        for gs in state.groups:
-            gs.block_ids.clear()
+        state.clear_blocks()
 
     def _build_store(
         self, state: RequestOffloadState, offloadable_tokens: int, out: list[TransferSpec]
     ) -> None:
         req, bpc = state.req, self.bpc
-        req.update_hashes(self.block_size)
-        self._update_keys(state)
+        state.update_keys(self.block_size, bpc)
         storable = min(offloadable_tokens // self.tpc, len(req.hashes) // bpc)
-        wanted: list[tuple[int, int, int]] = []  # (group, chunk, key)
-        for g, gs in enumerate(state.groups):
-            stop = min(storable, len(gs.block_ids) // bpc)
-            for c in range(gs.next_stored_chunk, stop):
-                blocks = gs.block_ids[c * bpc : (c + 1) * bpc]
-                if NULL_BLOCK in blocks:
-                    continue  # gone from the GPU before it could be stored
-                wanted.append((g, c, gs.keys[c]))
+        wanted = state.unstored_chunks(storable, bpc)
         if not wanted:
-            self._advance(state, storable)
+            state.advance(storable, bpc)
             return
         plan = self.directory.prepare_store([k for _, _, k in wanted])
         if plan is None:
             self.stats.allocation_failures += 1
             return  # keep the cursors: retried next step
-        self._advance(state, storable)
+        state.advance(storable, bpc)
         if not plan.keys:
             return
         slot_of = dict(zip(plan.keys, plan.slots, strict=True))
@@ -449,7 +250,7 @@ class ConnectorScheduler:
             slot = slot_of.get(key)
             if slot is None:
                 continue  # already stored (or filtered): nothing to copy
-            chunk_blocks = state.groups[g].block_ids[c * bpc : (c + 1) * bpc]
+            chunk_blocks = state.chunk_blocks(g, c, bpc)
             blocks.extend(chunk_blocks)
             slots.extend([slot] * bpc)
             subs.extend(range(bpc))
@@ -460,22 +261,16 @@ class ConnectorScheduler:
                 deferred.extend(chunk_blocks)
         if len(set(blocks)) != len(blocks):
             raise FenceError(f"request {req.req_id}: a GPU block appears twice in one store")
-        assert not state.has_load, f"request {req.req_id}: store planned while loading"
         job = self.jobs.create(req, list(plan.keys), True, fenced, deferred, self.step)
         self.fence.add(job.job_id, fenced)
         if state.finished:
             job.deferred_fenced = True
             if any(b in self._allocated for b in fenced):
                 self._flush.setdefault(job.job_id, "reuse")  # new owner writes this step
-        state.jobs.add(job.job_id)
+        state.add_job(job.job_id, is_store=True)
         out.append(TransferSpec(job.job_id, True, BlockCopy(blocks, slots, subs)))
         self.stats.store_jobs += 1
         self.stats.store_blocks += len(blocks)
-
-    def _advance(self, state: RequestOffloadState, storable: int) -> None:
-        for gs in state.groups:
-            stop = min(storable, len(gs.block_ids) // self.bpc)
-            gs.next_stored_chunk = max(gs.next_stored_chunk, stop)
 
     def _fence_deferred(self, job: TransferJobStatus) -> None:
         if not job.deferred_fenced:
@@ -492,7 +287,7 @@ class ConnectorScheduler:
         state = self._reqs.get(req)
         if state is None:
             return
-        if not state.jobs and not any(gs.block_ids for gs in state.groups):
+        if not state.jobs and not state.holds_blocks():
             del self._reqs[req]
             return
         state.finished = True
@@ -501,10 +296,6 @@ class ConnectorScheduler:
             if job.is_store:
                 self._fence_deferred(job)
         self._finished.append(state)
-
-    def _maybe_forget(self, state: RequestOffloadState) -> None:
-        if state.finished_signaled and not state.jobs:
-            self._reqs.pop(state.req, None)
 
     def process_reports(self, reports: Iterable[StepReport]) -> list[FinishedLoad]:
         """Count every rank's acks; finalize jobs at full count. Returns the loads that ended."""
@@ -539,13 +330,9 @@ class ConnectorScheduler:
                     del self._loading_keys[key]
         state = self._reqs.get(job.request)
         if state is not None:
-            state.jobs.discard(job.job_id)
-            if not job.is_store:
-                # a failed load is recomputed; its chunks are still in the CPU tier, so the store
-                # cursor stays past them
-                state.has_load = False
-                state.req.load_job = None
-            self._maybe_forget(state)
+            state.end_job(job.job_id, job.is_store)
+            if state.forgettable:
+                del self._reqs[state.req]
         return None if job.is_store else FinishedLoad(job.request, not job.failed)
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
@@ -572,11 +359,7 @@ class ConnectorScheduler:
             if state.finished:
                 del self._reqs[req]
                 continue
-            state.jobs.clear()
-            state.has_load = False
-            state.req.load_job = None
-            for gs in state.groups:
-                gs.next_stored_chunk = 0
+            state.rewind()
         self._finished = [s for s in self._finished if s.req in self._reqs]
         if not keep_tier:
             self.directory.reset()

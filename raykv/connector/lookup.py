@@ -1,0 +1,153 @@
+"""The lookup: how much of a waiting request the CPU tier can supply, over every KV group.
+
+A full-attention group needs the whole prefix; a sliding-window group only the W chunks before
+the boundary where computing resumes. The answer is the largest chunk boundary every group can
+resume at ("convergence"), or "ask again next step" (None) while those chunks are still being
+written or another request is loading them, bounded per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from raykv.connector.state import RequestOffloadState
+from raykv.connector.stats import ConnectorStats
+from raykv.core.kv_groups import KVGroup
+from raykv.offload.directory import Directory
+
+_DELAY_SAMPLES = 4096
+
+
+class PrefixLookup:
+    """Answers lookups against the directory and keeps the delay samples for the metrics."""
+
+    def __init__(
+        self,
+        directory: Directory,
+        groups: Sequence[KVGroup],
+        block_size: int,
+        blocks_per_chunk: int,
+        max_deferred_steps: int,
+        stats: ConnectorStats,
+    ) -> None:
+        self.directory = directory
+        self.groups = list(groups)
+        self.block_size = block_size
+        self.bpc = blocks_per_chunk
+        self.tpc = block_size * blocks_per_chunk
+        self.max_deferred_steps = max_deferred_steps
+        self.stats = stats
+        # the latest lookup delays, for the metrics; bounded in case nobody reads them
+        self.lookup_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
+        self.deferred_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
+
+    def lookup(
+        self, state: RequestOffloadState, num_local: int, loading: Mapping[int, int]
+    ) -> int | None:
+        """Tokens after the ``num_local`` already on the GPU that the CPU tier can supply, or
+        None to ask again next step. ``loading``: keys that loads in flight are reading."""
+        start = time.perf_counter()
+        result = self._lookup(state, num_local, loading)
+        now = time.perf_counter()
+        self.lookup_seconds.append(now - start)
+        if result is None:
+            if state.deferred_since is None:
+                state.deferred_since = start
+        elif state.deferred_since is not None:
+            self.deferred_seconds.append(now - state.deferred_since)
+            state.deferred_since = None
+        return result
+
+    def take_delays(self) -> tuple[list[float], list[float]]:
+        """Seconds spent in each lookup, and from a request's first deferred lookup to the one
+        that answered it, since the last call (for the lookup-delay histograms)."""
+        sync, deferred = list(self.lookup_seconds), list(self.deferred_seconds)
+        self.lookup_seconds.clear()
+        self.deferred_seconds.clear()
+        return sync, deferred
+
+    def _lookup(
+        self, state: RequestOffloadState, num_local: int, loading: Mapping[int, int]
+    ) -> int | None:
+        self.stats.lookups += 1
+        if state.jobs:
+            # DESIGN invariant 3, whatever the deferral budget says: these jobs end by themselves
+            # (acked, asked again after ack_timeout_steps, or failed with a rank declared dead)
+            self.stats.deferred_lookups += 1
+            return None
+        state.update_keys(self.block_size, self.bpc)
+        tpc = self.tpc
+        # at least the last token is computed, to produce the next one
+        max_chunks = (state.req.num_tokens - 1) // tpc
+        start = num_local // tpc
+        if max_chunks <= start:
+            return 0
+        end, used, pending = self._converge(state, start, max_chunks)
+        # refresh what resuming at ``end`` needs: a full-attention group's whole prefix, a
+        # sliding-window group's last window only (older chunks of it are never read again)
+        touched: list[int] = []
+        for group, gs in zip(self.groups, state.groups, strict=True):
+            lo = max(0, end - group.window_chunks(tpc)) if group.is_sliding else 0
+            touched.extend(gs.keys[lo:end])
+        self.directory.touch(touched)
+        if pending or any(k in loading for k in used):
+            return self._defer(state)
+        return max(0, end * tpc - num_local)
+
+    def _defer(self, state: RequestOffloadState) -> int | None:
+        """Ask again next step, unless this request has waited its share: then it recomputes
+        (vLLM #49829: a write that never finishes must not park a request forever)."""
+        state.deferred_steps += 1
+        if state.deferred_steps > self.max_deferred_steps:
+            self.stats.deferral_timeouts += 1
+            return 0
+        self.stats.deferred_lookups += 1
+        return None
+
+    def _converge(
+        self, state: RequestOffloadState, start: int, max_chunks: int
+    ) -> tuple[int, list[int], bool]:
+        """The largest chunk boundary every group can resume at, the keys a load would read, and
+        whether any of them is still being written."""
+        d = self.directory
+        end = max_chunks
+        for g, group in enumerate(self.groups):
+            if group.is_sliding:
+                continue
+            keys = state.groups[g].keys
+            present, _ = d.match_prefix(keys[start:end])
+            end = start + present
+            if end <= start:
+                return start, [], False
+        # a sliding-window group needs only the W chunks before the boundary; a boundary that
+        # fails it is moved left until every sliding group is satisfied (full groups still are).
+        # Every key checked counts as looked up, once (the frequency filter counts lookups).
+        examined: dict[int, None] = {}
+        while end > start:
+            ok = True
+            for g, group in enumerate(self.groups):
+                if not group.is_sliding:
+                    continue
+                w = group.window_chunks(self.tpc)
+                keys = state.groups[g].keys
+                for key in keys[max(start, end - w, 0) : end]:
+                    examined[key] = None
+                    if key not in d:
+                        ok = False
+                        break
+                if not ok:
+                    break
+            if ok:
+                break
+            end -= 1
+        d.count_lookups(examined)
+        if end <= start:
+            return start, [], False
+        used: list[int] = []
+        for g, group in enumerate(self.groups):
+            keys = state.groups[g].keys
+            lo = max(start, end - group.window_chunks(self.tpc)) if group.is_sliding else start
+            used.extend(keys[lo:end])
+        return end, used, any(not d.is_readable(k) for k in used)
