@@ -5,16 +5,8 @@ It stands in for the CUDA engine (streams + events) on machines without a GPU: j
 (or by :meth:`~CpuTransferEngine.flush` itself, when the caller must not wait), and reported by a
 non-blocking :meth:`~CpuTransferEngine.poll`.
 
-Copy strategy (measured on the 2-core CI machine kind, see ``raykv bench transfer``): one torch call
-per job wherever possible, never an allocation per copy. A job's (source row, destination row)
-pairs are split into segments whose destination rows are consecutive (one
-``index_select(out=destination slice)`` each) or whose source rows are consecutive (one
-``index_copy_`` from the source slice each), whichever needs fewer calls; a segment consecutive on
-both sides is a plain slice ``copy_``. Pages are copied through a 16-byte element view
-(``complex128`` when the page size and alignment allow): torch's indexed copy kernels move one
-element per inner-loop step, and on float16 pages they run at half the memcpy rate, while the
-wide view runs them at the rate of one large ``copy_``. The views only move bytes; no arithmetic
-touches the values, so copies are bit-exact.
+Which torch calls copy a job (few bulk copies through a wide element view, bit-exact) is planned
+in :mod:`raykv.transfer.copy_plan`; this module runs the plans.
 """
 
 from __future__ import annotations
@@ -30,126 +22,10 @@ import torch
 
 from raykv.core.step import TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
+from raykv.transfer.copy_plan import Gather, Slice, check_range, plan_copies, wide_dtype
 from raykv.transfer.layout import KVLayout, pool_rows
 
 log = logging.getLogger(__name__)
-
-# widest first: fewer, larger elements make torch's indexed copies run at memcpy speed
-_WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def _wide_dtype(page_bytes: int, *tensors: torch.Tensor) -> torch.dtype:
-    """The widest dtype every page of ``tensors`` can be viewed as without a copy."""
-    for dtype in _WIDE_DTYPES:
-        size = dtype.itemsize
-        if page_bytes % size:
-            continue
-        if all(
-            t.data_ptr() % size == 0 and (t.storage_offset() * t.element_size()) % size == 0
-            for t in tensors
-        ):
-            return dtype
-    return torch.uint8
-
-
-@dataclass(slots=True)
-class _Slice:
-    """``dst[d0:d0+n] <- src[s0:s0+n]``."""
-
-    src: int
-    dst: int
-    n: int
-
-
-@dataclass(slots=True)
-class _Gather:
-    """``dst[d0:d0+n] <- src[idx[lo:lo+n]]`` (destination consecutive)."""
-
-    lo: int
-    dst: int
-    n: int
-
-
-@dataclass(slots=True)
-class _Scatter:
-    """``dst[idx[lo:lo+n]] <- src[s0:s0+n]`` (source consecutive)."""
-
-    lo: int
-    src: int
-    n: int
-
-
-_Op = _Slice | _Gather | _Scatter
-
-
-def _segments(order: list[int], key: list[int]) -> list[tuple[int, int]]:
-    """Split ``order`` (positions into ``key``) into maximal ``[lo, hi)`` ranges where
-    ``key[order[i]]`` increases by exactly one per step."""
-    segs: list[tuple[int, int]] = []
-    lo = 0
-    for i in range(1, len(order)):
-        if key[order[i]] != key[order[i - 1]] + 1:
-            segs.append((lo, i))
-            lo = i
-    segs.append((lo, len(order)))
-    return segs
-
-
-def plan_copies(src: list[int], dst: list[int]) -> tuple[list[_Op], list[int]]:
-    """Turn row pairs ``dst[i] <- src[i]`` into few bulk copy operations.
-
-    Returns the operations and the index values they read (``_Gather``/``_Scatter`` refer to
-    ranges of it), to be made into ONE index tensor per job. When destinations are distinct the
-    pairs commute, so they are sorted to lengthen consecutive runs; with duplicate destinations
-    the given order is kept, so the last pair still wins as in a sequential copy.
-    """
-    n = len(src)
-    if n == 0:
-        return [], []
-    # fast paths first (list comparisons run at C speed): the common jobs are consecutive on at
-    # least one side, and sorting would cost more than the copy plan saves
-    dst_run = dst == list(range(dst[0], dst[0] + n))
-    src_run = src == list(range(src[0], src[0] + n))
-    if dst_run and src_run:
-        return [_Slice(src[0], dst[0], n)], []
-    if dst_run:
-        return [_Gather(0, dst[0], n)], list(src)
-    unique_dst = len(set(dst)) == n
-    if src_run and unique_dst:
-        return [_Scatter(0, src[0], n)], list(dst)
-
-    identity = list(range(n))
-    if unique_dst:
-        by_dst = sorted(identity, key=dst.__getitem__)
-        by_src = sorted(identity, key=src.__getitem__)
-        src_segs = _segments(by_src, src)
-    else:
-        # index_copy_ leaves the winner among duplicate indices unspecified: no scatters then
-        by_dst = by_src = identity
-        src_segs = [(i, i + 1) for i in identity]
-    dst_segs = _segments(by_dst, dst)
-    ops: list[_Op] = []
-    index: list[int] = []
-    # ties go to gathers: index_select(out=) is the fastest indexed copy torch has on the CPU
-    if len(dst_segs) <= len(src_segs):
-        for lo, hi in dst_segs:
-            pairs = by_dst[lo:hi]
-            first = pairs[0]
-            if all(src[p] == src[first] + k for k, p in enumerate(pairs)):
-                ops.append(_Slice(src[first], dst[first], hi - lo))
-            else:
-                ops.append(_Gather(len(index), dst[first], hi - lo))
-                index.extend(src[p] for p in pairs)
-    else:
-        for lo, hi in src_segs:
-            pairs = by_src[lo:hi]
-            first = pairs[0]
-            if all(dst[p] == dst[first] + k for k, p in enumerate(pairs)):
-                ops.append(_Slice(src[first], dst[first], hi - lo))
-            else:
-                ops.append(_Scatter(len(index), src[first], hi - lo))
-                index.extend(dst[p] for p in pairs)
-    return ops, index
 
 
 @dataclass(slots=True)
@@ -194,7 +70,7 @@ class CpuTransferEngine(TransferEngineBase):
         self.layout = layout
         self.kv = kv
         self.pool = pool
-        wide = _wide_dtype(layout.page_bytes, kv, rows)
+        wide = wide_dtype(layout.page_bytes, kv, rows)
         self._kv_rows = kv.view(wide)
         self._pool_rows = rows.view(wide)
 
@@ -438,9 +314,9 @@ class CpuTransferEngine(TransferEngineBase):
             return
         # explicit bounds: a negative index would silently wrap in a slice copy, and a sub-block
         # past the chunk would land in the next slot
-        _check_range("gpu block", gpu, lay.num_gpu_blocks)
-        _check_range("cpu slot", slots, lay.num_slots)
-        _check_range("sub block", subs, lay.blocks_per_chunk)
+        check_range("gpu block", gpu, lay.num_gpu_blocks)
+        check_range("cpu slot", slots, lay.num_slots)
+        check_range("sub block", subs, lay.blocks_per_chunk)
         bpc = lay.blocks_per_chunk
         rows = slots if bpc == 1 else [s * bpc + b for s, b in zip(slots, subs, strict=True)]
         if spec.is_store:
@@ -450,9 +326,9 @@ class CpuTransferEngine(TransferEngineBase):
         ops, index = plan_copies(src, dst)
         idx = torch.tensor(index, dtype=torch.long, device=src_t.device) if index else None
         for op in ops:
-            if isinstance(op, _Slice):
+            if isinstance(op, Slice):
                 dst_t[op.dst : op.dst + op.n].copy_(src_t[op.src : op.src + op.n])
-            elif isinstance(op, _Gather):
+            elif isinstance(op, Gather):
                 assert idx is not None
                 torch.index_select(
                     src_t, 0, idx[op.lo : op.lo + op.n], out=dst_t[op.dst : op.dst + op.n]
@@ -460,10 +336,3 @@ class CpuTransferEngine(TransferEngineBase):
             else:
                 assert idx is not None
                 dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
-
-
-def _check_range(what: str, values: list[int], limit: int) -> None:
-    low, high = min(values), max(values)
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise IndexError(f"{what} {bad} out of range [0, {limit})")

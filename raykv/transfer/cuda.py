@@ -12,12 +12,13 @@ Ordering, the part that silently corrupts KV when wrong:
   ``flush`` synchronizes the listed jobs' end events (blocking the caller, never the device).
 
 Copies per job, never a Python loop over blocks on the common paths: the (device row, host row)
-pairs are sorted by host row and split into runs of consecutive host rows. A run whose device rows
-are consecutive too is one ``copy_``; otherwise the device side is gathered (stores:
-``index_select`` into a temporary) or scattered (loads: ``index_copy_`` from a temporary) on the
-device at device bandwidth, around one contiguous host<->device ``copy_``. Only a job whose host
-rows are scattered as well falls back to one copy per run. Temporaries are allocated on the job's
-stream, so the caching allocator reuses them only for work ordered after it.
+pairs are sorted by host row and split into runs of consecutive host rows
+(:func:`raykv.transfer.copy_plan.host_runs`). A run whose device rows are consecutive too is one
+``copy_``; otherwise the device side is gathered (stores: ``index_select`` into a temporary) or
+scattered (loads: ``index_copy_`` from a temporary) on the device at device bandwidth, around one
+contiguous host<->device ``copy_``. Only a job whose host rows are scattered as well falls back to
+one copy per run. Temporaries are allocated on the job's stream, so the caching allocator reuses
+them only for work ordered after it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from raykv.core.step import TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
+from raykv.transfer.copy_plan import host_runs
 from raykv.transfer.layout import KVLayout, pool_rows
 
 
@@ -47,20 +49,6 @@ class _CudaJob:
     @property
     def issued(self) -> bool:
         return self.end is not None or self.error is not None
-
-
-def _runs(host: list[int], dev: list[int]) -> list[tuple[int, int, bool]]:
-    """Split pairs (sorted by host row) into runs of consecutive host rows: (lo, hi, dev rows
-    consecutive too)."""
-    out = []
-    lo = 0
-    n = len(host)
-    for i in range(1, n + 1):
-        if i == n or host[i] != host[i - 1] + 1:
-            dev_consecutive = all(dev[k] == dev[lo] + (k - lo) for k in range(lo, i))
-            out.append((lo, i, dev_consecutive))
-            lo = i
-    return out
 
 
 class CudaTransferEngine(TransferEngineBase):
@@ -253,7 +241,7 @@ class CudaTransferEngine(TransferEngineBase):
             job.keep.append(idx_host)  # read by the async copy below until the job ends
             idx = idx_host.to(self.device, non_blocking=True)
             kv, rows = self.kv, self._rows
-            for lo, hi, dev_consecutive in _runs(host, dev):
+            for lo, hi, dev_consecutive in host_runs(host, dev):
                 h0, count = host[lo], hi - lo
                 if dev_consecutive:
                     d0 = dev[lo]

@@ -20,7 +20,7 @@ from raykv.transfer import (
     plan_copies,
     pool_rows,
 )
-from raykv.transfer.cpu import _Gather, _Scatter, _Slice
+from raykv.transfer.copy_plan import Gather, Scatter, Slice
 
 
 def make_layout(bpc: int = 1, blocks: int = 16, slots: int = 8) -> KVLayout:
@@ -126,14 +126,14 @@ def apply_plan(src: list[int], dst: list[int], size: int) -> list[int | None]:
     ops, index = plan_copies(src, dst)
     out: list[int | None] = [None] * size
     for op in ops:
-        if isinstance(op, _Slice):
+        if isinstance(op, Slice):
             for k in range(op.n):
                 out[op.dst + k] = op.src + k
-        elif isinstance(op, _Gather):
+        elif isinstance(op, Gather):
             for k in range(op.n):
                 out[op.dst + k] = index[op.lo + k]
         else:
-            assert isinstance(op, _Scatter)
+            assert isinstance(op, Scatter)
             targets = index[op.lo : op.lo + op.n]
             assert len(set(targets)) == op.n  # index_copy_ must never see duplicates
             for k, d in enumerate(targets):
@@ -149,14 +149,14 @@ def test_plan_copies_equals_sequential_copy(pairs: list[tuple[int, int]]) -> Non
 
 
 def test_plan_copies_coalesces() -> None:
-    assert plan_copies([4, 5, 6], [0, 1, 2]) == ([_Slice(4, 0, 3)], [])
-    assert plan_copies([9, 2, 5], [3, 4, 5]) == ([_Gather(0, 3, 3)], [9, 2, 5])
-    assert plan_copies([3, 4, 5], [9, 2, 7]) == ([_Scatter(0, 3, 3)], [9, 2, 7])
+    assert plan_copies([4, 5, 6], [0, 1, 2]) == ([Slice(4, 0, 3)], [])
+    assert plan_copies([9, 2, 5], [3, 4, 5]) == ([Gather(0, 3, 3)], [9, 2, 5])
+    assert plan_copies([3, 4, 5], [9, 2, 7]) == ([Scatter(0, 3, 3)], [9, 2, 7])
     # listed out of order but consecutive once sorted: one slice
-    assert plan_copies([6, 4, 5], [2, 0, 1]) == ([_Slice(4, 0, 3)], [])
+    assert plan_copies([6, 4, 5], [2, 0, 1]) == ([Slice(4, 0, 3)], [])
     # two chunks on scattered slots: one gather per chunk
     ops, _ = plan_copies([7, 1, 3, 8, 2, 9], [30, 31, 32, 12, 13, 14])
-    assert len(ops) == 2 and all(isinstance(op, _Gather) for op in ops)
+    assert len(ops) == 2 and all(isinstance(op, Gather) for op in ops)
 
 
 def test_fifo_completion_and_nonblocking_poll(rig: Rig) -> None:

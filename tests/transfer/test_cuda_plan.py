@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raykv.transfer.cuda import CudaTransferEngine, _runs
+from raykv.transfer.copy_plan import host_runs
+from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
 
 
@@ -20,7 +21,7 @@ from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
     ],
 )
 def test_runs_split_on_host_rows(host, dev, expected) -> None:
-    assert _runs(host, dev) == expected
+    assert host_runs(host, dev) == expected
 
 
 def test_engine_refuses_a_kv_cache_in_host_memory() -> None:
