@@ -1,7 +1,7 @@
 """``raykv bench transfer``: transfer-engine bandwidth against one large copy of the same bytes.
 
 For each page size it builds a KV tensor and a pool of ``blocks`` pages, times one job of all the
-blocks through the transfer engine of the device (:class:`~raykv.transfer.CpuTransferEngine`, or
+blocks through the transfer engine of the device (:class:`~raykv.transfer.cpu.CpuTransferEngine`, or
 :class:`~raykv.transfer.cuda.CudaTransferEngine` with the KV on the GPU and a pinned pool; submit +
 flush, best of ``repeat``) and the same number of bytes moved by a single ``dst.copy_(src)``
 between the same two tensors (the copy limit of this machine, measured in the same run).
@@ -25,8 +25,9 @@ from collections.abc import Callable
 import torch
 
 from raykv.core.step import BlockCopy, TransferSpec
-from raykv.transfer import CpuTransferEngine, KVLayout, allocate_kv, allocate_pool
+from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.cuda import CudaTransferEngine
+from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
 
 DIRECTIONS = ("store", "load", "both")
 PATTERNS = ("random", "contiguous")

@@ -12,15 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raykv.core.step import BlockCopy, TransferSpec
-from raykv.transfer import (
-    CpuTransferEngine,
-    KVLayout,
-    allocate_kv,
-    allocate_pool,
-    plan_copies,
-    pool_rows,
-)
-from raykv.transfer.copy_plan import Gather, Scatter, Slice
+from raykv.transfer.copy_plan import Gather, Scatter, Slice, plan_copies
+from raykv.transfer.cpu import CpuTransferEngine
+from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool, pool_rows
 
 
 def make_layout(bpc: int = 1, blocks: int = 16, slots: int = 8) -> KVLayout:

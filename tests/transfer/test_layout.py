@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from raykv.transfer import KVLayout, allocate_kv, allocate_pool, pool_rows
+from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool, pool_rows
 
 BASE = dict(
     num_gpu_blocks=10,

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raykv.core.step import BlockContent, WriteSpan
-from raykv.transfer import KVLayout, SyntheticModel, allocate_kv, mix64, mix64_tensor
+from raykv.transfer.layout import KVLayout, allocate_kv
+from raykv.transfer.model import SyntheticModel, mix64, mix64_tensor
 
 BS = 4
 
