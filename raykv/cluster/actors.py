@@ -24,7 +24,7 @@ from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
 from raykv.engine.core import RankFailed
 from raykv.faults import RankDied, parse_fault, scheduler_dies_at
-from raykv.pool_files import hold, owner_of, process_id, successor_path, sweep_stale
+from raykv.transfer.pool_files import hold, owner_of, process_id, successor_path, sweep_stale
 
 # The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
 REJECTED = "rejected"
@@ -57,7 +57,8 @@ class RankWorker:
     ) -> None:
         """``pool_path``: the shared-memory file of this rank's CPU-pool shard. A replacement
         rank gets its predecessor's path and process: once that process is gone it maps the file
-        and finds the finished chunks intact (see :func:`raykv.pool_files.successor_path`)."""
+        and finds the finished chunks intact (see
+        :func:`raykv.transfer.pool_files.successor_path`)."""
         import torch  # noqa: F401  (pay the import here, not in the first step)
 
         from raykv.engine.workers import LocalWorker

@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from raykv.cluster.actors import READY_TIMEOUT_S, REJECTED, EngineServer, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
-from raykv.pool_files import PoolFiles, sweep_stale
+from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from raykv.core.step import BlockContent, StepPlan, StepReport
 from raykv.engine.core import RankFailed
 from raykv.engine.rank_runner import RankRunner
 from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
-from raykv.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.layout import KVLayout
+from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.rank import build_rank
 
 ExecDelay = Callable[[int], int]  # job id -> steps its copy stays pending (unthreaded engines)

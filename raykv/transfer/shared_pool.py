@@ -6,7 +6,7 @@ the same file and finds every chunk its predecessor finished storing. The schedu
 every job that was in flight (a store the dead rank was writing never becomes readable), so only
 finished, fully written chunks are served again.
 
-Where the files live and who removes them: :mod:`raykv.pool_files`.
+Where the files live and who removes them: :mod:`raykv.transfer.pool_files`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 
-from raykv.pool_files import PoolFiles, hold, sweep_stale
+from raykv.transfer.pool_files import PoolFiles, hold, sweep_stale
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +39,7 @@ def test_a_held_file_stays_whoever_owns_its_run(tmp_path) -> None:
     d = str(tmp_path)
     held = foreign(d, rank=1)
     # a live rank in another process holds its shard (as every Ray rank does while it runs)
-    code = "import sys, time; from raykv.pool_files import hold; hold(sys.argv[1]); "
+    code = "import sys, time; from raykv.transfer.pool_files import hold; hold(sys.argv[1]); "
     code += "print('held', flush=True); time.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code, held], stdout=subprocess.PIPE, text=True)
     try:

@@ -53,7 +53,7 @@ def test_cuda_ranks_under_heavy_reuse_and_sliding_windows() -> None:
 
 def test_cuda_ranks_page_lock_their_shared_memory_shard(tmp_path) -> None:
     from raykv.engine.workers import make_layout
-    from raykv.pool_files import PoolFiles
+    from raykv.transfer.pool_files import PoolFiles
     from raykv.transfer.rank import build_rank
 
     cfg = load_config(None, [*SETS, "parallel.device=cuda"])

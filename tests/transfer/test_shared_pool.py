@@ -10,8 +10,14 @@ import sys
 import pytest
 import torch
 
-from raykv.pool_files import PoolFiles, process_id, remove_generations, successor_path, sweep_stale
 from raykv.transfer.layout import KVLayout
+from raykv.transfer.pool_files import (
+    PoolFiles,
+    process_id,
+    remove_generations,
+    successor_path,
+    sweep_stale,
+)
 from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable
 
 
