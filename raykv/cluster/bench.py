@@ -20,8 +20,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raykv.cluster.actors import RayWorkerGroup
 from raykv.cluster.runtime import connect
+from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
 

@@ -12,7 +12,8 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from raykv.cluster.actors import READY_TIMEOUT_S, REJECTED, EngineServer, spawn_rank_worker
+from raykv.cluster.engine_actor import REJECTED, EngineServer
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
 from raykv.transfer.pool_files import PoolFiles, sweep_stale

@@ -73,7 +73,7 @@ def test_hold_locks_the_file_now_at_the_path(tmp_path) -> None:
 
 
 def test_every_rank_sweeps_its_own_node_when_it_starts(ray_session, tmp_path, monkeypatch):
-    from raykv.cluster.actors import READY_TIMEOUT_S, spawn_rank_worker
+    from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
     from raykv.config import load_config
     from tests.cluster.test_ray_engine import SMALL
 

@@ -1,0 +1,192 @@
+"""The engine actor: ``EngineServer``, the scheduler.
+
+It wraps the one-process engine's objects unchanged: an ``EngineCore`` (engine, connector
+scheduler half, directory) whose worker group (:class:`raykv.cluster.worker_group.RayWorkerGroup`)
+fans each step's plan out to the rank actors, one call per rank per step, and gathers the
+replies.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo, spawn_rank_worker
+from raykv.cluster.worker_group import RayWorkerGroup
+from raykv.config import RaykvConfig
+from raykv.faults import parse_fault, scheduler_dies_at
+
+# The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
+REJECTED = "rejected"
+
+
+class EngineServer:
+    """The scheduler actor: engine core, connector scheduler half and directory.
+
+    ``run`` drives a workload to the end; ``submit`` + ``start`` run a loop thread that serves
+    requests as they come, and ``take_finished`` streams their outputs. The actor is threaded
+    (created with ``max_concurrency``), so ``progress`` and ``take_*`` answer while a run goes on.
+    """
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        workers: list[Any],
+        verify: bool | None = None,
+        check_invariants: bool = False,
+        offload: bool | None = None,
+        placement: Any = None,
+        incarnation: int = 0,
+    ) -> None:
+        """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
+        fault kills only the first)."""
+        from raykv.cluster.metrics import EngineMetrics
+        from raykv.engine.core import EngineCore
+        from raykv.engine.run import Driver
+
+        self.cfg = RaykvConfig.model_validate(cfg)
+        self._cfg_json = cfg
+        self._placement = placement
+        self._incarnation = incarnation
+        self._faults = [parse_fault(f) for f in self.cfg.faults]
+        self.group = RayWorkerGroup(workers, self.cfg.parallel.step_timeout_s, self._spawn)
+        self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
+        self.driver = Driver(self.engine, check_invariants=check_invariants)
+        self.metrics = EngineMetrics(self.engine)
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._loop: threading.Thread | None = None
+        self._stop = False
+        self._error: str | None = None
+        self._rejected_taken = 0  # how many of the driver's refusals take_finished handed out
+
+    # ---- batch runs -----------------------------------------------------------------------
+
+    def run(self, specs: list[Any]) -> dict[str, Any]:
+        """Run these requests to the end (every job acked) and return the report."""
+        with self._lock:
+            self.driver.submit(specs)
+        while True:
+            with self._lock:
+                if not self.driver.has_work():
+                    break
+                self._step()
+                self.driver.take_finished()  # a batch run reports outputs in its digest only
+        return self.report()
+
+    def _step(self) -> None:
+        self.driver.step()
+        self.metrics.update()
+        if scheduler_dies_at(self._faults, self.engine.totals.steps, self._incarnation):
+            os._exit(1)  # an injected death is a real one: the process goes, state and all
+
+    def progress(self) -> dict[str, Any]:
+        from raykv.engine.run import progress_of
+
+        return {**progress_of(self.driver), "error": self._error}
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            report = self.driver.report()
+        report["engine"] = "ray"
+        return report
+
+    # ---- serving ----------------------------------------------------------------------------
+
+    def submit(self, specs: list[Any]) -> int:
+        with self._wake:
+            self.driver.submit(specs)
+            self._wake.notify_all()
+            return self.driver.submitted
+
+    def start(self) -> None:
+        """Serve submitted requests from a loop thread until ``stop``."""
+        if self._loop is None:
+            self._loop = threading.Thread(target=self._serve, name="raykv-engine", daemon=True)
+            self._loop.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self.driver.has_work():
+                        self._wake.wait(timeout=0.5)
+                    if self._stop:
+                        return
+                    self._step()
+        except Exception as exc:  # surfaced through progress(); the actor stays up to report it
+            self._error = f"{type(exc).__name__}: {exc}"
+
+    def take_finished(self) -> list[tuple[str, list[int], str, str | None]]:
+        """Requests finished or refused since the last call: (request id, tokens, status,
+        reason). A refused request (bad token id, too long, an id the engine still holds) has
+        status ``rejected``, no tokens and the engine's error as its reason; None otherwise."""
+        with self._lock:
+            out: list[tuple[str, list[int], str, str | None]] = [
+                (r.req_id, list(r.output), r.status.value, None)
+                for r in self.driver.take_finished()
+            ]
+            refused = self.driver.rejected[self._rejected_taken :]
+            self._rejected_taken += len(refused)
+            out += [(r["request"], [], REJECTED, r["error"]) for r in refused]
+            return out
+
+    def take_events(self) -> list[Any]:
+        """KV events (BlockStored / BlockRemoved, with sequence numbers) since the last call."""
+        with self._lock:
+            c = self.engine.connector
+            return c.directory.take_events() if c is not None else []
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self.driver.has_work()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._loop is not None:
+            self._loop.join(timeout=30)
+
+    def ping(self) -> float:
+        return time.time()
+
+    def books(self) -> dict[str, int]:
+        """What must be empty once a run has drained: jobs, fence, request states, busy slots."""
+        with self._lock:
+            c = self.engine.connector
+            if c is None:
+                return {}
+            d = c.directory.stats()
+            return {
+                "jobs": len(c.jobs),
+                "fence": len(c.fence),
+                "tracked": c.tracked(),
+                "writing": d.writing,
+                "reading": d.reading,
+                "free_gpu_blocks": self.engine.pool.num_free,
+                "usable_gpu_blocks": self.engine.pool.num_usable,
+            }
+
+    def verify_cpu_tier(self) -> tuple[int, int]:
+        """Every rank's CPU-pool shard against what each readable chunk must hold: (blocks
+        checked, mismatches). The directory must never serve a key whose bytes are gone."""
+        with self._lock:
+            items = self.engine.cpu_tier_contents()
+            refs = [w.verify_cpu_tier.remote(items) for w in self.group.workers]
+            results = ray.get(refs, timeout=READY_TIMEOUT_S)
+        return sum(r[0] for r in results), sum(r[1] for r in results)
+
+    def workers(self) -> list[Any]:
+        """The rank actors now serving (replaced ones included)."""
+        return list(self.group.workers)
+
+    def _spawn(self, rank: int, incarnation: int, before: RankInfo) -> tuple[Any, RankInfo]:
+        handle = spawn_rank_worker(
+            self._cfg_json, rank, incarnation, self._placement, before.pool_path, before.process
+        )
+        return handle, ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)

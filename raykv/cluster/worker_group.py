@@ -1,0 +1,87 @@
+"""The worker group on Ray: the ranks as the engine sees them, one ``RankWorker`` actor each.
+
+``RayWorkerGroup.execute`` fans each step's plan out to the rank actors, one call per rank per
+step, and gathers the replies; a rank whose actor died or that stays silent past the step
+timeout is reported dead, and ``restart`` replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo
+from raykv.core.step import StepPlan, StepReport
+from raykv.engine.core import RankFailed
+
+
+class RayWorkerGroup:
+    """The ranks, as the engine sees them: ``execute`` sends the plan to every rank actor and
+    gathers the replies, one call per rank per step.
+
+    The plan travels as one pickled blob (protocol 5) passed by value to every rank: measured on
+    2 cores with ~1.5 KB plans, that costs 1.3-1.4x a bare round trip of the same bytes, where
+    letting Ray serialize the dataclasses per call costs 2x and ``ray.put`` once then passing the
+    reference 3.6x (an object-store round trip per step)."""
+
+    def __init__(
+        self,
+        workers: list[Any],
+        step_timeout_s: float | None = None,
+        spawn: Callable[[int, int, RankInfo], tuple[Any, RankInfo]] | None = None,
+    ) -> None:
+        self.workers = workers
+        self.step_timeout_s = step_timeout_s
+        # (rank, incarnation, the predecessor's info) -> (a new ready RankWorker, its info)
+        self.spawn = spawn
+        self.incarnations = [0] * len(workers)
+        self.infos: list[RankInfo] = (
+            ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
+            if spawn is not None
+            else []
+        )
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.workers)
+
+    def execute(self, plan: StepPlan) -> list[StepReport]:
+        """One call per rank; a rank whose actor died, or that does not answer within the step
+        timeout, is reported dead in ``RankFailed`` (with the others' replies)."""
+        blob = pickle.dumps(plan, protocol=5)
+        refs = [w.execute_blob.remote(blob) for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.step_timeout_s)
+        done = set(ready)
+        reports, dead = [], []
+        for rank, ref in enumerate(refs):
+            if ref not in done:
+                dead.append(rank)  # silent past the timeout: treated as dead, and replaced
+                continue
+            try:
+                reports.append(pickle.loads(ray.get(ref)))
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
+                dead.append(rank)
+        if dead:
+            raise RankFailed(dead, reports)
+        return reports
+
+    def restart(self, ranks: list[int]) -> bool:
+        """Replace the ranks; True when every new rank attached its predecessor's CPU-pool shard
+        (it does once the predecessor's process has exited, which a killed one does within
+        moments; one that lingers past ``PREDECESSOR_EXIT_S`` leaves its successor a fresh
+        shard, and the CPU tier is emptied)."""
+        if self.spawn is None:
+            raise RuntimeError(f"ranks {ranks} died and this worker group cannot replace them")
+        intact = True
+        for rank in ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(self.workers[rank], no_restart=True)
+            self.incarnations[rank] += 1
+            handle, info = self.spawn(rank, self.incarnations[rank], self.infos[rank])
+            self.workers[rank], self.infos[rank] = handle, info
+            intact &= info.attached
+        return intact
