@@ -44,9 +44,9 @@ class EngineServer:
     ) -> None:
         """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
         fault kills only the first)."""
-        from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
+        from raykv.metrics import EngineMetrics
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self._cfg_json = cfg
