@@ -184,13 +184,13 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         if any(f.startswith("kill-scheduler") for f in cfg.faults):
             raise ConfigError("fault kill-scheduler needs the Ray engine (--engine ray)")
         from raykv.engine.core import EngineCore
-        from raykv.engine.run import run_workload
+        from raykv.engine.run import run_engine
         from raykv.engine.workers import LocalWorkerGroup
 
         with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
             engine = EngineCore(cfg, workers)
             with run_progress(err, len(specs)) as progress:
-                report = run_workload(engine, specs, progress=progress)
+                report = run_engine(engine, specs, progress=progress)
     else:
         from raykv.cluster.client import RaykvClient
 
@@ -204,14 +204,15 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
                 "('A worker died or was killed...'); that is expected, the run carries on"
             )
         with client, run_progress(err, len(specs)) as progress:
-            report = client.run(specs, progress=progress)
-    report["engine"] = args.engine
-    report["config"] = cfg.model_dump(mode="json")
-    print_run_report(console, report, verify=cfg.offload.verify)
+            report = client.run_report(specs, progress=progress)
+    report.engine = args.engine
+    report.config = cfg.model_dump(mode="json")
+    shape = report.as_dict()
+    print_run_report(console, shape, verify=cfg.offload.verify)
     if args.json_report:
-        Path(args.json_report).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json_report).write_text(json.dumps(shape, indent=2) + "\n")
         console.print(f"wrote {args.json_report}")
-    return 1 if report["integrity"]["mismatches"] else 0
+    return 1 if report.integrity.mismatches else 0
 
 
 def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:

@@ -131,7 +131,7 @@ def soak_local(args: argparse.Namespace) -> dict:
                         flush=True,
                     )
         engine.check_invariants()
-        report = driver.report()
+        report = driver.report().as_dict()
         report["books"] = books_of(engine)
         samples.append((driver.finished_count, proc.memory_info().rss))
     report["rss_samples"] = samples

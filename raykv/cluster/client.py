@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -18,6 +18,9 @@ from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
+
+if TYPE_CHECKING:
+    from raykv.engine.run_report import RunReport
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +192,16 @@ class RaykvClient:
         poll_s: float = 0.25,
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
+        """``run_report``, with the report in its JSON shape (``RunReport.as_dict``)."""
+        return self.run_report(specs, progress, poll_s, timeout_s).as_dict()
+
+    def run_report(
+        self,
+        specs: Sequence[RequestSpec],
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        poll_s: float = 0.25,
+        timeout_s: float | None = None,
+    ) -> RunReport:
         """Run ``specs`` to the end on the deployment; returns the run report. If the scheduler
         actor dies, the run starts over on a new deployment."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -198,8 +211,8 @@ class RaykvClient:
                 break
             except ray.exceptions.RayActorError as exc:
                 self._replace_deployment(exc)
-        report["ranks_detail"] = self.rank_report(report)
-        report["scheduler_restarts"] = self.scheduler_restarts
+        report.ranks_detail = self.rank_report(report)
+        report.scheduler_restarts = self.scheduler_restarts
         return report
 
     def _run_once(
@@ -209,7 +222,7 @@ class RaykvClient:
         poll_s: float,
         deadline: float | None,
         timeout_s: float | None,
-    ) -> dict[str, Any]:
+    ) -> RunReport:
         ref = self.server.run.remote(list(specs))
         while True:
             ready, _ = ray.wait([ref], timeout=poll_s)
@@ -220,8 +233,8 @@ class RaykvClient:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run still going after {timeout_s} s")
 
-    def rank_report(self, report: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"rank": i, **stats} for i, stats in enumerate(report.get("ranks", []))]
+    def rank_report(self, report: RunReport) -> list[dict[str, Any]]:
+        return [{"rank": i, **stats} for i, stats in enumerate(report.ranks)]
 
     # ---- serving ----------------------------------------------------------------------------
 
@@ -301,7 +314,8 @@ class RaykvClient:
         return ray.get(self.server.progress.remote())
 
     def report(self) -> dict[str, Any]:
-        return ray.get(self.server.report.remote())
+        """The run report so far, in its JSON shape."""
+        return ray.get(self.server.report.remote()).as_dict()
 
     # ---- teardown ---------------------------------------------------------------------------
 

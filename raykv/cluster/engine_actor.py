@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -19,6 +19,9 @@ from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo, spawn_rank_worke
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.config import RaykvConfig
 from raykv.faults import parse_fault, scheduler_dies_at
+
+if TYPE_CHECKING:
+    from raykv.engine.run_report import RunReport
 
 # The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
 REJECTED = "rejected"
@@ -44,9 +47,9 @@ class EngineServer:
     ) -> None:
         """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
         fault kills only the first)."""
+        from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
-        from raykv.metrics import EngineMetrics
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self._cfg_json = cfg
@@ -66,7 +69,7 @@ class EngineServer:
 
     # ---- batch runs -----------------------------------------------------------------------
 
-    def run(self, specs: list[Any]) -> dict[str, Any]:
+    def run(self, specs: list[Any]) -> RunReport:
         """Run these requests to the end (every job acked) and return the report."""
         with self._lock:
             self.driver.submit(specs)
@@ -89,10 +92,10 @@ class EngineServer:
 
         return {**progress_of(self.driver), "error": self._error}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> RunReport:
         with self._lock:
             report = self.driver.report()
-        report["engine"] = "ray"
+        report.engine = "ray"
         return report
 
     # ---- serving ----------------------------------------------------------------------------

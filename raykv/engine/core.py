@@ -53,14 +53,14 @@ class Workers(Protocol):
 
 @dataclass(slots=True)
 class EngineTotals:
-    """Counters the run report is built from."""
+    """The engine's own counters (``engine/stats.py`` snapshots them with the others')."""
 
     steps: int = 0
     idle_steps: int = 0  # steps with no tokens scheduled (polling and acking only)
     rank_restarts: int = 0  # ranks that died or went silent and were replaced
     tier_kept_restarts: int = 0  # of those, restarts after which the CPU tier was kept
     transfer: TransferStats = field(default_factory=TransferStats)
-    per_rank: list[dict[str, float]] = field(default_factory=list)  # transfer stats by rank
+    per_rank: list[TransferStats] = field(default_factory=list)  # transfer stats by rank
     finished: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -205,13 +205,10 @@ class EngineCore:
     def _absorb(self, reports: list[StepReport]) -> None:
         per_rank = self.totals.per_rank
         while len(per_rank) < self.workers.num_ranks:
-            per_rank.append({name: 0 for name in TransferStats.__slots__})
+            per_rank.append(TransferStats())
         for report in reports:
-            stats = report.transfers.stats
-            self.totals.transfer.add(stats)
-            mine = per_rank[report.rank]
-            for name in TransferStats.__slots__:
-                mine[name] += getattr(stats, name)
+            self.totals.transfer.add(report.transfers.stats)
+            per_rank[report.rank].add(report.transfers.stats)
 
     def _done(self, req: Request) -> None:
         self.totals.finished += 1

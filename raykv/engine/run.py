@@ -10,6 +10,8 @@ from typing import Any
 
 from raykv.core.request import Request
 from raykv.engine.core import EngineCore
+from raykv.engine.run_report import RunReport
+from raykv.engine.stats import snapshot
 from raykv.workload.requests import RequestSpec
 
 Progress = Callable[[dict[str, Any]], None]  # called after every step with progress_of()
@@ -162,13 +164,32 @@ class Driver:
         out, self._recent = self._recent, []
         return out
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> RunReport:
         seconds = time.perf_counter() - self.started
-        report = build_report(
-            self.engine, self._finished, self._digest.hexdigest(), self.admitted, seconds
+        report = RunReport.build(
+            snapshot(self.engine), self._finished, self._digest.hexdigest(), self.admitted, seconds
         )
-        report["rejected"] = list(self.rejected)
+        report.rejected = list(self.rejected)
         return report
+
+
+def run_engine(
+    engine: EngineCore,
+    specs: Sequence[RequestSpec],
+    *,
+    progress: Progress | None = None,
+    check_invariants: bool = False,
+    max_idle_steps: int = 100_000,
+) -> RunReport:
+    """Run ``specs`` to the end: every request finished, every transfer acknowledged."""
+    driver = Driver(engine, check_invariants=check_invariants)
+    driver.submit(specs)
+    while driver.has_work():
+        driver.step(max_idle_steps)
+        driver.take_finished()
+        if progress is not None:
+            progress(progress_of(driver))
+    return driver.report()
 
 
 def run_workload(
@@ -179,15 +200,14 @@ def run_workload(
     check_invariants: bool = False,
     max_idle_steps: int = 100_000,
 ) -> dict[str, Any]:
-    """Run ``specs`` to the end: every request finished, every transfer acknowledged."""
-    driver = Driver(engine, check_invariants=check_invariants)
-    driver.submit(specs)
-    while driver.has_work():
-        driver.step(max_idle_steps)
-        driver.take_finished()
-        if progress is not None:
-            progress(progress_of(driver))
-    return driver.report()
+    """``run_engine``, with the report in its JSON shape (``RunReport.as_dict``)."""
+    return run_engine(
+        engine,
+        specs,
+        progress=progress,
+        check_invariants=check_invariants,
+        max_idle_steps=max_idle_steps,
+    ).as_dict()
 
 
 def progress_of(driver: Driver) -> dict[str, Any]:
@@ -205,68 +225,3 @@ def progress_of(driver: Driver) -> dict[str, Any]:
         "gpu_hit_tokens": s.gpu_hit_tokens,
         "cpu_hit_tokens": s.cpu_hit_tokens,
     }
-
-
-def build_report(
-    engine: EngineCore, finished: int, digest: str, admitted: int, seconds: float
-) -> dict[str, Any]:
-    t = engine.totals
-    tr = t.transfer
-    s = engine.scheduler.stats
-    c = engine.connector.stats if engine.connector is not None else None
-    report: dict[str, Any] = {
-        "requests_finished": finished,
-        "requests": admitted,
-        "prompt_tokens": t.prompt_tokens,
-        "generated_tokens": t.generated_tokens,
-        "admitted_tokens": s.admitted_tokens,
-        "gpu_hit_tokens": s.gpu_hit_tokens,
-        "cpu_hit_tokens": s.cpu_hit_tokens,
-        "recomputed_tokens": s.recomputed_tokens,
-        "loads": {
-            "jobs": c.load_jobs if c else 0,
-            "blocks": c.load_blocks if c else 0,
-            "bytes": tr.load_bytes,
-            "seconds": tr.load_seconds,
-        },
-        "stores": {
-            "jobs": c.store_jobs if c else 0,
-            "blocks": c.store_blocks if c else 0,
-            "bytes": tr.store_bytes,
-            "seconds": tr.store_seconds,
-        },
-        "flushes": {
-            "reuse": c.flushes_reuse if c else 0,
-            "preemption": c.flushes_preemption if c else 0,
-            "reset": c.flushes_reset if c else 0,
-            "timeout": c.flushes_timeout if c else 0,
-        },
-        "preemptions": s.preemptions,
-        "rank_restarts": t.rank_restarts,
-        "tier_kept_restarts": t.tier_kept_restarts,
-        "deferral_timeouts": c.deferral_timeouts if c else 0,
-        "deferred_lookups": c.deferred_lookups if c else 0,
-        "allocation_failures": c.allocation_failures if c else 0,
-        "integrity": {"blocks_verified": tr.blocks_verified, "mismatches": tr.mismatches},
-        "output_digest": digest,
-        "steps": t.steps,
-        "idle_steps": t.idle_steps,
-        "wall_seconds": seconds,
-        "ranks": [dict(stats) for stats in t.per_rank],
-    }
-    if engine.connector is not None:
-        d = engine.connector.directory.stats()
-        report["cpu_tier"] = {
-            "slots": d.capacity,
-            "used": d.used,
-            "evictions": d.evictions,
-            "policy": d.policy,
-        }
-        j = engine.connector.jobs.stats
-        report["acks"] = {
-            "acks": j.acks,
-            "unknown": j.unknown,
-            "stale": j.stale,
-            "duplicate": j.duplicate,
-        }
-    return report

@@ -39,12 +39,12 @@ def test_serving_without_keeping_finished_requests_holds_no_outputs() -> None:
     assert held[-1] == 0
     assert max(held) <= cfg.engine.max_num_seqs < len(specs)
     report = driver.report()
-    assert report["requests_finished"] == len(specs) - 1
-    assert report["output_digest"] == output_digest(outputs)
+    assert report.requests_finished == len(specs) - 1
+    assert report.output_digest == output_digest(outputs)
     # the same tokens and digest as when every finished request is kept
     kept_outputs, _, kept = serve(True, specs)
     assert kept_outputs == outputs
-    assert kept.report()["output_digest"] == report["output_digest"]
+    assert kept.report().output_digest == report.output_digest
 
 
 def test_a_report_mid_run_covers_every_request_finished_so_far() -> None:
@@ -60,4 +60,4 @@ def test_a_report_mid_run_covers_every_request_finished_so_far() -> None:
                 outputs[req.index] = (req.req_id, tuple(req.output))
             if driver.outputs_held:  # some finished ahead of an earlier one
                 break
-        assert driver.report()["output_digest"] == output_digest(outputs)
+        assert driver.report().output_digest == output_digest(outputs)

@@ -4,6 +4,7 @@ events stream to the client."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 
 import psutil
@@ -168,7 +169,7 @@ def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
     exported, or exported under another convention, fails here. The config is one where every
     counter moves (reuse, preemption and reset flushes; unknown, stale and duplicate acks;
     allocation failures, evictions, pending hits, deferred lookups), so none compares 0 to 0."""
-    import raykv.metrics as m
+    import raykv.cluster.metrics as m
 
     for kind in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(m, kind, Recorded)
@@ -194,7 +195,7 @@ def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
         def after_step(_progress: dict) -> None:
             metrics.update()
             c = engine.connector
-            per_rank = [dict(r) for r in engine.totals.per_rank]
+            per_rank = [dataclasses.asdict(r) for r in engine.totals.per_rank]
             steps.append({"ranks": per_rank, "jobs": len(c.jobs)})
 
         report = run_workload(engine, make_workload(cfg), progress=after_step)

@@ -1,8 +1,9 @@
 """Prometheus metrics through Ray's own metrics API, named in the style of vLLM's offloading
 metrics (``vllm:kv_offload_*`` there, ``raykv_kv_offload_*`` here: Ray no longer accepts ``:``).
 
-The scheduler actor calls ``update`` after every step; it turns the engine's cumulative counters
-into increments, so the metrics cost a few dict operations per step whatever is cached.
+The scheduler actor calls ``update`` after every step; it turns the engine's stats snapshot (the
+same one the run report is built from) into increments, so the metrics cost a few dict
+operations per step whatever is cached.
 
 One convention for the transfer metrics: **counters are totals over all ranks** (``bytes``,
 ``seconds`` and ``flush_seconds`` add up what every rank copied or waited), and **histograms
@@ -18,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
+
+from raykv.engine.stats import snapshot
 
 _SIZE_BUCKETS = [2**k for k in range(12, 31, 2)]  # 4 KiB .. 1 GiB per step and rank
 _DELAY_BUCKETS = [1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0]
@@ -82,40 +85,39 @@ class EngineMetrics:
             metric.inc(delta, tags=tags)
 
     def update(self) -> None:
-        e = self.engine
-        t = e.totals.transfer
+        """Export what changed since the last call (the scheduler actor calls it every step)."""
+        stats = snapshot(self.engine)
+        t = stats.transfer
         for direction in ("store", "load"):
             tags = {"direction": direction}
             nbytes, secs = direction + "_bytes", direction + "_seconds"
             self._inc(self.bytes, nbytes, getattr(t, nbytes), tags)
             self._inc(self.seconds, secs, getattr(t, secs), tags)
-            for rank, stats in enumerate(e.totals.per_rank):
-                step_bytes = self._delta(f"{nbytes}/{rank}", stats[nbytes])
-                step_secs = self._delta(f"{secs}/{rank}", stats[secs])
+            for rank, mine in enumerate(stats.per_rank):
+                step_bytes = self._delta(f"{nbytes}/{rank}", getattr(mine, nbytes))
+                step_secs = self._delta(f"{secs}/{rank}", getattr(mine, secs))
                 if step_bytes > 0:
                     self.size.observe(step_bytes, tags=tags)
                 if step_secs > 0:
                     self.time.observe(step_secs, tags=tags)
         self._inc(self.flush_seconds, "flush_s", t.flush_seconds)
-        s = e.scheduler.stats
+        s = stats.scheduler
         self._inc(self.hits, "hit_gpu", s.gpu_hit_tokens, {"tier": "gpu"})
         self._inc(self.hits, "hit_cpu", s.cpu_hit_tokens, {"tier": "cpu"})
         self._inc(self.misses, "miss", s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens)
-        c = e.connector
-        if c is None:
+        cs, d, a = stats.connector, stats.directory, stats.acks
+        if cs is None or d is None or a is None:
             return
-        cs = c.stats
         for cause in ("reuse", "preemption", "reset"):
             self._inc(self.flushes, "f_" + cause, getattr(cs, "flushes_" + cause), {"cause": cause})
         self._inc(self.allocation_failures, "alloc_fail", cs.allocation_failures)
         self._inc(self.deferred, "deferred", cs.deferred_lookups)
-        sync, deferred = c.take_delays()
+        sync, deferred = self.engine.connector.take_delays()
         for seconds in sync:
             self.lookup_delay.observe(seconds)
         for seconds in deferred:
             self.deferred_delay.observe(seconds)
-        self.jobs.set(len(c.jobs))
-        d = c.directory.stats()
+        self.jobs.set(stats.jobs_in_flight)
         cap = max(d.capacity, 1)
         for state, value in (
             ("used", d.used),
@@ -127,6 +129,5 @@ class EngineMetrics:
         self._inc(self.lookups, "l_pending", d.hit_pending, {"result": "hit_pending"})
         self._inc(self.lookups, "l_miss", d.misses, {"result": "miss"})
         self._inc(self.evictions, "evictions", d.evictions)
-        a = c.jobs.stats
         for kind in ("acks", "unknown", "stale", "duplicate"):
             self._inc(self.acks, "a_" + kind, getattr(a, kind), {"kind": kind})

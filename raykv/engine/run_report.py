@@ -1,0 +1,139 @@
+"""The run report: what ``raykv run`` prints and writes (``--json-report``), as one typed record.
+
+It is built once from an engine's stats snapshot when a run ends; whoever drives the run fills
+in what only it knows (the engine kind, the refused requests, the config, the per-rank detail
+and the scheduler restarts of the Ray client). ``as_dict`` gives the JSON shape the README
+documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raykv.engine.stats import EngineStats
+
+
+@dataclass(slots=True)
+class TransferTotals:
+    jobs: int
+    blocks: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class Flushes:
+    reuse: int = 0
+    preemption: int = 0
+    reset: int = 0
+    timeout: int = 0
+
+
+@dataclass(slots=True)
+class Integrity:
+    blocks_verified: int
+    mismatches: int
+
+
+@dataclass(slots=True)
+class CpuTierSummary:
+    slots: int
+    used: int
+    evictions: int
+    policy: str
+
+
+@dataclass(slots=True)
+class AckCounts:
+    acks: int
+    unknown: int
+    stale: int
+    duplicate: int
+
+
+@dataclass(slots=True)
+class RunReport:
+    requests_finished: int
+    requests: int  # admitted by the engine (refused ones are in ``rejected``)
+    prompt_tokens: int
+    generated_tokens: int
+    admitted_tokens: int  # what each admission had to provide (re-admissions count again)
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    recomputed_tokens: int
+    loads: TransferTotals
+    stores: TransferTotals
+    flushes: Flushes
+    preemptions: int
+    rank_restarts: int
+    tier_kept_restarts: int
+    deferral_timeouts: int
+    deferred_lookups: int
+    allocation_failures: int
+    integrity: Integrity
+    output_digest: str
+    steps: int
+    idle_steps: int
+    wall_seconds: float
+    ranks: list[dict[str, float]]  # transfer stats of each rank
+    cpu_tier: CpuTierSummary | None = None
+    acks: AckCounts | None = None
+    rejected: list[dict[str, str]] = field(default_factory=list)
+    engine: str | None = None  # "local" or "ray"
+    config: dict[str, Any] | None = None
+    ranks_detail: list[dict[str, Any]] | None = None
+    scheduler_restarts: int | None = None
+
+    @classmethod
+    def build(
+        cls, stats: EngineStats, finished: int, digest: str, admitted: int, seconds: float
+    ) -> RunReport:
+        s, tr, c = stats.scheduler, stats.transfer, stats.connector
+        d, a = stats.directory, stats.acks
+        return cls(
+            requests_finished=finished,
+            requests=admitted,
+            prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens,
+            admitted_tokens=s.admitted_tokens,
+            gpu_hit_tokens=s.gpu_hit_tokens,
+            cpu_hit_tokens=s.cpu_hit_tokens,
+            recomputed_tokens=s.recomputed_tokens,
+            loads=TransferTotals(
+                c.load_jobs if c else 0, c.load_blocks if c else 0, tr.load_bytes, tr.load_seconds
+            ),
+            stores=TransferTotals(
+                c.store_jobs if c else 0,
+                c.store_blocks if c else 0,
+                tr.store_bytes,
+                tr.store_seconds,
+            ),
+            flushes=Flushes(
+                c.flushes_reuse, c.flushes_preemption, c.flushes_reset, c.flushes_timeout
+            )
+            if c
+            else Flushes(),
+            preemptions=s.preemptions,
+            rank_restarts=stats.rank_restarts,
+            tier_kept_restarts=stats.tier_kept_restarts,
+            deferral_timeouts=c.deferral_timeouts if c else 0,
+            deferred_lookups=c.deferred_lookups if c else 0,
+            allocation_failures=c.allocation_failures if c else 0,
+            integrity=Integrity(tr.blocks_verified, tr.mismatches),
+            output_digest=digest,
+            steps=stats.steps,
+            idle_steps=stats.idle_steps,
+            wall_seconds=seconds,
+            ranks=[asdict(r) for r in stats.per_rank],
+            cpu_tier=CpuTierSummary(d.capacity, d.used, d.evictions, d.policy) if d else None,
+            acks=AckCounts(a.acks, a.unknown, a.stale, a.duplicate) if a else None,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON shape: every field, with the parts a run does not have left out."""
+        out = asdict(self)
+        for key in ("cpu_tier", "acks", "engine", "config", "ranks_detail", "scheduler_restarts"):
+            if out[key] is None:
+                del out[key]
+        return out

@@ -1,0 +1,60 @@
+"""One typed snapshot of an engine's counters: what the run report and the metrics both read.
+
+Taking a snapshot copies the counters, so a reader can keep it while the engine steps on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from raykv.connector.jobs import AckStats
+from raykv.connector.stats import ConnectorStats
+from raykv.core.step import TransferStats
+from raykv.engine.scheduler import SchedulerStats
+from raykv.offload.directory import DirectoryStats
+
+if TYPE_CHECKING:
+    from raykv.engine.core import EngineCore
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Cumulative counters of one engine (the CPU-tier parts are None without offloading)."""
+
+    steps: int
+    idle_steps: int  # steps with no tokens scheduled (polling and acking only)
+    rank_restarts: int  # ranks that died or went silent and were replaced
+    tier_kept_restarts: int  # of those, restarts after which the CPU tier was kept
+    finished: int
+    prompt_tokens: int
+    generated_tokens: int
+    scheduler: SchedulerStats
+    transfer: TransferStats  # summed over ranks
+    per_rank: list[TransferStats] = field(default_factory=list)
+    connector: ConnectorStats | None = None
+    directory: DirectoryStats | None = None
+    acks: AckStats | None = None
+    jobs_in_flight: int = 0
+
+
+def snapshot(engine: EngineCore) -> EngineStats:
+    """The engine's counters now."""
+    t = engine.totals
+    c = engine.connector
+    return EngineStats(
+        steps=t.steps,
+        idle_steps=t.idle_steps,
+        rank_restarts=t.rank_restarts,
+        tier_kept_restarts=t.tier_kept_restarts,
+        finished=t.finished,
+        prompt_tokens=t.prompt_tokens,
+        generated_tokens=t.generated_tokens,
+        scheduler=replace(engine.scheduler.stats),
+        transfer=replace(t.transfer),
+        per_rank=[replace(r) for r in t.per_rank],
+        connector=replace(c.stats) if c is not None else None,
+        directory=c.directory.stats() if c is not None else None,
+        acks=replace(c.jobs.stats) if c is not None else None,
+        jobs_in_flight=len(c.jobs) if c is not None else 0,
+    )
