@@ -26,6 +26,7 @@ import psutil
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
 from raykv.engine.run import Driver
+from raykv.engine.stats import drain_books
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.workload.requests import make_workload
 
@@ -45,34 +46,23 @@ DRAINED = {
     "tracked": 0,  # per-request connector states
     "writing": 0,  # CPU-tier slots being written
     "reading": 0,  # CPU-tier slots being read
+    "loading": 0,  # requests still waiting for a load
     "gpu_blocks_leaked": 0,  # GPU blocks not free
 }
 
 
 def books_of(engine: EngineCore) -> dict[str, int]:
     """The books of a live one-process engine, read now."""
-    c = engine.connector
-    if c is None:
+    if engine.connector is None:
         raise SystemExit("soak needs offloading on: there are no books to check")
-    d = c.directory.stats()
-    return {
-        "jobs": len(c.jobs),
-        "fence": len(c.fence),
-        "tracked": c.tracked(),
-        "writing": d.writing,
-        "reading": d.reading,
-        "gpu_blocks_leaked": engine.pool.num_usable - engine.pool.num_free,
-    }
+    return drain_books(engine)
 
 
 def ray_books(server) -> dict[str, int]:
     """The books of the live scheduler actor (``EngineServer.books``), in ``books_of``'s keys."""
     import ray
 
-    books = dict(ray.get(server.books.remote(), timeout=60))
-    if "usable_gpu_blocks" in books and "free_gpu_blocks" in books:
-        books["gpu_blocks_leaked"] = books.pop("usable_gpu_blocks") - books.pop("free_gpu_blocks")
-    return books
+    return dict(ray.get(server.books.remote(), timeout=60))
 
 
 def drain_problems(books: dict[str, int]) -> list[str]:

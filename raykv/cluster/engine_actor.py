@@ -159,21 +159,11 @@ class EngineServer:
         return time.time()
 
     def books(self) -> dict[str, int]:
-        """What must be empty once a run has drained: jobs, fence, request states, busy slots."""
+        """What must all be 0 once a run has drained (``engine.stats.drain_books``)."""
+        from raykv.engine.stats import drain_books
+
         with self._lock:
-            c = self.engine.connector
-            if c is None:
-                return {}
-            d = c.directory.stats()
-            return {
-                "jobs": len(c.jobs),
-                "fence": len(c.fence),
-                "tracked": c.tracked(),
-                "writing": d.writing,
-                "reading": d.reading,
-                "free_gpu_blocks": self.engine.pool.num_free,
-                "usable_gpu_blocks": self.engine.pool.num_usable,
-            }
+            return drain_books(self.engine)
 
     def verify_cpu_tier(self) -> tuple[int, int]:
         """Every rank's CPU-pool shard against what each readable chunk must hold: (blocks

@@ -58,3 +58,24 @@ def snapshot(engine: EngineCore) -> EngineStats:
         acks=replace(c.jobs.stats) if c is not None else None,
         jobs_in_flight=len(c.jobs) if c is not None else 0,
     )
+
+
+def drain_books(engine: EngineCore) -> dict[str, int]:
+    """What must all be 0 once a run has drained (DESIGN invariant 4), read now: jobs in the job
+    table, GPU blocks fenced by unfinished stores, per-request connector states, CPU-tier slots
+    being written or read, requests still waiting for a load, and GPU blocks not free. Empty
+    without offloading (there are no such books)."""
+    c = engine.connector
+    if c is None:
+        return {}
+    d = c.directory.stats()
+    pool = engine.pool
+    return {
+        "jobs": len(c.jobs),
+        "fence": len(c.fence),
+        "tracked": c.tracked(),
+        "writing": d.writing,
+        "reading": d.reading,
+        "loading": len(engine.scheduler.loading),
+        "gpu_blocks_leaked": pool.num_usable - pool.num_free,
+    }

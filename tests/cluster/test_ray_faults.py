@@ -41,7 +41,7 @@ def test_killed_ranks_are_replaced_and_outputs_match_the_fault_free_run(ray_sess
     assert report["output_digest"] == local_digest(SETS, False)
     assert books["jobs"] == books["fence"] == books["tracked"] == 0
     assert books["writing"] == books["reading"] == 0
-    assert books["free_gpu_blocks"] == books["usable_gpu_blocks"]
+    assert books["gpu_blocks_leaked"] == books["loading"] == 0
     assert bad == 0 and checked > 0
 
 

@@ -76,10 +76,10 @@ def test_ray_books_are_read_in_the_same_keys(soak, ray_session) -> None:
     import ray
 
     @ray.remote(num_cpus=0)
-    class Server:  # answers like EngineServer.books
+    class Server:  # answers like EngineServer.books, with two GPU blocks leaked
         def books(self) -> dict[str, int]:
-            keys = ("jobs", "fence", "tracked", "writing", "reading")
-            return {**dict.fromkeys(keys, 0), "free_gpu_blocks": 30, "usable_gpu_blocks": 32}
+            keys = ("jobs", "fence", "tracked", "writing", "reading", "loading")
+            return {**dict.fromkeys(keys, 0), "gpu_blocks_leaked": 2}
 
     server = Server.remote()
     try:
