@@ -334,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="inject a fault (repeatable): kill-worker:rate=P | kill-worker:step=N:rank=R | "
         "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P | "
-        "kill-scheduler:step=N, each with an optional :seed=S (R: a rank below "
+        "kill-scheduler:step=N, each with an optional :seed=S, a rank's with an optional "
+        ":incarnation=I (only that instance of the rank; R: a rank below "
         "parallel.tensor_parallel_size)",
     )
     run.set_defaults(func=_cmd_run)
