@@ -6,10 +6,25 @@ import pytest
 
 from raykv.config import load_config
 from raykv.connector.scheduler import ConnectorScheduler
+from raykv.core.step import (
+    BlockCopy,
+    StepPlan,
+    StepReport,
+    TransferPlan,
+    TransferReport,
+    TransferSpec,
+)
 from raykv.engine.core import EngineCore
 from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
-from raykv.faults import FaultSpecError, RankFaults, parse_fault
+from raykv.faults import (
+    FaultSpecError,
+    FaultyBackend,
+    FaultyRank,
+    RankDied,
+    RankFaults,
+    parse_fault,
+)
 from raykv.workload.requests import make_workload
 
 BASE = [
@@ -190,3 +205,80 @@ def test_a_restarted_rank_finds_the_cpu_tier_in_shared_memory(fault_free):
     assert kept["output_digest"] == lost["output_digest"] == fault_free["output_digest"]
     assert kept["cpu_hit_tokens"] > lost["cpu_hit_tokens"]
     assert checked > 0
+
+
+def test_a_fault_with_an_incarnation_strikes_only_that_instance_of_the_rank() -> None:
+    faults = [parse_fault("drop-acks:rate=1:rank=1:incarnation=0")]
+    assert RankFaults(1, faults, incarnation=0).drops()
+    assert not RankFaults(1, faults, incarnation=1).active  # the replacement acks normally
+    assert not RankFaults(0, faults, incarnation=0).active
+
+
+def test_delay_acks_with_a_rate_holds_back_only_some_completions() -> None:
+    some = RankFaults(0, [parse_fault("delay-acks:rank=0:steps=3:rate=0.5:seed=2")])
+    delays = [some.ack_delay() for _ in range(200)]
+    assert set(delays) == {0, 3} and 60 < delays.count(3) < 140
+    every = RankFaults(0, [parse_fault("delay-acks:rank=0:steps=3")])
+    assert {every.ack_delay() for _ in range(20)} == {3}
+
+
+class _Rank:
+    """A rank that reports, each step, the jobs it is told to (a stand-in for the real rank's
+    step, so the wrapper's own holds, losses and copies are what the test sees)."""
+
+    def __init__(self) -> None:
+        self.done: list[int] = []
+
+    def execute(self, plan: StepPlan) -> StepReport:
+        report = StepReport(0, plan.step, TransferReport(list(self.done)))
+        self.done = []
+        return report
+
+
+def test_a_faulty_rank_holds_reports_back_and_answers_a_reack_at_once() -> None:
+    inner = _Rank()
+    rank = FaultyRank(inner, RankFaults(0, [parse_fault("delay-acks:rank=0:steps=2")]))
+    inner.done = [7]
+    assert rank.execute(StepPlan(0)).transfers.completed == []
+    assert rank.held_jobs() == [7]
+    assert rank.execute(StepPlan(1)).transfers.completed == []
+    assert rank.execute(StepPlan(2)).transfers.completed == [7]
+    inner.done = [8]
+    rank.execute(StepPlan(3))
+    inner.done = [8]  # asked again (the real rank re-reports what it reported before)
+    asked = rank.execute(StepPlan(4, TransferPlan(reack=[8])))
+    assert asked.transfers.completed == [8] and rank.held_jobs() == []
+
+
+def test_a_faulty_rank_dies_at_its_step() -> None:
+    rank = FaultyRank(_Rank(), RankFaults(0, [parse_fault("kill-worker:step=2:rank=0")]))
+    rank.execute(StepPlan(1))
+    with pytest.raises(RankDied, match="step 2"):
+        rank.execute(StepPlan(2))
+
+
+def test_a_failed_copy_holds_no_block_and_is_reported_failed_by_the_next_poll() -> None:
+    class Backend:  # records what reaches the real engine
+        def __init__(self) -> None:
+            self.submitted: list[int] = []
+            self.flushed: list[int] = []
+
+        def submit(self, spec: TransferSpec) -> None:
+            self.submitted.append(spec.job_id)
+
+        def flush(self, job_ids) -> None:
+            self.flushed += list(job_ids)
+
+        def poll(self) -> tuple[list[int], list[int]]:
+            return list(self.submitted), []
+
+        def pending_reads(self) -> set[int]:
+            return set()
+
+    inner = Backend()
+    backend = FaultyBackend(inner, RankFaults(0, [parse_fault("fail-copy:rate=1")]))
+    backend.submit(TransferSpec(5, True, BlockCopy([1], [0], [0])))
+    backend.flush([5])
+    assert inner.submitted == [] and inner.flushed == [] and backend.pending_reads() == set()
+    assert backend.poll() == ([], [5])
+    assert backend.poll() == ([], [])
