@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from raykv.core.step import StepPlan, StepReport, TransferSpec, TransferStats
+from raykv.core.step import StepPlan, StepReport, TransferSpec
 
 
 class RankDied(RuntimeError):
@@ -177,21 +177,10 @@ class RankFaults:
         return any(f.applies_to(self.rank, self.incarnation) for f in self.faults)
 
 
-class TransferBackend(Protocol):
-    """What a rank's transfer engine offers the connector's worker half."""
-
-    def submit(self, spec: TransferSpec) -> None: ...
-    def flush(self, job_ids: Iterable[int]) -> None: ...
-    def poll(self) -> tuple[list[int], list[int]]: ...
-    def wait(self, timeout_s: float) -> None: ...
-    def pending_reads(self) -> set[int]: ...
-    def pending_writes(self) -> set[int]: ...
-    def take_stats(self) -> TransferStats: ...
-
-
 class FaultyBackend:
-    """A transfer backend whose copies fail (``fail-copy``): a failed job copies nothing, holds
-    no block, and is reported failed by the next poll, as a copy that failed on the device."""
+    """A transfer backend (``connector.worker.TransferBackend``) whose copies fail
+    (``fail-copy``): a failed job copies nothing, holds no block, and is reported failed by the
+    next poll, as a copy that failed on the device."""
 
     def __init__(self, inner: Any, faults: RankFaults) -> None:
         self.inner = inner

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from raykv.core.step import BlockContent, TransferPlan, TransferReport, TransferSpec, TransferStats
-from raykv.faults import TransferBackend
 
 # (GPU block, what it must hold) -> whether it does: the synthetic model's check of a load
 BlockVerifier = Callable[[int, BlockContent], bool]
@@ -27,6 +27,18 @@ _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
 # spinning thread starves the copy thread of the GIL: measured, 1-block loads then took 32
 # steps and were only finished by the overdue-job flush.
 IDLE_WAIT_S = 0.002
+
+
+class TransferBackend(Protocol):
+    """What a rank's transfer engine (CPU or CUDA, possibly wrapped in a fault) offers."""
+
+    def submit(self, spec: TransferSpec) -> None: ...
+    def flush(self, job_ids: Iterable[int]) -> None: ...
+    def poll(self) -> tuple[list[int], list[int]]: ...
+    def wait(self, timeout_s: float) -> None: ...
+    def pending_reads(self) -> set[int]: ...
+    def pending_writes(self) -> set[int]: ...
+    def take_stats(self) -> TransferStats: ...
 
 
 class FenceViolation(RuntimeError):
