@@ -1,0 +1,202 @@
+"""A Llama-family decoder whose attention reads and writes the paged KV cache in place.
+
+The KV of layer ``l`` lives in the pages of its KV group: a page (one GPU block of that group)
+is ``[layers_in_group, 2, kv_heads, block_size, head_dim]``, the layout the transfer engines
+copy, so what the CPU tier stores and loads is exactly what the model reads. One step computes
+any mix of requests: a prefill chunk (its prefix already in the pages, from the GPU prefix cache
+or a CPU-tier load) or one decode token each; the linear layers run over every new token at
+once, attention per request (gather the pages it reads, then ``scaled_dot_product_attention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raykv.model.rope import apply_rotary, inverse_frequencies, rotary
+from raykv.model.spec import ModelSpec
+
+
+@dataclass(slots=True)
+class SequenceChunk:
+    """One request's part of a step: ``tokens`` at positions ``start ..`` (the KV of every
+    earlier position is already in its pages), its block table per KV group, and whether the
+    step samples after its last token."""
+
+    tokens: Sequence[int]
+    start: int
+    block_tables: Sequence[Sequence[int]]
+    sample: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlacement:
+    """Where each layer's KV lives: its KV group and its index among that group's layers."""
+
+    group_of: tuple[int, ...]
+    index_in_group: tuple[int, ...]
+    layers_per_group: int  # the page holds this many layers (a group may use fewer)
+
+    @classmethod
+    def for_windows(cls, windows: Sequence[int | None]) -> tuple[KVPlacement, list[int | None]]:
+        """Layers grouped by attention kind (full, then each window size, in order of first
+        appearance); returns the placement and each group's window."""
+        kinds: list[int | None] = []
+        for w in windows:
+            if w not in kinds:
+                kinds.append(w)
+        group_of, index, counts = [], [], [0] * len(kinds)
+        for w in windows:
+            g = kinds.index(w)
+            group_of.append(g)
+            index.append(counts[g])
+            counts[g] += 1
+        return cls(tuple(group_of), tuple(index), max(counts)), kinds
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, scaled by ``weight`` in the input's dtype (as Llama does it)."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+class Decoder:
+    """The whole model on one rank (tensor parallelism is a later step)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: Mapping[str, torch.Tensor],
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.placement, self.group_windows = KVPlacement.for_windows(spec.windows)
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.lm_head = self.embed if spec.tie_embeddings else get("lm_head.weight")
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                name: get(p + name)
+                for name in (
+                    "input_layernorm.weight",
+                    "post_attention_layernorm.weight",
+                    "self_attn.q_proj.weight",
+                    "self_attn.k_proj.weight",
+                    "self_attn.v_proj.weight",
+                    "self_attn.o_proj.weight",
+                    "mlp.gate_proj.weight",
+                    "mlp.up_proj.weight",
+                    "mlp.down_proj.weight",
+                )
+            }
+            if spec.qkv_bias:
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    layer[f"self_attn.{name}.bias"] = get(f"{p}self_attn.{name}.bias")
+            if spec.qk_norm:
+                for name in ("q_norm", "k_norm"):
+                    layer[f"self_attn.{name}.weight"] = get(f"{p}self_attn.{name}.weight")
+            self.layers.append(layer)
+        self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(self.device)
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        s = self.spec
+        return (self.placement.layers_per_group, 2, s.num_kv_heads, self.block_size, s.head_dim)
+
+    def forward(self, chunks: Sequence[SequenceChunk], kv: torch.Tensor) -> torch.Tensor:
+        """Compute one step: write every new token's KV into ``kv`` (``[num_blocks,
+        page_elems]``) and return the logits ``[sampling chunks, vocab]`` (float32) of each
+        sampling chunk's last token."""
+        s, dev = self.spec, self.device
+        pages = kv.view(kv.shape[0], *self.page_shape)
+        tokens = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long, device=dev)
+        positions = torch.cat(
+            [torch.arange(c.start, c.start + len(c.tokens), device=dev) for c in chunks]
+        )
+        spans = []  # (first row, rows) of each chunk in the flat token axis
+        row = 0
+        for c in chunks:
+            spans.append((row, len(c.tokens)))
+            row += len(c.tokens)
+        cos, sin = rotary(self.inv_freq, positions)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        # where each new token's KV goes, per group: block and offset in it
+        targets = [
+            [self._slots(c.block_tables[g], c.start, c.start + len(c.tokens)) for c in chunks]
+            for g in range(len(self.group_windows))
+        ]
+        x = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            g, li = self.placement.group_of[i], self.placement.index_in_group[i]
+            h = rms_norm(x, layer["input_layernorm.weight"], s.rms_eps)
+            q = self._project(h, layer, "q_proj").view(-1, s.num_heads, s.head_dim)
+            k = self._project(h, layer, "k_proj").view(-1, s.num_kv_heads, s.head_dim)
+            v = self._project(h, layer, "v_proj").view(-1, s.num_kv_heads, s.head_dim)
+            if s.qk_norm:
+                q = rms_norm(q, layer["self_attn.q_norm.weight"], s.rms_eps)
+                k = rms_norm(k, layer["self_attn.k_norm.weight"], s.rms_eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = torch.empty_like(q)
+            for c, (first, n), (blocks, offsets) in zip(chunks, spans, targets[g], strict=True):
+                pages[blocks, li, 0, :, offsets] = k[first : first + n].to(pages.dtype)
+                pages[blocks, li, 1, :, offsets] = v[first : first + n].to(pages.dtype)
+                out[first : first + n] = self._attend(q[first : first + n], pages, g, li, c)
+            x = x + F.linear(out.reshape(len(tokens), -1), layer["self_attn.o_proj.weight"])
+            h = rms_norm(x, layer["post_attention_layernorm.weight"], s.rms_eps)
+            gate = F.linear(h, layer["mlp.gate_proj.weight"])
+            up = F.linear(h, layer["mlp.up_proj.weight"])
+            x = x + F.linear(F.silu(gate) * up, layer["mlp.down_proj.weight"])
+        last = [first + n - 1 for c, (first, n) in zip(chunks, spans, strict=True) if c.sample]
+        h = rms_norm(x[last], self.norm, s.rms_eps)
+        return F.linear(h, self.lm_head).to(torch.float32)
+
+    def _project(self, h: torch.Tensor, layer: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        return F.linear(h, layer[f"self_attn.{name}.weight"], layer.get(f"self_attn.{name}.bias"))
+
+    def _slots(
+        self, table: Sequence[int], start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        pos = range(start, end)
+        blocks = torch.tensor([table[p // bs] for p in pos], dtype=torch.long, device=self.device)
+        offsets = torch.tensor([p % bs for p in pos], dtype=torch.long, device=self.device)
+        return blocks, offsets
+
+    def _attend(
+        self, q: torch.Tensor, pages: torch.Tensor, group: int, index: int, chunk: SequenceChunk
+    ) -> torch.Tensor:
+        """Attention of one chunk's queries ``[n, heads, head_dim]`` over the KV in its pages
+        (layer ``index`` of KV group ``group``): the whole prefix, or a sliding window of it."""
+        s, window = self.spec, self.group_windows[group]
+        end = chunk.start + len(chunk.tokens)
+        lo = 0 if window is None else max(0, chunk.start - window + 1)
+        blocks, offsets = self._slots(chunk.block_tables[group], lo, end)
+        keys = pages[blocks, index, 0, :, offsets].to(q.dtype)  # [m, kv_heads, head_dim]
+        values = pages[blocks, index, 1, :, offsets].to(q.dtype)
+        q_pos = torch.arange(chunk.start, end, device=self.device)[:, None]
+        k_pos = torch.arange(lo, end, device=self.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= q_pos - k_pos < window
+        repeat = s.num_heads // s.num_kv_heads
+        keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1)
+        values = values.repeat_interleave(repeat, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        return out.transpose(0, 1)
