@@ -15,6 +15,7 @@ from raykv.model.decoder import Decoder, SequenceChunk  # noqa: E402
 from raykv.model.gguf_file import load_gguf  # noqa: E402
 from raykv.model.presets import preset_path  # noqa: E402
 from raykv.model.spec import UnsupportedModel  # noqa: E402
+from raykv.model.tokenizer import Tokenizer  # noqa: E402
 
 BLOCK = 16
 
@@ -31,7 +32,7 @@ def smollm2():
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    return ours, tokenizer, theirs
+    return ours, tokenizer, theirs, path
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -42,7 +43,7 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 
 def test_greedy_answer_and_logprobs_equal_transformers(smollm2) -> None:
-    ours, tokenizer, theirs = smollm2
+    ours, tokenizer, theirs, _ = smollm2
     prompt = chat_ids(tokenizer, "What is the capital of France?")
     with torch.no_grad():
         expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
@@ -65,3 +66,18 @@ def test_greedy_answer_and_logprobs_equal_transformers(smollm2) -> None:
     got = torch.stack(logprobs)
     want = reference[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
     assert (got - want).abs().max().item() < 5e-4
+
+
+def test_chat_prompts_are_the_token_ids_of_transformers_chat_template(smollm2) -> None:
+    _, reference, _, path = smollm2
+    ours = Tokenizer(path)
+    messages = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "Name a prime number."},
+    ]
+    want = reference.apply_chat_template(messages, add_generation_prompt=True)
+    want = list(want if isinstance(want, list) else want["input_ids"])
+    assert ours.chat(messages) == want
+    assert ours.decode(ours.encode("The capital of France is Paris.")) == (
+        "The capital of France is Paris."
+    )

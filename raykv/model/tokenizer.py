@@ -1,0 +1,42 @@
+"""The tokenizer and chat template of a checkpoint, through transformers' ``AutoTokenizer``:
+from a Hugging Face directory or from the metadata of a GGUF file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raykv.model.spec import UnsupportedModel
+
+
+class Tokenizer:
+    """Text to token ids and back, and chat messages through the model's template."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        file = Path(path)
+        if file.is_file() and file.suffix == ".gguf":
+            self._tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        elif file.is_dir():
+            self._tok = AutoTokenizer.from_pretrained(str(file))
+        else:
+            raise UnsupportedModel(f"{file}: neither a model directory nor a .gguf file")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The token ids of ``messages`` in the chat template, with the generation prompt."""
+        if not self._tok.chat_template:
+            raise UnsupportedModel("this model has no chat template: send a prompt instead")
+        ids = self._tok.apply_chat_template(list(messages), add_generation_prompt=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
