@@ -6,11 +6,16 @@ copy, so what the CPU tier stores and loads is exactly what the model reads. One
 any mix of requests: a prefill chunk (its prefix already in the pages, from the GPU prefix cache
 or a CPU-tier load) or one decode token each; the linear layers run over every new token at
 once, attention per request (gather the pages it reads, then ``scaled_dot_product_attention``).
+
+Tensor parallel over ``tp_size`` ranks as Megatron does it: q/k/v and gate/up are split by
+output (each rank holds its query and KV heads and its share of the MLP), o and down by input,
+each followed by an all-reduce; embedding, norms and LM head are replicated, so every rank
+computes the same logits. A rank's pages hold only its KV heads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +69,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP group
+
+
+def check_tensor_parallel(spec: ModelSpec, tp_size: int) -> None:
+    """Refuse a TP size that cannot split this model, naming the counts."""
+    for what, count in (
+        ("query heads", spec.num_heads),
+        ("KV heads", spec.num_kv_heads),
+        ("MLP width", spec.intermediate_size),
+    ):
+        if count % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} does not divide the model's {count} {what}"
+            )
+
+
 class Decoder:
-    """The whole model on one rank (tensor parallelism is a later step)."""
+    """One rank's shard of the model (the whole model at ``tp_size`` 1)."""
 
     def __init__(
         self,
@@ -74,17 +95,45 @@ class Decoder:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        *,
+        rank: int = 0,
+        tp_size: int = 1,
+        all_reduce: AllReduce | None = None,
     ) -> None:
+        check_tensor_parallel(spec, tp_size)
+        if tp_size > 1 and all_reduce is None:
+            raise ValueError("a tensor-parallel decoder needs an all_reduce")
         self.spec = spec
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.placement, self.group_windows = KVPlacement.for_windows(spec.windows)
+        self.num_heads = spec.num_heads // tp_size
+        self.num_kv_heads = spec.num_kv_heads // tp_size
+        self.all_reduce: AllReduce = all_reduce or (lambda x: x)
+        q_rows = self.num_heads * spec.head_dim
+        kv_rows = self.num_kv_heads * spec.head_dim
+        mlp_rows = spec.intermediate_size // tp_size
+        # (dimension split, this rank's slice) of every sharded tensor, by name suffix
+        shards = {
+            "self_attn.q_proj": (0, slice(rank * q_rows, (rank + 1) * q_rows)),
+            "self_attn.k_proj": (0, slice(rank * kv_rows, (rank + 1) * kv_rows)),
+            "self_attn.v_proj": (0, slice(rank * kv_rows, (rank + 1) * kv_rows)),
+            "self_attn.o_proj": (1, slice(rank * q_rows, (rank + 1) * q_rows)),
+            "mlp.gate_proj": (0, slice(rank * mlp_rows, (rank + 1) * mlp_rows)),
+            "mlp.up_proj": (0, slice(rank * mlp_rows, (rank + 1) * mlp_rows)),
+            "mlp.down_proj": (1, slice(rank * mlp_rows, (rank + 1) * mlp_rows)),
+        }
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
-            return weights[name].to(device=self.device, dtype=dtype)
+            tensor = weights[name]
+            module, _, kind = name.rpartition(".")
+            for suffix, (dim, part) in shards.items():
+                if module.endswith(suffix) and (kind == "weight" or dim == 0):
+                    tensor = tensor[part] if dim == 0 else tensor[:, part]
+            return tensor.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
@@ -117,8 +166,9 @@ class Decoder:
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
+        """One page of this rank's KV: every layer of a group, K and V, its KV heads."""
         s = self.spec
-        return (self.placement.layers_per_group, 2, s.num_kv_heads, self.block_size, s.head_dim)
+        return (self.placement.layers_per_group, 2, self.num_kv_heads, self.block_size, s.head_dim)
 
     def forward(self, chunks: Sequence[SequenceChunk], kv: torch.Tensor) -> torch.Tensor:
         """Compute one step: write every new token's KV into ``kv`` (``[num_blocks,
@@ -146,9 +196,9 @@ class Decoder:
         for i, layer in enumerate(self.layers):
             g, li = self.placement.group_of[i], self.placement.index_in_group[i]
             h = rms_norm(x, layer["input_layernorm.weight"], s.rms_eps)
-            q = self._project(h, layer, "q_proj").view(-1, s.num_heads, s.head_dim)
-            k = self._project(h, layer, "k_proj").view(-1, s.num_kv_heads, s.head_dim)
-            v = self._project(h, layer, "v_proj").view(-1, s.num_kv_heads, s.head_dim)
+            q = self._project(h, layer, "q_proj").view(-1, self.num_heads, s.head_dim)
+            k = self._project(h, layer, "k_proj").view(-1, self.num_kv_heads, s.head_dim)
+            v = self._project(h, layer, "v_proj").view(-1, self.num_kv_heads, s.head_dim)
             if s.qk_norm:
                 q = rms_norm(q, layer["self_attn.q_norm.weight"], s.rms_eps)
                 k = rms_norm(k, layer["self_attn.k_norm.weight"], s.rms_eps)
@@ -158,11 +208,12 @@ class Decoder:
                 pages[blocks, li, 0, :, offsets] = k[first : first + n].to(pages.dtype)
                 pages[blocks, li, 1, :, offsets] = v[first : first + n].to(pages.dtype)
                 out[first : first + n] = self._attend(q[first : first + n], pages, g, li, c)
-            x = x + F.linear(out.reshape(len(tokens), -1), layer["self_attn.o_proj.weight"])
+            attn = F.linear(out.reshape(len(tokens), -1), layer["self_attn.o_proj.weight"])
+            x = x + self.all_reduce(attn)
             h = rms_norm(x, layer["post_attention_layernorm.weight"], s.rms_eps)
             gate = F.linear(h, layer["mlp.gate_proj.weight"])
             up = F.linear(h, layer["mlp.up_proj.weight"])
-            x = x + F.linear(F.silu(gate) * up, layer["mlp.down_proj.weight"])
+            x = x + self.all_reduce(F.linear(F.silu(gate) * up, layer["mlp.down_proj.weight"]))
         last = [first + n - 1 for c, (first, n) in zip(chunks, spans, strict=True) if c.sample]
         h = rms_norm(x[last], self.norm, s.rms_eps)
         return F.linear(h, self.lm_head).to(torch.float32)
@@ -184,7 +235,7 @@ class Decoder:
     ) -> torch.Tensor:
         """Attention of one chunk's queries ``[n, heads, head_dim]`` over the KV in its pages
         (layer ``index`` of KV group ``group``): the whole prefix, or a sliding window of it."""
-        s, window = self.spec, self.group_windows[group]
+        window = self.group_windows[group]
         end = chunk.start + len(chunk.tokens)
         lo = 0 if window is None else max(0, chunk.start - window + 1)
         blocks, offsets = self._slots(chunk.block_tables[group], lo, end)
@@ -195,7 +246,7 @@ class Decoder:
         mask = k_pos <= q_pos
         if window is not None:
             mask &= q_pos - k_pos < window
-        repeat = s.num_heads // s.num_kv_heads
+        repeat = self.num_heads // self.num_kv_heads
         keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1)
         values = values.repeat_interleave(repeat, dim=1).transpose(0, 1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)

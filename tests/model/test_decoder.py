@@ -157,3 +157,52 @@ def test_the_sliding_window_layers_are_read_as_a_window(tmp_path: Path) -> None:
 def test_an_unsupported_model_type_is_refused_by_name() -> None:
     with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported"):
         ModelSpec.from_hf_config({"model_type": "gpt2"})
+
+
+class ThreadAllReduce:
+    """A sum over ranks that run in threads of this process (the real group is gloo or NCCL;
+    the arithmetic under test is the decoder's sharding, not the transport)."""
+
+    def __init__(self, ranks: int) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(ranks)
+        self.parts: list[torch.Tensor | None] = [None] * ranks
+        self.ranks = ranks
+
+    def for_rank(self, rank: int):
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            self.parts[rank] = x
+            self.barrier.wait()
+            total = sum(p for p in self.parts if p is not None)
+            self.barrier.wait()  # every rank has read the parts before the next call
+            return total
+
+        return all_reduce
+
+
+@pytest.mark.parametrize("name", ["llama-llama3-untied", "qwen2-bias", "qwen3-norms-sliding"])
+def test_two_tensor_parallel_ranks_match_transformers(tmp_path: Path, name: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, model = checkpoint(tmp_path, name)
+    spec, weights = load_hf_directory(path)
+    group = ThreadAllReduce(2)
+    ranks = [
+        Decoder(spec, weights, BLOCK, rank=r, tp_size=2, all_reduce=group.for_rank(r))
+        for r in range(2)
+    ]
+    assert ranks[0].page_shape[2] == spec.num_kv_heads // 2  # each rank pages its KV heads
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (13,), generator=gen).tolist()
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda d: decode_token_by_token(d, tokens), ranks))
+    assert torch.equal(results[0], results[1])  # the same logits on every rank
+    assert (results[0] - reference_logprobs(model, tokens)).abs().max().item() < TOLERANCE
+
+
+def test_a_tp_size_that_does_not_split_the_heads_is_refused_with_the_counts(tmp_path) -> None:
+    path, _ = checkpoint(tmp_path, "llama-tied")
+    spec, weights = load_hf_directory(path)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4"):
+        Decoder(spec, weights, BLOCK, rank=0, tp_size=3, all_reduce=lambda x: x)
