@@ -148,7 +148,17 @@ class OffloadConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """The (synthetic) model whose KV is cached."""
+    """The model whose KV is cached: the synthetic one (no ``path``), or a real checkpoint."""
+
+    path: str | None = Field(
+        default=None,
+        description="A real model: a preset (smollm2-135m-instruct), a Hugging Face directory "
+        "or a .gguf file; its checkpoint then sets the layers, KV heads, head size, vocabulary "
+        "and KV groups.",
+    )
+    kv_layers_per_group: int | None = Field(
+        default=None, gt=0, description="Layers a KV page holds (set from the checkpoint)."
+    )
 
     num_layers: int = Field(default=4, gt=0)
     num_kv_heads: int = Field(default=4, gt=0, description="KV heads in total, split over ranks.")
@@ -308,6 +318,8 @@ class RaykvConfig(_Strict):
 
     @property
     def layers_per_group(self) -> int:
+        if self.model.kv_layers_per_group is not None:
+            return self.model.kv_layers_per_group
         return self.model.num_layers // len(self.cache.groups)
 
     @property

@@ -72,6 +72,19 @@ class ModelEntry:
     # the request does not sample this step (chunked prefill not yet at the end of its prompt)
     read_blocks: list[int]
     position: int  # position of the token being sampled (mixed into the sample)
+    # every block of the request's table per KV group, up to this step's last position (null
+    # entries where a window no longer reads): what a real model's attention gathers from
+    block_tables: list[list[int]] = field(default_factory=list)
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step."""
+        return self.writes[0].start
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens computed this step."""
+        return self.writes[0].tokens
 
 
 @dataclass(slots=True)

@@ -35,5 +35,6 @@ def model_batch(scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> li
             writes.append(WriteSpan(g, start, tokens, blocks, parents))
         # the prompt is all in: this step samples a token
         read = kv.sampled_blocks(req, end) if end == req.num_tokens else []
-        batch.append(ModelEntry(i, writes, read, end))
+        tables = [list(table[: last_b + 1]) for table in req.block_tables]
+        batch.append(ModelEntry(i, writes, read, end, tables))
     return batch

@@ -27,7 +27,7 @@ from raykv.core.step import (
     TransferStats,
 )
 from raykv.engine.batch import model_batch
-from raykv.engine.sampler import sample_batch
+from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler, SchedulerOutput
 from raykv.offload.directory import Directory
 
@@ -78,8 +78,12 @@ class EngineCore:
         verify: bool | None = None,
         directory: Directory | None = None,
         keep_finished: bool | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """``stop_token_ids``: a real model's EOS tokens (``model.path``); the synthetic model
+        decides EOS itself."""
         self.cfg = cfg
+        self.stop_token_ids = stop_token_ids
         # False: forget requests once done (long runs keep only their outputs)
         self.keep_finished = cfg.engine.keep_finished if keep_finished is None else keep_finished
         self.workers = workers
@@ -181,7 +185,10 @@ class EngineCore:
     ) -> list[Request]:
         self._absorb(reports)
         m = self.cfg.model
-        sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
+        if m.path is not None:
+            sampled = real_model_tokens(plan.batch, reports, self.stop_token_ids)
+        else:
+            sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
         self.totals.generated_tokens += len(sampled)
         finished = self.scheduler.update(sched, reports, sampled)
         for req in finished:

@@ -10,15 +10,14 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from raykv.connector.worker import ConnectorWorker
-from raykv.core.step import ModelEntry, StepPlan, StepReport, WriteSpan
+from raykv.core.step import ModelEntry, StepPlan, StepReport
 
 
 class ModelBackend(Protocol):
-    """One rank's shard of the model: writes the KV of a span of tokens, and digests the KV a
-    sampling request reads (its part of the next token)."""
+    """One rank's shard of the model: computes a step's batch, writing its KV into ``kv`` and
+    answering, per entry, its part of the next token (0 for an entry that does not sample)."""
 
-    def write(self, kv: Any, span: WriteSpan) -> None: ...
-    def checksum(self, kv: Any, blocks: list[int]) -> int: ...
+    def step(self, kv: Any, batch: list[ModelEntry]) -> list[int]: ...
 
 
 class RankRunner:
@@ -39,13 +38,8 @@ class RankRunner:
     def _model_step(self, batch: list[ModelEntry]) -> list[int]:
         if not batch:
             return []
-        kv, model, transfers = self.kv, self.model, self.transfers
+        transfers = self.transfers
         transfers.check_writable([b for entry in batch for s in entry.writes for b in s.blocks])
         for entry in batch:
-            for span in entry.writes:
-                model.write(kv, span)
-        samples = []
-        for entry in batch:
             transfers.check_readable(entry.read_blocks)
-            samples.append(model.checksum(kv, entry.read_blocks) if entry.read_blocks else 0)
-        return samples
+        return self.model.step(self.kv, batch)

@@ -40,3 +40,16 @@ def sample_batch(
             checksum = combine([r.samples[i] for r in reports])
             sampled[i] = sample(checksum, entry.position, vocab_size, eos_every)
     return sampled
+
+
+def real_model_tokens(
+    batch: list[ModelEntry], reports: list[StepReport], stop_token_ids: frozenset[int]
+) -> dict[int, tuple[int, bool]]:
+    """A real model's ranks sampled the same token from the same logits: take the first
+    reply's, and whether it ends its request."""
+    first = min(reports, key=lambda r: r.rank)
+    return {
+        i: (first.samples[i], first.samples[i] in stop_token_ids)
+        for i, entry in enumerate(batch)
+        if entry.read_blocks
+    }

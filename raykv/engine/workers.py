@@ -15,13 +15,25 @@ from raykv.config import RaykvConfig
 from raykv.connector.worker import ConnectorWorker
 from raykv.core.step import BlockContent, StepPlan, StepReport
 from raykv.engine.core import RankFailed
-from raykv.engine.rank_runner import RankRunner
+from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.rank import build_rank
 
 ExecDelay = Callable[[int], int]  # job id -> steps its copy stays pending (unthreaded engines)
+
+
+def real_model(cfg: RaykvConfig, rank: int) -> ModelBackend:
+    """The checkpoint at ``model.path`` as this rank's model (its shard at TP > 1 needs the
+    ranks' process group, which only the Ray deployment will have)."""
+    from raykv.model.backend import LlmModel
+    from raykv.model.checkpoint import resolve
+
+    if cfg.parallel.tensor_parallel_size != 1:
+        raise ValueError("a real model runs at parallel.tensor_parallel_size 1 for now")
+    assert cfg.model.path is not None
+    return LlmModel(resolve(cfg.model.path), cfg.cache.block_size, cfg.model.dtype, rank=rank)
 
 
 def make_layout(cfg: RaykvConfig, num_slots: int) -> KVLayout:
@@ -72,10 +84,12 @@ class LocalWorker:
         self.pool_attached = res.pool_attached
         backend = FaultyBackend(self.engine, self.faults) if self.faults.active else self.engine
         kv, model = self.kv, self.model
-        self.connector = ConnectorWorker(
-            rank, backend, lambda block, content: model.verify(kv, block, content)
-        )
-        self.runner: Rank = RankRunner(rank, self.connector, model, kv)
+        verify = lambda block, content: model.verify(kv, block, content)  # noqa: E731
+        step_model: ModelBackend = model
+        if cfg.model.path is not None:
+            step_model, verify = real_model(cfg, rank), None
+        self.connector = ConnectorWorker(rank, backend, verify)
+        self.runner: Rank = RankRunner(rank, self.connector, step_model, kv)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from raykv.model.rope import apply_rotary, inverse_frequencies, rotary
-from raykv.model.spec import ModelSpec
+from raykv.model.spec import KVPlacement, ModelSpec
 
 
 @dataclass(slots=True)
@@ -35,31 +35,6 @@ class SequenceChunk:
     start: int
     block_tables: Sequence[Sequence[int]]
     sample: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class KVPlacement:
-    """Where each layer's KV lives: its KV group and its index among that group's layers."""
-
-    group_of: tuple[int, ...]
-    index_in_group: tuple[int, ...]
-    layers_per_group: int  # the page holds this many layers (a group may use fewer)
-
-    @classmethod
-    def for_windows(cls, windows: Sequence[int | None]) -> tuple[KVPlacement, list[int | None]]:
-        """Layers grouped by attention kind (full, then each window size, in order of first
-        appearance); returns the placement and each group's window."""
-        kinds: list[int | None] = []
-        for w in windows:
-            if w not in kinds:
-                kinds.append(w)
-        group_of, index, counts = [], [], [0] * len(kinds)
-        for w in windows:
-            g = kinds.index(w)
-            group_of.append(g)
-            index.append(counts[g])
-            counts[g] += 1
-        return cls(tuple(group_of), tuple(index), max(counts)), kinds
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

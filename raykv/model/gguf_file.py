@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raykv.model.checkpoint import gguf_config
 from raykv.model.spec import ModelSpec, UnsupportedModel
 
 _LAYER_NAMES = {
@@ -29,12 +30,6 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _hf_name(name: str) -> str:
@@ -67,10 +62,7 @@ def load_gguf(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor], dic
     if not file.is_file():
         raise UnsupportedModel(f"{file}: no such GGUF file")
     reader = GGUFReader(str(file))
-    arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise UnsupportedModel(f"{file}: GGUF architecture {arch!r} is not supported")
-    config = _config(reader, arch)
+    config = gguf_config(reader)
     spec = ModelSpec.from_hf_config(config)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -81,36 +73,6 @@ def load_gguf(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor], dic
     for i in range(spec.num_layers):
         for name, heads in (("q_proj", spec.num_heads), ("k_proj", spec.num_kv_heads)):
             key = f"model.layers.{i}.self_attn.{name}.weight"
-            if arch == "llama" and key in weights:
+            if spec.model_type == "llama" and key in weights:
                 weights[key] = unpermute_rotary(weights[key], heads)
     return spec, weights, config
-
-
-def _config(reader: Any, arch: str) -> dict[str, Any]:
-    def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
-    heads = int(get("attention.head_count"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
-    hidden = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length") or hidden // heads)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config: dict[str, Any] = {
-        "model_type": _ARCHITECTURES[arch],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": not has_output,
-    }
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    if eos is not None:
-        config["eos_token_id"] = int(eos)
-    return config

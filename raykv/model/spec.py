@@ -7,6 +7,7 @@ refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,3 +124,28 @@ def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
         first = int(config.get("max_window_layers", layers))
         return tuple(int(window) if i >= first else None for i in range(layers))
     return (None,) * layers
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlacement:
+    """Where each layer's KV lives: its KV group and its index among that group's layers."""
+
+    group_of: tuple[int, ...]
+    index_in_group: tuple[int, ...]
+    layers_per_group: int  # the page holds this many layers (a group may use fewer)
+
+    @classmethod
+    def for_windows(cls, windows: Sequence[int | None]) -> tuple[KVPlacement, list[int | None]]:
+        """Layers grouped by attention kind (full, then each window size, in order of first
+        appearance); returns the placement and each group's window."""
+        kinds: list[int | None] = []
+        for w in windows:
+            if w not in kinds:
+                kinds.append(w)
+        group_of, index, counts = [], [], [0] * len(kinds)
+        for w in windows:
+            g = kinds.index(w)
+            group_of.append(g)
+            index.append(counts[g])
+            counts[g] += 1
+        return cls(tuple(group_of), tuple(index), max(counts)), kinds

@@ -1,0 +1,112 @@
+"""Where a checkpoint is and what it is, without loading its weights (no torch): a preset name,
+a Hugging Face directory or a GGUF file, and the config that serves it.
+
+``configure`` sets the config's model and KV-cache geometry from the checkpoint: layers, KV
+heads, head size, vocabulary, and the KV groups (one per attention kind: full attention and each
+sliding window), so the pages the ranks allocate are the pages the model reads and writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from raykv.config import GroupConfig, RaykvConfig
+from raykv.model.presets import PRESETS, preset_path
+from raykv.model.spec import KVPlacement, ModelSpec, UnsupportedModel
+
+_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def resolve(path: str) -> Path:
+    """A preset's file, or the given directory or ``.gguf`` file (which must exist)."""
+    if path in PRESETS:
+        return preset_path(path)
+    file = Path(path)
+    if file.is_dir() or (file.is_file() and file.suffix == ".gguf"):
+        return file
+    raise UnsupportedModel(
+        f"model.path {path!r}: no such model directory or .gguf file "
+        f"(presets: {', '.join(PRESETS)})"
+    )
+
+
+def hf_config(path: Path) -> dict[str, Any]:
+    """``config.json``'s contents, or the same keys read from a GGUF file's metadata."""
+    if path.is_dir():
+        config = path / "config.json"
+        if not config.is_file():
+            raise UnsupportedModel(f"{path}: no config.json")
+        return json.loads(config.read_text())
+    from gguf import GGUFReader
+
+    return gguf_config(GGUFReader(str(path)))
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported")
+
+    def get(key: str, default: Any = None) -> Any:
+        return field(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    hidden = int(get("embedding_length"))
+    config: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length") or hidden // heads),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+    }
+    eos = field("tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        config["eos_token_id"] = int(eos)
+    return config
+
+
+def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
+    """``cfg`` with the model's geometry taken from ``cfg.model.path``'s checkpoint."""
+    if cfg.model.path is None:
+        raise ValueError("configure needs model.path")
+    path = resolve(cfg.model.path)
+    spec = ModelSpec.from_hf_config(hf_config(path))
+    tp = cfg.parallel.tensor_parallel_size
+    for what, count in (("query heads", spec.num_heads), ("KV heads", spec.num_kv_heads)):
+        if count % tp:
+            raise UnsupportedModel(
+                f"parallel.tensor_parallel_size {tp} does not divide the model's {count} {what}"
+            )
+    placement, kinds = KVPlacement.for_windows(spec.windows)
+    groups = [
+        GroupConfig() if w is None else GroupConfig(kind="sliding_window", window_tokens=w)
+        for w in kinds
+    ]
+    model = cfg.model.model_copy(
+        update={
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size,
+            "kv_layers_per_group": placement.layers_per_group,
+        }
+    )
+    cache = cfg.cache.model_copy(update={"groups": groups})
+    # the synthetic model's byte checks do not apply to a real model's KV
+    offload = cfg.offload.model_copy(update={"verify": False})
+    return cfg.model_copy(update={"model": model, "cache": cache, "offload": offload}), spec, path
