@@ -215,6 +215,39 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     return 1 if report.integrity.mismatches else 0
 
 
+def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    from raykv.engine.generate import Prompt, generate, read_prompt_file
+
+    if args.engine != "local":
+        raise ConfigError("generate --engine ray: the real model runs on the local engine for now")
+    _check_output("--json", args.json)
+    # a real model computes in float32 on CPUs unless the config says otherwise
+    overrides = ["model.dtype=float32", *(args.set or [])]
+    cfg = load_config(args.config, overrides)
+    model = args.model or cfg.model.path or "smollm2-135m-instruct"
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
+    if args.prompt_file:
+        prompts = read_prompt_file(args.prompt_file)
+    else:
+        prompts = [
+            Prompt(text=text) if args.raw else Prompt(messages=[{"role": "user", "content": text}])
+            for text in args.prompt
+        ]
+    err = Console(stderr=True)
+    with err.status(f"loading {model} and generating..."):
+        outputs, report = generate(cfg, prompts, args.max_tokens, sequential=args.sequential)
+    for out in outputs:
+        if out.error is not None:
+            err.print(f"[{out.index}] refused: {out.error}", highlight=False)
+        else:
+            console.print(f"[{out.index}] {out.text}", highlight=False, markup=False)
+    if args.json:
+        shape = {"outputs": [o.as_dict() for o in outputs], "report": report.as_dict()}
+        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.file, args.set or ())
     console.print(f"{args.file}: ok", highlight=False)
@@ -339,6 +372,41 @@ def build_parser() -> argparse.ArgumentParser:
         "parallel.tensor_parallel_size)",
     )
     run.set_defaults(func=_cmd_run)
+
+    gen = sub.add_parser("generate", help="prompts through a real model, texts out")
+    gen.add_argument("--config", help="YAML config (default: built-in defaults)")
+    gen.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    gen.add_argument(
+        "--model",
+        help="a preset (smollm2-135m-instruct, the default), a Hugging Face directory or a "
+        ".gguf file (model.path)",
+    )
+    gen.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: the engine in this process (the real model runs here for now)",
+    )
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt text (repeatable): a user message through the model's chat template "
+        "when it has one, unless --raw",
+    )
+    source.add_argument(
+        "--prompt-file",
+        help='JSONL: {"prompt": text}, {"messages": [...]} or {"prompt_token_ids": [...]}',
+    )
+    gen.add_argument(
+        "--sequential",
+        action="store_true",
+        help="submit each prompt after the previous finished (later ones reuse earlier KV)",
+    )
+    gen.add_argument("--raw", action="store_true", help="send --prompt texts as they are")
+    gen.add_argument("--max-tokens", type=_positive_int, default=64)
+    gen.add_argument("--json", help="write the outputs and the run report to this JSON file")
+    gen.set_defaults(func=_cmd_generate)
 
     cfg = sub.add_parser("config", help="configuration tools").add_subparsers(
         dest="config", required=True

@@ -24,6 +24,18 @@ class Tokenizer:
         else:
             raise UnsupportedModel(f"{file}: neither a model directory nor a .gguf file")
 
+    @classmethod
+    def of(cls, path: str | Path) -> Tokenizer | None:
+        """The checkpoint's tokenizer, or None when it ships none (token ids only)."""
+        try:
+            return cls(path)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._tok.chat_template)
+
     @property
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id

@@ -1,0 +1,156 @@
+"""``raykv generate``: prompts through a real model on the paged KV cache, texts out.
+
+Prompts are texts, chat messages (through the model's chat template, with the generation
+prompt) or token ids. All arrive at once, or with ``sequential`` one after the other finished,
+so a later prompt can reuse an earlier one's KV from the GPU prefix cache or the CPU tier.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raykv.config import ConfigError, RaykvConfig
+from raykv.core.request import Request, RequestStatus
+from raykv.engine.core import EngineCore
+from raykv.engine.run import output_digest
+from raykv.engine.run_report import RunReport
+from raykv.engine.stats import snapshot
+from raykv.engine.workers import LocalWorkerGroup
+from raykv.model.checkpoint import configure
+from raykv.model.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One input: exactly one of text, chat messages or token ids."""
+
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class Output:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS), "length" (max tokens) or "rejected"
+    error: str | None = None  # why it was refused
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def read_prompt_file(path: str) -> list[Prompt]:
+    """A JSONL file, one ``{"prompt": text}``, ``{"messages": [...]}`` or
+    ``{"prompt_token_ids": [...]}`` per line; errors name the file and line."""
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--prompt-file {path}: {exc}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise ConfigError(f"{where}: expected an object")
+        keys = [k for k in ("prompt", "messages", "prompt_token_ids") if k in item]
+        if len(keys) != 1:
+            raise ConfigError(f"{where}: give exactly one of prompt, messages, prompt_token_ids")
+        value = item[keys[0]]
+        if keys[0] == "prompt" and isinstance(value, str):
+            prompts.append(Prompt(text=value))
+        elif keys[0] == "messages" and isinstance(value, list) and value:
+            prompts.append(Prompt(messages=value))
+        elif keys[0] == "prompt_token_ids" and value and all(isinstance(t, int) for t in value):
+            prompts.append(Prompt(token_ids=list(value)))
+        else:
+            raise ConfigError(f"{where}: {keys[0]} has the wrong type")
+    if not prompts:
+        raise ConfigError(f"--prompt-file {path}: no prompts")
+    return prompts
+
+
+def generate(
+    cfg: RaykvConfig, prompts: list[Prompt], max_tokens: int, sequential: bool = False
+) -> tuple[list[Output], RunReport]:
+    """Run every prompt to the end on the one-process engine (the real model at TP 1)."""
+    cfg, spec, path = configure(cfg)
+    tokenizer = Tokenizer.of(path)
+    ids = [_token_ids(tokenizer, p) for p in prompts]
+    stops = set(spec.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    start = time.perf_counter()
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        engine = EngineCore(cfg, workers, stop_token_ids=frozenset(stops))
+        requests = [Request(str(i), i, prompt_ids, max_tokens) for i, prompt_ids in enumerate(ids)]
+        refused: dict[int, str] = {}
+        for batch in [[r] for r in requests] if sequential else [requests]:
+            for req in batch:
+                too_long = len(req.prompt) + max_tokens > spec.max_positions
+                try:
+                    if too_long:
+                        raise ValueError(
+                            f"request {req.req_id}: {len(req.prompt)} prompt + {max_tokens} "
+                            f"output tokens exceed the model's context of {spec.max_positions}"
+                        )
+                    engine.add_request(req)
+                except ValueError as exc:  # this prompt is at fault; the others go on
+                    refused[req.index] = str(exc)
+            while engine.has_work():
+                engine.step()
+        done = [r for r in requests if r.index not in refused]
+        digest = output_digest({r.index: (r.req_id, tuple(r.output)) for r in done})
+        report = RunReport.build(
+            snapshot(engine), len(done), digest, len(done), time.perf_counter() - start
+        )
+    report.engine = "local"
+    report.rejected = [{"request": str(i), "error": e} for i, e in refused.items()]
+    outputs = []
+    for req in requests:
+        if req.index in refused:
+            outputs.append(
+                Output(req.index, list(req.prompt), [], "", "rejected", refused[req.index])
+            )
+            continue
+        reason = "stop" if req.status is RequestStatus.FINISHED_STOPPED else "length"
+        text = tokenizer.decode(req.output) if tokenizer is not None else ""
+        outputs.append(Output(req.index, list(req.prompt), req.output, text, reason))
+    return outputs, report
+
+
+def _token_ids(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
+    if prompt.token_ids is not None:
+        return prompt.token_ids
+    if tokenizer is None:
+        raise ConfigError("this model has no tokenizer: give prompt_token_ids")
+    if prompt.messages is not None:
+        if not tokenizer.has_chat_template:  # a base model: the messages' text as it is
+            return tokenizer.encode("\n".join(str(m.get("content", "")) for m in prompt.messages))
+        return tokenizer.chat(prompt.messages)
+    assert prompt.text is not None
+    ids = tokenizer.encode(prompt.text)
+    if not ids:
+        raise ConfigError("an empty prompt")
+    return ids

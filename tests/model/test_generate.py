@@ -1,0 +1,55 @@
+"""``raykv generate`` end to end on a tiny checkpoint (token-id prompts: it ships no
+tokenizer): outputs equal transformers' greedy generation, later prompts reuse earlier KV from
+the CPU tier with --sequential, and bad prompts are refused by name while the others run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from raykv.cli import main
+from tests.model.test_decoder import SHAPE, checkpoint
+from tests.model.test_engine_llm import expected
+
+
+def test_generate_sequential_prompts_match_transformers_and_hit_the_cpu_tier(
+    tmp_path: Path,
+) -> None:
+    path, model = checkpoint(tmp_path / "ckpt", "llama-llama3-untied")
+    gen = torch.Generator().manual_seed(9)
+    shared = torch.randint(1, SHAPE["vocab_size"], (24,), generator=gen).tolist()
+    other = torch.randint(1, SHAPE["vocab_size"], (28,), generator=gen).tolist()
+    # the second prompt evicts the first from the GPU cache; the third shares the first's
+    # prefix (found in the CPU tier); the last has a token id outside the vocabulary
+    prompts = [[*shared, 3], other, [*shared, 4, 5], [SHAPE["vocab_size"] + 5]]
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "out.json"
+    # a GPU pool so small that the second prompt's prefix is no longer cached on the GPU
+    sets = ["cache.block_size=4", "cache.num_gpu_blocks=12", "offload.cpu_slots=64"]
+    argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--sequential"]
+    argv += ["--max-tokens", "5", "--json", str(out)]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    outputs = result["outputs"]
+    for prompt, got in zip(prompts[:3], outputs[:3], strict=True):
+        eos = model.config.eos_token_id
+        assert got["token_ids"] == expected(model, prompt, 5, (eos,) if eos is not None else ())
+    assert outputs[3]["finish_reason"] == "rejected" and "token id" in outputs[3]["error"]
+    assert result["report"]["cpu_hit_tokens"] > 0
+
+
+def test_a_bad_prompt_file_line_is_named(tmp_path: Path, capsys) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt": 3}\n')
+    code = main(["generate", "--model", str(path), "--prompt-file", str(file)])
+    assert code == 2
+    assert "prompts.jsonl:2: prompt has the wrong type" in capsys.readouterr().err
