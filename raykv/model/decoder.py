@@ -216,13 +216,18 @@ class Decoder:
         blocks, offsets = self._slots(chunk.block_tables[group], lo, end)
         keys = pages[blocks, index, 0, :, offsets].to(q.dtype)  # [m, kv_heads, head_dim]
         values = pages[blocks, index, 1, :, offsets].to(q.dtype)
+        repeat = self.num_heads // self.num_kv_heads
+        # [1, heads, positions, head_dim], contiguous: the shape torch's fused kernels take
+        keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1).contiguous()[None]
+        values = values.repeat_interleave(repeat, dim=1).transpose(0, 1).contiguous()[None]
+        queries = q.transpose(0, 1).contiguous()[None]
+        if chunk.start == 0 and window is None:  # a whole prompt: the plain causal mask
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
+            return out[0].transpose(0, 1)
         q_pos = torch.arange(chunk.start, end, device=self.device)[:, None]
         k_pos = torch.arange(lo, end, device=self.device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
             mask &= q_pos - k_pos < window
-        repeat = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1)
-        values = values.repeat_interleave(repeat, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        return out[0].transpose(0, 1)
