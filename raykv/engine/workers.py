@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from raykv.config import RaykvConfig
 from raykv.connector.worker import ConnectorWorker
@@ -24,7 +25,7 @@ from raykv.transfer.rank import build_rank
 ExecDelay = Callable[[int], int]  # job id -> steps its copy stays pending (unthreaded engines)
 
 
-def real_model(cfg: RaykvConfig, rank: int) -> ModelBackend:
+def real_model(cfg: RaykvConfig, rank: int, device: Any) -> ModelBackend:
     """The checkpoint at ``model.path`` as this rank's model (its shard at TP > 1 needs the
     ranks' process group, which only the Ray deployment will have)."""
     from raykv.model.backend import LlmModel
@@ -33,7 +34,8 @@ def real_model(cfg: RaykvConfig, rank: int) -> ModelBackend:
     if cfg.parallel.tensor_parallel_size != 1:
         raise ValueError("a real model runs at parallel.tensor_parallel_size 1 for now")
     assert cfg.model.path is not None
-    return LlmModel(resolve(cfg.model.path), cfg.cache.block_size, cfg.model.dtype, rank=rank)
+    path = resolve(cfg.model.path)
+    return LlmModel(path, cfg.cache.block_size, cfg.model.dtype, device, rank=rank)
 
 
 def make_layout(cfg: RaykvConfig, num_slots: int) -> KVLayout:
@@ -87,7 +89,7 @@ class LocalWorker:
         verify = lambda block, content: model.verify(kv, block, content)  # noqa: E731
         step_model: ModelBackend = model
         if cfg.model.path is not None:
-            step_model, verify = real_model(cfg, rank), None
+            step_model, verify = real_model(cfg, rank, kv.device), None
         self.connector = ConnectorWorker(rank, backend, verify)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv)
         if self.faults.active:
