@@ -216,6 +216,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    from raykv.core.step import SamplingSpec
     from raykv.engine.generate import Prompt, generate, read_prompt_file
 
     if args.engine != "local":
@@ -235,7 +236,10 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         ]
     err = Console(stderr=True)
     with err.status(f"loading {model} and generating..."):
-        outputs, report = generate(cfg, prompts, args.max_tokens, sequential=args.sequential)
+        sampling = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed, args.logprobs)
+        outputs, report = generate(
+            cfg, prompts, args.max_tokens, sequential=args.sequential, sampling=sampling
+        )
     for out in outputs:
         if out.error is not None:
             err.print(f"[{out.index}] refused: {out.error}", highlight=False)
@@ -405,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--raw", action="store_true", help="send --prompt texts as they are")
     gen.add_argument("--max-tokens", type=_positive_int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0: no limit")
+    gen.add_argument("--seed", type=int, help="same seed, same tokens")
+    gen.add_argument(
+        "--logprobs", type=int, help="report each token's log-probability and the top K"
+    )
     gen.add_argument("--json", help="write the outputs and the run report to this JSON file")
     gen.set_defaults(func=_cmd_generate)
 

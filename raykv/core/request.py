@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from raykv.core.hashing import extend_hashes
+from raykv.core.step import SamplingSpec, TokenLogprobs
 
 
 class RequestStatus(Enum):
@@ -55,6 +56,8 @@ class Request:
     num_cpu_hit_tokens: int = 0
     load_job: int | None = None
     load_tokens: int = 0  # tokens the load in flight brings after num_computed
+    sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, if asked
 
     def __post_init__(self) -> None:
         if not self.prompt:

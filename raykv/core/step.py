@@ -62,6 +62,36 @@ class WriteSpan:
     parent_hashes: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How a real model picks a request's tokens (the synthetic model ignores it): greedy at
+    temperature 0; ``logprobs``: how many top log-probabilities to report besides the sampled
+    token's (None: report none)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's log-probability and the top ones (token id -> log-probability)."""
+
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What a rank's model answers for a step: per batch entry its part of the next token
+    (0 for an entry that does not sample), and with a real model each sample's logprobs."""
+
+    samples: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class ModelEntry:
     """One request in this step's model batch."""
@@ -75,6 +105,7 @@ class ModelEntry:
     # every block of the request's table per KV group, up to this step's last position (null
     # entries where a window no longer reads): what a real model's attention gathers from
     block_tables: list[list[int]] = field(default_factory=list)
+    sampling: SamplingSpec | None = None
 
     @property
     def start(self) -> int:
@@ -147,3 +178,4 @@ class StepReport:
     step: int
     transfers: TransferReport = field(default_factory=TransferReport)
     samples: list[int] = field(default_factory=list)  # per sampling batch entry: this rank's part
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # a real model's, if asked

@@ -36,5 +36,5 @@ def model_batch(scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> li
         # the prompt is all in: this step samples a token
         read = kv.sampled_blocks(req, end) if end == req.num_tokens else []
         tables = [list(table[: last_b + 1]) for table in req.block_tables]
-        batch.append(ModelEntry(i, writes, read, end, tables))
+        batch.append(ModelEntry(i, writes, read, end, tables, req.sampling))
     return batch

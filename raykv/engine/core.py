@@ -187,6 +187,11 @@ class EngineCore:
         m = self.cfg.model
         if m.path is not None:
             sampled = real_model_tokens(plan.batch, reports, self.stop_token_ids)
+            first = min(reports, key=lambda r: r.rank)
+            for i in sampled:
+                logprobs = first.logprobs[i] if i < len(first.logprobs) else None
+                if logprobs is not None:
+                    sched.scheduled[i].req.logprobs.append(logprobs)
         else:
             sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
         self.totals.generated_tokens += len(sampled)

@@ -15,12 +15,14 @@ from typing import Any
 
 from raykv.config import ConfigError, RaykvConfig
 from raykv.core.request import Request, RequestStatus
+from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.engine.core import EngineCore
 from raykv.engine.run import output_digest
 from raykv.engine.run_report import RunReport
 from raykv.engine.stats import snapshot
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.model.checkpoint import configure
+from raykv.model.sampling import SamplingParams
 from raykv.model.tokenizer import Tokenizer
 
 
@@ -41,6 +43,7 @@ class Output:
     text: str
     finish_reason: str  # "stop" (EOS), "length" (max tokens) or "rejected"
     error: str | None = None  # why it was refused
+    logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked for
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -52,6 +55,15 @@ class Output:
         }
         if self.error is not None:
             out["error"] = self.error
+        if self.logprobs is not None:
+            out["logprobs"] = [
+                {
+                    "token_id": t,
+                    "logprob": lp.logprob,
+                    "top": {str(k): v for k, v in lp.top.items()},
+                }
+                for t, lp in zip(self.token_ids, self.logprobs, strict=True)
+            ]
         return out
 
 
@@ -92,9 +104,17 @@ def read_prompt_file(path: str) -> list[Prompt]:
 
 
 def generate(
-    cfg: RaykvConfig, prompts: list[Prompt], max_tokens: int, sequential: bool = False
+    cfg: RaykvConfig,
+    prompts: list[Prompt],
+    max_tokens: int,
+    sequential: bool = False,
+    sampling: SamplingSpec | None = None,
 ) -> tuple[list[Output], RunReport]:
-    """Run every prompt to the end on the one-process engine (the real model at TP 1)."""
+    """Run every prompt to the end on the one-process engine (the real model at TP 1), each
+    with ``sampling`` (greedy by default; a seed is offset by the prompt's index, so prompts
+    differ and a rerun repeats)."""
+    spec_in = sampling or SamplingSpec()
+    SamplingParams(spec_in.temperature, spec_in.top_p, spec_in.top_k)  # refused by name here
     cfg, spec, path = configure(cfg)
     tokenizer = Tokenizer.of(path)
     ids = [_token_ids(tokenizer, p) for p in prompts]
@@ -104,7 +124,10 @@ def generate(
     start = time.perf_counter()
     with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
         engine = EngineCore(cfg, workers, stop_token_ids=frozenset(stops))
-        requests = [Request(str(i), i, prompt_ids, max_tokens) for i, prompt_ids in enumerate(ids)]
+        requests = [
+            Request(str(i), i, prompt_ids, max_tokens, sampling=_for_prompt(spec_in, i))
+            for i, prompt_ids in enumerate(ids)
+        ]
         refused: dict[int, str] = {}
         for batch in [[r] for r in requests] if sequential else [requests]:
             for req in batch:
@@ -136,8 +159,17 @@ def generate(
             continue
         reason = "stop" if req.status is RequestStatus.FINISHED_STOPPED else "length"
         text = tokenizer.decode(req.output) if tokenizer is not None else ""
-        outputs.append(Output(req.index, list(req.prompt), req.output, text, reason))
+        logprobs = list(req.logprobs) if spec_in.logprobs is not None else None
+        outputs.append(
+            Output(req.index, list(req.prompt), req.output, text, reason, None, logprobs)
+        )
     return outputs, report
+
+
+def _for_prompt(spec: SamplingSpec, index: int) -> SamplingSpec:
+    if spec.seed is None:
+        return spec
+    return SamplingSpec(spec.temperature, spec.top_p, spec.top_k, spec.seed + index, spec.logprobs)
 
 
 def _token_ids(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:

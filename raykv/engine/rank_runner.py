@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from raykv.connector.worker import ConnectorWorker
-from raykv.core.step import ModelEntry, StepPlan, StepReport
+from raykv.core.step import ModelEntry, ModelOutput, StepPlan, StepReport
 
 
 class ModelBackend(Protocol):
     """One rank's shard of the model: computes a step's batch, writing its KV into ``kv`` and
     answering, per entry, its part of the next token (0 for an entry that does not sample)."""
 
-    def step(self, kv: Any, batch: list[ModelEntry]) -> list[int]: ...
+    def step(self, kv: Any, batch: list[ModelEntry]) -> ModelOutput: ...
 
 
 class RankRunner:
@@ -31,13 +31,13 @@ class RankRunner:
 
     def execute(self, plan: StepPlan) -> StepReport:
         self.transfers.before_model(plan.step, plan.transfers)
-        samples = self._model_step(plan.batch)
+        out = self._model_step(plan.batch)
         report = self.transfers.after_model(plan.transfers, idle=not plan.batch)
-        return StepReport(self.rank, plan.step, report, samples)
+        return StepReport(self.rank, plan.step, report, out.samples, out.logprobs)
 
-    def _model_step(self, batch: list[ModelEntry]) -> list[int]:
+    def _model_step(self, batch: list[ModelEntry]) -> ModelOutput:
         if not batch:
-            return []
+            return ModelOutput([])
         transfers = self.transfers
         transfers.check_writable([b for entry in batch for s in entry.writes for b in s.blocks])
         for entry in batch:

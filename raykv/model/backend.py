@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from raykv.core.step import ModelEntry
+from raykv.core.step import ModelEntry, ModelOutput, SamplingSpec, TokenLogprobs
 from raykv.model.decoder import AllReduce, Decoder, SequenceChunk
 from raykv.model.sampling import SamplingParams, sample_token
 from raykv.model.spec import ModelSpec
@@ -53,17 +53,32 @@ class LlmModel:
             tp_size=tp_size,
             all_reduce=all_reduce,
         )
-        self.sampling = SamplingParams()  # greedy (per-request parameters come later)
 
-    def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> list[int]:
-        """Compute the batch; the sampled token of each sampling entry (0 for the others)."""
+    def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> ModelOutput:
+        """Compute the batch; the sampled token of each sampling entry (0 for the others) and,
+        where its request asks for them, the logprobs."""
         chunks = [
             SequenceChunk(e.tokens, e.start, e.block_tables, sample=bool(e.read_blocks))
             for e in batch
         ]
         with torch.inference_mode():
             logits = iter(self.decoder.forward(chunks, kv))
-        return [
-            sample_token(next(logits), self.sampling, e.position).token_id if e.read_blocks else 0
-            for e in batch
-        ]
+        out = ModelOutput([], [])
+        for e in batch:
+            if not e.read_blocks:
+                out.samples.append(0)
+                out.logprobs.append(None)
+                continue
+            spec = e.sampling or SamplingSpec()
+            params = _params(spec)
+            sample = sample_token(next(logits), params, e.position)
+            out.samples.append(sample.token_id)
+            wanted = spec.logprobs is not None
+            out.logprobs.append(TokenLogprobs(sample.logprob, sample.top) if wanted else None)
+        return out
+
+
+def _params(spec: SamplingSpec) -> SamplingParams:
+    return SamplingParams(
+        spec.temperature, spec.top_p, spec.top_k, spec.seed, logprobs=spec.logprobs or 0
+    )

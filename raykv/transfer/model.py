@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from raykv.core.step import BlockContent, ModelEntry, WriteSpan
+from raykv.core.step import BlockContent, ModelEntry, ModelOutput, WriteSpan
 from raykv.transfer.layout import KVLayout, pool_rows
 
 _MASK64 = (1 << 64) - 1
@@ -198,13 +198,15 @@ class SyntheticModel:
                 page[:, :, :, hi - block_start :, :] = 0
             page[:, :, :, lo - block_start : hi - block_start, :] = values
 
-    def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> list[int]:
+    def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> ModelOutput:
         """A step's batch: write every span's KV, then checksum what each sampling entry reads
         (0 for one that does not sample this step)."""
         for entry in batch:
             for span in entry.writes:
                 self.write(kv, span)
-        return [self.checksum(kv, e.read_blocks) if e.read_blocks else 0 for e in batch]
+        return ModelOutput(
+            [self.checksum(kv, e.read_blocks) if e.read_blocks else 0 for e in batch]
+        )
 
     def block_page(self, content: BlockContent) -> torch.Tensor:
         """The page ``[page_elems]`` a full block with this content holds (what :meth:`write`

@@ -33,7 +33,7 @@ def test_generate_sequential_prompts_match_transformers_and_hit_the_cpu_tier(
     # a GPU pool so small that the second prompt's prefix is no longer cached on the GPU
     sets = ["cache.block_size=4", "cache.num_gpu_blocks=12", "offload.cpu_slots=64"]
     argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--sequential"]
-    argv += ["--max-tokens", "5", "--json", str(out)]
+    argv += ["--max-tokens", "5", "--json", str(out), "--logprobs", "2"]
     for s in sets:
         argv += ["--set", s]
     assert main(argv) == 0
@@ -42,6 +42,15 @@ def test_generate_sequential_prompts_match_transformers_and_hit_the_cpu_tier(
     for prompt, got in zip(prompts[:3], outputs[:3], strict=True):
         eos = model.config.eos_token_id
         assert got["token_ids"] == expected(model, prompt, 5, (eos,) if eos is not None else ())
+        # every token's logprob equals transformers' over the same sequence
+        sequence = [*prompt, *got["token_ids"]]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([sequence])).logits[0], dim=-1)
+        for k, entry in enumerate(got["logprobs"]):
+            want = ref[len(prompt) - 1 + k]
+            assert entry["token_id"] == got["token_ids"][k]
+            assert abs(entry["logprob"] - float(want[entry["token_id"]])) < 5e-4
+            assert len(entry["top"]) == 2 and str(int(want.argmax())) in entry["top"]
     assert outputs[3]["finish_reason"] == "rejected" and "token id" in outputs[3]["error"]
     assert result["report"]["cpu_hit_tokens"] > 0
 
@@ -53,3 +62,19 @@ def test_a_bad_prompt_file_line_is_named(tmp_path: Path, capsys) -> None:
     code = main(["generate", "--model", str(path), "--prompt-file", str(file)])
     assert code == 2
     assert "prompts.jsonl:2: prompt has the wrong type" in capsys.readouterr().err
+
+
+def test_a_seed_repeats_sampled_tokens_and_bad_parameters_are_named(tmp_path: Path, capsys):
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    runs = []
+    for seed in ("4", "4", "5"):
+        out = tmp_path / f"out{len(runs)}.json"
+        argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--json", str(out)]
+        argv += ["--max-tokens", "12", "--temperature", "1.5", "--seed", seed]
+        assert main(argv) == 0
+        runs.append(json.loads(out.read_text())["outputs"][0]["token_ids"])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    code = main(["generate", "--model", str(path), "--prompt-file", str(file), "--top-p", "0"])
+    assert code == 2 and "top_p" in capsys.readouterr().err
