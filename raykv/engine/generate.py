@@ -114,7 +114,9 @@ def generate(
     with ``sampling`` (greedy by default; a seed is offset by the prompt's index, so prompts
     differ and a rerun repeats)."""
     spec_in = sampling or SamplingSpec()
-    SamplingParams(spec_in.temperature, spec_in.top_p, spec_in.top_k)  # refused by name here
+    SamplingParams(  # bad parameters are refused by name before anything loads
+        spec_in.temperature, spec_in.top_p, spec_in.top_k, logprobs=spec_in.logprobs or 0
+    )
     cfg, spec, path = configure(cfg)
     tokenizer = Tokenizer.of(path)
     ids = [_token_ids(tokenizer, p) for p in prompts]
