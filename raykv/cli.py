@@ -163,6 +163,8 @@ def _run_config(args: argparse.Namespace) -> RaykvConfig:
         overrides.append("offload.enabled=false")
     if args.verify:
         overrides.append("offload.verify=true")
+    if args.model:
+        overrides.append(f"model.path={args.model}")
     cfg = load_config(args.config, overrides)
     if args.fault:
         tree = cfg.model_dump(mode="json")
@@ -178,6 +180,12 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     cfg = _run_config(args)
     _check_output("--json-report", args.json_report)
     _check_device(cfg, args.engine, args.address)
+    stops: frozenset[int] = frozenset()
+    if cfg.model.path is not None:  # a real model: its geometry, its vocabulary, its EOS
+        from raykv.model.checkpoint import configure
+
+        cfg, spec, _ = configure(cfg)
+        stops = frozenset(spec.eos_token_ids)
     specs = make_workload(cfg)
     err = Console(stderr=True)
     if args.engine == "local":
@@ -188,7 +196,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         from raykv.engine.workers import LocalWorkerGroup
 
         with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-            engine = EngineCore(cfg, workers)
+            engine = EngineCore(cfg, workers, stop_token_ids=stops)
             with run_progress(err, len(specs)) as progress:
                 report = run_engine(engine, specs, progress=progress)
     else:
@@ -359,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
     run.add_argument("--workload", help="synthetic, or trace:FILE (Mooncake JSONL)")
+    run.add_argument(
+        "--model",
+        help="a real model (model.path: a preset, a Hugging Face directory or a .gguf file); "
+        "for now at parallel.tensor_parallel_size 1",
+    )
     run.add_argument("--num-requests", type=int, help="how many requests to run")
     run.add_argument("--no-offload", action="store_true", help="run without the CPU tier")
     run.add_argument(

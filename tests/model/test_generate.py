@@ -78,3 +78,25 @@ def test_a_seed_repeats_sampled_tokens_and_bad_parameters_are_named(tmp_path: Pa
     assert runs[0] == runs[1] and runs[0] != runs[2]
     code = main(["generate", "--model", str(path), "--prompt-file", str(file), "--top-p", "0"])
     assert code == 2 and "top_p" in capsys.readouterr().err
+
+
+def test_raykv_run_drives_a_real_model_through_the_cpu_tier(tmp_path: Path) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
+    out = tmp_path / "report.json"
+    argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--model", str(path)]
+    argv += ["--num-requests", "12", "--json-report", str(out)]
+    for s in (
+        "parallel.tensor_parallel_size=1",
+        "cache.block_size=4",
+        "cache.num_gpu_blocks=64",  # too small to keep the conversations on the GPU
+        "workload.system_prompt_tokens=40",
+        "workload.user_tokens=12",
+        "workload.answer_tokens=8",
+        "workload.max_tokens=4",
+    ):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["requests_finished"] == 12 and report["generated_tokens"] > 0
+    assert report["config"]["model"]["num_layers"] == 3  # the checkpoint's, not the config's
+    assert report["cpu_hit_tokens"] > 0  # the multi-turn chat's history came from the CPU tier
