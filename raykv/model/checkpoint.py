@@ -86,12 +86,7 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
         raise ValueError("configure needs model.path")
     path = resolve(cfg.model.path)
     spec = ModelSpec.from_hf_config(hf_config(path))
-    tp = cfg.parallel.tensor_parallel_size
-    for what, count in (("query heads", spec.num_heads), ("KV heads", spec.num_kv_heads)):
-        if count % tp:
-            raise UnsupportedModel(
-                f"parallel.tensor_parallel_size {tp} does not divide the model's {count} {what}"
-            )
+    spec.check_tensor_parallel(cfg.parallel.tensor_parallel_size)
     placement, kinds = KVPlacement.for_windows(spec.windows)
     groups = [
         GroupConfig() if w is None else GroupConfig(kind="sliding_window", window_tokens=w)

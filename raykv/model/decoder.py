@@ -47,19 +47,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP group
 
 
-def check_tensor_parallel(spec: ModelSpec, tp_size: int) -> None:
-    """Refuse a TP size that cannot split this model, naming the counts."""
-    for what, count in (
-        ("query heads", spec.num_heads),
-        ("KV heads", spec.num_kv_heads),
-        ("MLP width", spec.intermediate_size),
-    ):
-        if count % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size {tp_size} does not divide the model's {count} {what}"
-            )
-
-
 class Decoder:
     """One rank's shard of the model (the whole model at ``tp_size`` 1)."""
 
@@ -75,7 +62,7 @@ class Decoder:
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
     ) -> None:
-        check_tensor_parallel(spec, tp_size)
+        spec.check_tensor_parallel(tp_size)
         if tp_size > 1 and all_reduce is None:
             raise ValueError("a tensor-parallel decoder needs an all_reduce")
         self.spec = spec
@@ -162,11 +149,13 @@ class Decoder:
             row += len(c.tokens)
         cos, sin = rotary(self.inv_freq, positions)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-        # where each new token's KV goes, per group: block and offset in it
+        # per group and chunk, once for every layer: where the new tokens' KV goes, and what
+        # the chunk's attention reads back
         targets = [
             [self._slots(c.block_tables[g], c.start, c.start + len(c.tokens)) for c in chunks]
             for g in range(len(self.group_windows))
         ]
+        reads = [[self._reads(c, g) for c in chunks] for g in range(len(self.group_windows))]
         x = self.embed[tokens]
         for i, layer in enumerate(self.layers):
             g, li = self.placement.group_of[i], self.placement.index_in_group[i]
@@ -179,10 +168,12 @@ class Decoder:
                 k = rms_norm(k, layer["self_attn.k_norm.weight"], s.rms_eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = torch.empty_like(q)
-            for c, (first, n), (blocks, offsets) in zip(chunks, spans, targets[g], strict=True):
+            for (first, n), (blocks, offsets), read in zip(
+                spans, targets[g], reads[g], strict=True
+            ):
                 pages[blocks, li, 0, :, offsets] = k[first : first + n].to(pages.dtype)
                 pages[blocks, li, 1, :, offsets] = v[first : first + n].to(pages.dtype)
-                out[first : first + n] = self._attend(q[first : first + n], pages, g, li, c)
+                out[first : first + n] = self._attend(q[first : first + n], pages, li, read)
             attn = F.linear(out.reshape(len(tokens), -1), layer["self_attn.o_proj.weight"])
             x = x + self.all_reduce(attn)
             h = rms_norm(x, layer["post_attention_layernorm.weight"], s.rms_eps)
@@ -205,15 +196,35 @@ class Decoder:
         offsets = torch.tensor([p % bs for p in pos], dtype=torch.long, device=self.device)
         return blocks, offsets
 
-    def _attend(
-        self, q: torch.Tensor, pages: torch.Tensor, group: int, index: int, chunk: SequenceChunk
-    ) -> torch.Tensor:
-        """Attention of one chunk's queries ``[n, heads, head_dim]`` over the KV in its pages
-        (layer ``index`` of KV group ``group``): the whole prefix, or a sliding window of it."""
+    def _reads(
+        self, chunk: SequenceChunk, group: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a chunk's attention in KV group ``group`` reads: the blocks and offsets of the
+        positions it attends to (the whole prefix, or a sliding window of it), and the mask
+        over them (None: the plain causal mask of a whole prompt)."""
         window = self.group_windows[group]
         end = chunk.start + len(chunk.tokens)
         lo = 0 if window is None else max(0, chunk.start - window + 1)
         blocks, offsets = self._slots(chunk.block_tables[group], lo, end)
+        if chunk.start == 0 and window is None:
+            return blocks, offsets, None
+        q_pos = torch.arange(chunk.start, end, device=self.device)[:, None]
+        k_pos = torch.arange(lo, end, device=self.device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= q_pos - k_pos < window
+        return blocks, offsets, mask
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        pages: torch.Tensor,
+        index: int,
+        read: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    ) -> torch.Tensor:
+        """Attention of one chunk's queries ``[n, heads, head_dim]`` over the KV of layer
+        ``index`` of its group, read as ``_reads`` says."""
+        blocks, offsets, mask = read
         keys = pages[blocks, index, 0, :, offsets].to(q.dtype)  # [m, kv_heads, head_dim]
         values = pages[blocks, index, 1, :, offsets].to(q.dtype)
         repeat = self.num_heads // self.num_kv_heads
@@ -221,13 +232,8 @@ class Decoder:
         keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1).contiguous()[None]
         values = values.repeat_interleave(repeat, dim=1).transpose(0, 1).contiguous()[None]
         queries = q.transpose(0, 1).contiguous()[None]
-        if chunk.start == 0 and window is None:  # a whole prompt: the plain causal mask
+        if mask is None:  # a whole prompt: the plain causal mask
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
-            return out[0].transpose(0, 1)
-        q_pos = torch.arange(chunk.start, end, device=self.device)[:, None]
-        k_pos = torch.arange(lo, end, device=self.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= q_pos - k_pos < window
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         return out[0].transpose(0, 1)

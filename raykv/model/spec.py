@@ -48,6 +48,19 @@ class ModelSpec:
     max_positions: int = 2048
     eos_token_ids: tuple[int, ...] = ()
 
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Refuse a TP size that cannot split this model, naming the counts."""
+        for what, count in (
+            ("query heads", self.num_heads),
+            ("KV heads", self.num_kv_heads),
+            ("MLP width", self.intermediate_size),
+        ):
+            if count % tp_size:
+                raise UnsupportedModel(
+                    f"parallel.tensor_parallel_size {tp_size} does not divide the model's "
+                    f"{count} {what}"
+                )
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         """Read a Hugging Face ``config.json`` (already parsed)."""
