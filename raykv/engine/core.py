@@ -186,12 +186,9 @@ class EngineCore:
         self._absorb(reports)
         m = self.cfg.model
         if m.path is not None:
-            sampled = real_model_tokens(plan.batch, reports, self.stop_token_ids)
-            first = min(reports, key=lambda r: r.rank)
-            for i in sampled:
-                logprobs = first.logprobs[i] if i < len(first.logprobs) else None
-                if logprobs is not None:
-                    sched.scheduled[i].req.logprobs.append(logprobs)
+            sampled, logprobs = real_model_tokens(plan.batch, reports, self.stop_token_ids)
+            for i, found in logprobs.items():
+                sched.scheduled[i].req.logprobs.append(found)
         else:
             sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
         self.totals.generated_tokens += len(sampled)

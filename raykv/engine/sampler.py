@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raykv.core.step import ModelEntry, StepReport
+from raykv.core.step import ModelEntry, StepReport, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _P61 = (1 << 61) - 1
@@ -44,12 +44,18 @@ def sample_batch(
 
 def real_model_tokens(
     batch: list[ModelEntry], reports: list[StepReport], stop_token_ids: frozenset[int]
-) -> dict[int, tuple[int, bool]]:
-    """A real model's ranks sampled the same token from the same logits: take the first
-    reply's, and whether it ends its request."""
+) -> tuple[dict[int, tuple[int, bool]], dict[int, TokenLogprobs]]:
+    """A real model's ranks sampled the same token from the same logits: the first reply's
+    token of each sampling entry and whether it ends its request, and its logprobs where the
+    request asked for them."""
     first = min(reports, key=lambda r: r.rank)
-    return {
-        i: (first.samples[i], first.samples[i] in stop_token_ids)
-        for i, entry in enumerate(batch)
-        if entry.read_blocks
-    }
+    sampled: dict[int, tuple[int, bool]] = {}
+    logprobs: dict[int, TokenLogprobs] = {}
+    for i, entry in enumerate(batch):
+        if not entry.read_blocks:
+            continue
+        sampled[i] = (first.samples[i], first.samples[i] in stop_token_ids)
+        found = first.logprobs[i] if i < len(first.logprobs) else None
+        if found is not None:
+            logprobs[i] = found
+    return sampled, logprobs
