@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +169,7 @@ def generate(
 
 
 def _for_prompt(spec: SamplingSpec, index: int) -> SamplingSpec:
-    if spec.seed is None:
-        return spec
-    return SamplingSpec(spec.temperature, spec.top_p, spec.top_k, spec.seed + index, spec.logprobs)
+    return spec if spec.seed is None else replace(spec, seed=spec.seed + index)
 
 
 def _token_ids(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
