@@ -73,6 +73,17 @@ def _check_device(cfg: RaykvConfig, engine: str, address: str | None) -> None:
         raise ConfigError(f"parallel.device: {device}: {problem}; use parallel.device=cpu")
 
 
+def _check_real_model_engine(cfg: RaykvConfig, engine: str) -> None:
+    """A real model's tensor-parallel ranks compute together through a process group, which
+    only ranks in processes of their own (the Ray engine) have."""
+    tp = cfg.parallel.tensor_parallel_size
+    if engine == "local" and tp > 1:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size {tp}: the one-process engine runs a real model at "
+            "tensor_parallel_size 1; use --engine ray for more ranks"
+        )
+
+
 def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.policy import bench_work, prepare_accesses, run_policy_bench
     from raykv.offload.policies import policy_names, resolve_policy
@@ -180,12 +191,11 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     cfg = _run_config(args)
     _check_output("--json-report", args.json_report)
     _check_device(cfg, args.engine, args.address)
-    stops: frozenset[int] = frozenset()
     if cfg.model.path is not None:  # a real model: its geometry, its vocabulary, its EOS
         from raykv.model.checkpoint import configure
 
-        cfg, spec, _ = configure(cfg)
-        stops = frozenset(spec.eos_token_ids)
+        _check_real_model_engine(cfg, args.engine)
+        cfg, _, _ = configure(cfg)
     specs = make_workload(cfg)
     err = Console(stderr=True)
     if args.engine == "local":
@@ -196,7 +206,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         from raykv.engine.workers import LocalWorkerGroup
 
         with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-            engine = EngineCore(cfg, workers, stop_token_ids=stops)
+            engine = EngineCore(cfg, workers)
             with run_progress(err, len(specs)) as progress:
                 report = run_engine(engine, specs, progress=progress)
     else:
@@ -227,14 +237,14 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     from raykv.core.step import SamplingSpec
     from raykv.engine.generate import Prompt, generate, read_prompt_file
 
-    if args.engine != "local":
-        raise ConfigError("generate --engine ray: the real model runs on the local engine for now")
     _check_output("--json", args.json)
     # a real model computes in float32 on CPUs unless the config says otherwise
     overrides = ["model.dtype=float32", *(args.set or [])]
     cfg = load_config(args.config, overrides)
     model = args.model or cfg.model.path or "smollm2-135m-instruct"
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
+    _check_real_model_engine(cfg, args.engine)
+    _check_device(cfg, args.engine, args.address)
     if args.prompt_file:
         prompts = read_prompt_file(args.prompt_file)
     else:
@@ -243,18 +253,32 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
             for text in args.prompt
         ]
     err = Console(stderr=True)
-    with err.status(f"loading {model} and generating..."):
-        sampling = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed, args.logprobs)
-        outputs, report = generate(
-            cfg, prompts, args.max_tokens, sequential=args.sequential, sampling=sampling
-        )
+    sampling = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed, args.logprobs)
+    if args.engine == "local":
+        with err.status(f"loading {model} and generating..."):
+            outputs, report = generate(
+                cfg, prompts, args.max_tokens, sequential=args.sequential, sampling=sampling
+            )
+        report_shape = report.as_dict()
+    else:
+        from raykv.cluster.client import RaykvClient
+        from raykv.engine.generate import prepare
+
+        served = prepare(cfg, prompts, args.max_tokens, sampling).cfg  # refuse bad input here
+        with err.status(f"starting Ray and {model} on its rank actors..."):
+            client = RaykvClient.start(served, address=args.address)
+        with client, err.status("generating..."):
+            outputs = client.generate(
+                prompts, args.max_tokens, sequential=args.sequential, sampling=sampling
+            )
+            report_shape = client.report()
     for out in outputs:
         if out.error is not None:
             err.print(f"[{out.index}] refused: {out.error}", highlight=False)
         else:
             console.print(f"[{out.index}] {out.text}", highlight=False, markup=False)
     if args.json:
-        shape = {"outputs": [o.as_dict() for o in outputs], "report": report.as_dict()}
+        shape = {"outputs": [o.as_dict() for o in outputs], "report": report_shape}
         Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
         err.print(f"wrote {args.json}")
     return 0
@@ -370,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--model",
         help="a real model (model.path: a preset, a Hugging Face directory or a .gguf file); "
-        "for now at parallel.tensor_parallel_size 1",
+        "tensor_parallel_size > 1 needs --engine ray",
     )
     run.add_argument("--num-requests", type=int, help="how many requests to run")
     run.add_argument("--no-offload", action="store_true", help="run without the CPU tier")
@@ -402,7 +426,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["local", "ray"],
         default="local",
-        help="local: the engine in this process (the real model runs here for now)",
+        help="local: the engine in this process, tensor_parallel_size 1 (default); ray: the "
+        "scheduler and one rank actor per tensor-parallel rank",
+    )
+    gen.add_argument(
+        "--address",
+        help="with --engine ray: the Ray cluster to join; default: RAY_ADDRESS, else an "
+        "embedded local Ray (loopback only)",
     )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument(

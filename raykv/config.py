@@ -7,6 +7,7 @@ number with a unit: ``512KiB``, ``2GiB``, ``1.5GB``.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -159,6 +160,24 @@ class ModelConfig(_Strict):
     kv_layers_per_group: int | None = Field(
         default=None, gt=0, description="Layers a KV page holds (set from the checkpoint)."
     )
+    max_positions: int | None = Field(
+        default=None,
+        gt=0,
+        description="Prompt plus output tokens one request may hold (a real model: its context, "
+        "set from the checkpoint; None: no limit but the GPU pool's).",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Tokens that end a request (a real model: its EOS tokens are added from "
+        "the checkpoint).",
+    )
+    weights_cache_dir: str = Field(
+        default_factory=lambda: os.environ.get(
+            "RAYKV_WEIGHTS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raykv")
+        ),
+        description="Where a GGUF checkpoint's dequantized weights are kept (safetensors), so "
+        "that a second start skips the dequantization ('' turns the cache off).",
+    )
 
     num_layers: int = Field(default=4, gt=0)
     num_kv_heads: int = Field(default=4, gt=0, description="KV heads in total, split over ranks.")
@@ -201,6 +220,18 @@ class ParallelConfig(_Strict):
     )
     step_timeout_s: float = Field(
         default=120.0, gt=0, description="A rank that does not answer a step this long is dead."
+    )
+    collective_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A real model's tensor-parallel collective (all-reduce) waits at most this "
+        "long for the other ranks; then the rank leaves and its TP group is restarted.",
+    )
+    cpu_threads_per_rank: int | None = Field(
+        default=None,
+        gt=0,
+        description="torch threads of each CPU rank (default: the node's cores shared among "
+        "the ranks, at least 1).",
     )
 
 
@@ -284,7 +315,8 @@ class RaykvConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> RaykvConfig:
         tp = self.parallel.tensor_parallel_size
-        if self.model.num_kv_heads % tp:
+        # a checkpoint's own head counts are checked against the TP size when it is read
+        if self.model.path is None and self.model.num_kv_heads % tp:
             raise ValueError(
                 f"parallel.tensor_parallel_size ({tp}) must divide model.num_kv_heads "
                 f"({self.model.num_kv_heads})"
@@ -297,7 +329,9 @@ class RaykvConfig(_Strict):
                     f"parallel.tensor_parallel_size {tp} (ranks 0-{tp - 1})"
                 )
         groups = len(self.cache.groups)
-        if self.model.num_layers % groups:
+        # a real checkpoint's layers go to groups by attention kind, unevenly if need be
+        # (model.kv_layers_per_group, set by configure): pages hold the largest group's layers
+        if self.model.kv_layers_per_group is None and self.model.num_layers % groups:
             raise ValueError(
                 f"model.num_layers ({self.model.num_layers}) must split evenly over the "
                 f"{groups} cache.groups"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,16 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+# dequantized GGUF weights go to a directory of this session's, not the user's cache (set before
+# any config reads its default)
+_WEIGHTS_CACHE = tempfile.mkdtemp(prefix="raykv-test-weights-")
+os.environ["RAYKV_WEIGHTS_CACHE"] = _WEIGHTS_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    shutil.rmtree(_WEIGHTS_CACHE, ignore_errors=True)
+
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"

@@ -12,14 +12,16 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from raykv.cluster.engine_actor import REJECTED, EngineServer
+from raykv.cluster.engine_actor import REJECTED, EngineServer, FinishedItem
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
+from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
 if TYPE_CHECKING:
+    from raykv.engine.generate import Output, Prompt
     from raykv.engine.run_report import RunReport
 
 log = logging.getLogger(__name__)
@@ -41,12 +43,19 @@ class StreamItem(tuple):
     duplicate id); then ``tokens`` is empty and ``reason`` says why (None otherwise)."""
 
     reason: str | None
+    logprobs: list[TokenLogprobs] | None  # per generated token, when the request asked
 
     def __new__(
-        cls, req_id: str, tokens: list[int], status: str, reason: str | None = None
+        cls,
+        req_id: str,
+        tokens: list[int],
+        status: str,
+        reason: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> StreamItem:
         item = super().__new__(cls, (req_id, tokens, status))
         item.reason = reason
+        item.logprobs = logprobs
         return item
 
     @property
@@ -99,6 +108,7 @@ class RaykvClient:
         self._unfinished: dict[str, RequestSpec] = {}  # submitted, not yet yielded by stream
         self._refused: list[StreamItem] = []  # refused here (duplicate ids), not yet yielded
         self.scheduler_restarts = 0
+        self._generations = 0  # generate() calls so far (each names its requests apart)
 
     @classmethod
     def start(
@@ -278,12 +288,12 @@ class RaykvClient:
             except ray.exceptions.RayActorError as exc:
                 self._replace_deployment(exc)
                 continue
-            for req_id, tokens, status, reason in items:
+            for req_id, tokens, status, reason, logprobs in items:
                 # a request the dead scheduler finished but never handed over is recomputed
                 # and comes again: yield each request once. A refused one leaves the table
                 # too, so a new scheduler is never handed it again
                 if self._unfinished.pop(req_id, None) is not None:
-                    yield StreamItem(req_id, tokens, status, reason)
+                    yield StreamItem(req_id, tokens, status, reason, logprobs)
             if idle and not self._refused:
                 if self._unfinished:  # a bug: the engine forgot requests it was given
                     lost = sorted(self._unfinished)
@@ -296,7 +306,7 @@ class RaykvClient:
                 raise TimeoutError(f"requests still running after {timeout_s} s")
             time.sleep(poll_s)
 
-    def _poll_finished(self) -> tuple[list[tuple[str, list[int], str, str | None]], bool]:
+    def _poll_finished(self) -> tuple[list[FinishedItem], bool]:
         items = ray.get(self.server.take_finished.remote())
         progress = ray.get(self.server.progress.remote())
         if progress["error"]:
@@ -305,6 +315,39 @@ class RaykvClient:
         if idle:  # what finished between the first call and now
             items += ray.get(self.server.take_finished.remote())
         return items, idle
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        max_tokens: int = 64,
+        *,
+        sequential: bool = False,
+        sampling: SamplingSpec | None = None,
+        timeout_s: float = 600.0,
+    ) -> list[Output]:
+        """Prompts (texts, chat messages or token ids) through the deployment's real model:
+        texts, token ids and, with ``sampling.logprobs``, logprobs out, in the prompts' order.
+        All prompts are submitted at once, or with ``sequential`` each once the previous one
+        finished, so that it can reuse their KV. A refused prompt comes out with
+        ``finish_reason`` ``rejected`` and the reason."""
+        from raykv.engine.generate import prepare
+
+        if self.cfg.model.path is None:
+            raise ValueError("generate needs a real model (model.path)")
+        gen = prepare(self.cfg, list(prompts), max_tokens, sampling)
+        batches = [[s] for s in gen.specs] if sequential else [gen.specs]
+        outputs: dict[int, Output] = {}
+        for batch in batches:
+            # this client's request ids may be taken by earlier calls: name them apart
+            tag = f"gen{self._generations}-"
+            self._generations += 1
+            self.submit([dataclasses.replace(s, req_id=tag + s.req_id) for s in batch])
+            for item in self.stream(timeout_s=timeout_s):
+                index = int(item.req_id.removeprefix(tag))
+                outputs[index] = gen.output(
+                    index, item.tokens, item.status, item.reason, item.logprobs
+                )
+        return [outputs[i] for i in range(len(gen.specs))]
 
     def events(self) -> list[Any]:
         """The CPU tier's KV events since the last call (BlockStored / BlockRemoved)."""

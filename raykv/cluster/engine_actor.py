@@ -15,9 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo, spawn_rank_worker
+from raykv.cluster.rank_actor import (
+    READY_TIMEOUT_S,
+    RankInfo,
+    needs_tp_group,
+    spawn_rank_worker,
+)
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.config import RaykvConfig
+from raykv.core.request import Request
+from raykv.core.step import TokenLogprobs
 from raykv.faults import parse_fault, scheduler_dies_at
 
 if TYPE_CHECKING:
@@ -25,6 +32,14 @@ if TYPE_CHECKING:
 
 # The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
 REJECTED = "rejected"
+
+# (request id, generated tokens, status, why it was refused, logprobs per token)
+FinishedItem = tuple[str, list[int], str, "str | None", "list[TokenLogprobs] | None"]
+
+
+def _logprobs(req: Request) -> list[TokenLogprobs] | None:
+    wanted = req.sampling is not None and req.sampling.logprobs is not None
+    return list(req.logprobs) if wanted else None
 
 
 class EngineServer:
@@ -56,7 +71,9 @@ class EngineServer:
         self._placement = placement
         self._incarnation = incarnation
         self._faults = [parse_fault(f) for f in self.cfg.faults]
-        self.group = RayWorkerGroup(workers, self.cfg.parallel.step_timeout_s, self._spawn)
+        self.group = RayWorkerGroup(
+            workers, self.cfg.parallel.step_timeout_s, self._spawn, needs_tp_group(self.cfg)
+        )
         self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         self.driver = Driver(self.engine, check_invariants=check_invariants)
         self.metrics = EngineMetrics(self.engine)
@@ -124,18 +141,20 @@ class EngineServer:
         except Exception as exc:  # surfaced through progress(); the actor stays up to report it
             self._error = f"{type(exc).__name__}: {exc}"
 
-    def take_finished(self) -> list[tuple[str, list[int], str, str | None]]:
+    def take_finished(self) -> list[FinishedItem]:
         """Requests finished or refused since the last call: (request id, tokens, status,
-        reason). A refused request (bad token id, too long, an id the engine still holds) has
-        status ``rejected``, no tokens and the engine's error as its reason; None otherwise."""
+        reason, logprobs). A refused request (bad token id, too long, an id the engine still
+        holds) has status ``rejected``, no tokens and the engine's error as its reason; None
+        otherwise. ``logprobs``: one per generated token, for a request that asked for them
+        (a real model's ``SamplingSpec.logprobs``), else None."""
         with self._lock:
-            out: list[tuple[str, list[int], str, str | None]] = [
-                (r.req_id, list(r.output), r.status.value, None)
+            out: list[FinishedItem] = [
+                (r.req_id, list(r.output), r.status.value, None, _logprobs(r))
                 for r in self.driver.take_finished()
             ]
             refused = self.driver.rejected[self._rejected_taken :]
             self._rejected_taken += len(refused)
-            out += [(r["request"], [], REJECTED, r["error"]) for r in refused]
+            out += [(r["request"], [], REJECTED, r["error"], None) for r in refused]
             return out
 
     def take_events(self) -> list[Any]:
@@ -178,8 +197,7 @@ class EngineServer:
         """The rank actors now serving (replaced ones included)."""
         return list(self.group.workers)
 
-    def _spawn(self, rank: int, incarnation: int, before: RankInfo) -> tuple[Any, RankInfo]:
-        handle = spawn_rank_worker(
+    def _spawn(self, rank: int, incarnation: int, before: RankInfo) -> Any:
+        return spawn_rank_worker(
             self._cfg_json, rank, incarnation, self._placement, before.pool_path, before.process
         )
-        return handle, ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)

@@ -3,7 +3,9 @@
 It wraps the one-process engine's ``LocalWorker`` unchanged (KV shard, CPU pool shard, transfer
 engine, model shard, connector worker half). A replacement rank takes over its predecessor's
 CPU-pool shard once the predecessor's process is gone (:func:`spawn_rank_worker` passes it the
-predecessor's file and process).
+predecessor's file and process). A real model's ranks at TP > 1 also form a process group
+(:mod:`raykv.model.tp_group`): rank 0 serves the rendezvous, every rank joins, and a rank
+whose collective fails exits, like any dead rank.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -20,6 +22,9 @@ from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
 from raykv.faults import RankDied
 from raykv.transfer.pool_files import hold, owner_of, process_id, successor_path, sweep_stale
+
+if TYPE_CHECKING:  # torch is imported by the rank actors only, not by the driver
+    from raykv.model.tp_group import Rendezvous, RendezvousAddress, TPGroup
 
 # A replacement rank waits this long for its killed predecessor's process to exit before it maps
 # the predecessor's CPU-pool shard; after that it takes a fresh one.
@@ -53,7 +58,7 @@ class RankWorker:
         rank gets its predecessor's path and process: once that process is gone it maps the file
         and finds the finished chunks intact (see
         :func:`raykv.transfer.pool_files.successor_path`)."""
-        import torch  # noqa: F401  (pay the import here, not in the first step)
+        import torch  # pay the import here, not in the first step
 
         from raykv.engine.workers import LocalWorker
 
@@ -69,8 +74,46 @@ class RankWorker:
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self.rank = rank
+        par = self.cfg.parallel
+        if par.device == "cpu":  # TP ranks on one node share its cores instead of each taking all
+            torch.set_num_threads(rank_threads(par.cpu_threads_per_rank, par.tensor_parallel_size))
+        self._rendezvous: Rendezvous | None = None
+        self._group: TPGroup | None = None
+        in_group = needs_tp_group(self.cfg)
         self.worker = LocalWorker(
-            self.cfg, rank, num_slots, incarnation=incarnation, pool_path=pool_path
+            self.cfg,
+            rank,
+            num_slots,
+            incarnation=incarnation,
+            pool_path=pool_path,
+            all_reduce=self._all_reduce if in_group else None,
+        )
+
+    def _all_reduce(self, tensor: Any) -> Any:
+        if self._group is None:
+            raise RuntimeError(f"rank {self.rank} computed before joining its TP group")
+        return self._group.all_reduce(tensor)
+
+    def open_rendezvous(self) -> RendezvousAddress:
+        """Serve the TP group's rendezvous (rank 0) on this node's address."""
+        from raykv.model.tp_group import Rendezvous
+
+        timeout = self.cfg.parallel.collective_timeout_s
+        self._rendezvous = Rendezvous(ray.util.get_node_ip_address(), timeout)
+        return self._rendezvous.address
+
+    def join_group(self, address: RendezvousAddress) -> None:
+        """Join the TP group; returns once every rank has joined."""
+        from raykv.model.tp_group import TPGroup
+
+        par = self.cfg.parallel
+        self._group = TPGroup(
+            address,
+            self.rank,
+            par.tensor_parallel_size,
+            device=par.device,
+            host=ray.util.get_node_ip_address(),
+            timeout_s=par.collective_timeout_s,
         )
 
     def ready(self) -> RankInfo:
@@ -87,7 +130,9 @@ class RankWorker:
         try:
             report = self.worker.execute(pickle.loads(blob))
         except RankDied:
-            os._exit(1)  # an injected death is a real one: the process goes, memory and all
+            # an injected death is a real one: the process goes, memory and all; so does a rank
+            # whose TP group broke (a peer died mid-collective)
+            os._exit(1)
         return pickle.dumps(report, protocol=5)
 
     def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
@@ -98,10 +143,23 @@ class RankWorker:
         return 0
 
     def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self.worker.shutdown()
         if self._lease is not None:
             os.close(self._lease)
             self._lease = None
+
+
+def needs_tp_group(cfg: RaykvConfig) -> bool:
+    """A real model split over ranks computes through a process group; the synthetic model's
+    ranks never talk to each other."""
+    return cfg.model.path is not None and cfg.parallel.tensor_parallel_size > 1
+
+
+def rank_threads(configured: int | None, tp_size: int) -> int:
+    """torch threads per CPU rank: as configured, or this node's cores shared by the ranks."""
+    return configured or max(1, (os.cpu_count() or 1) // tp_size)
 
 
 def spawn_rank_worker(

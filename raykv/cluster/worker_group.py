@@ -2,7 +2,9 @@
 
 ``RayWorkerGroup.execute`` fans each step's plan out to the rank actors, one call per rank per
 step, and gathers the replies; a rank whose actor died or that stays silent past the step
-timeout is reported dead, and ``restart`` replaces it.
+timeout is reported dead, and ``restart`` replaces it. A real model's ranks at TP > 1 form a
+process group: the group forms it once the ranks are up, and a death replaces all of them
+(the survivors' process group is broken with it), then forms a new one.
 """
 
 from __future__ import annotations
@@ -32,18 +34,28 @@ class RayWorkerGroup:
         self,
         workers: list[Any],
         step_timeout_s: float | None = None,
-        spawn: Callable[[int, int, RankInfo], tuple[Any, RankInfo]] | None = None,
+        spawn: Callable[[int, int, RankInfo], Any] | None = None,
+        tp_group: bool = False,
     ) -> None:
+        """``spawn``: (rank, incarnation, the predecessor's info) -> a new RankWorker.
+        ``tp_group``: the ranks compute together through a process group (a real model at
+        TP > 1)."""
         self.workers = workers
         self.step_timeout_s = step_timeout_s
-        # (rank, incarnation, the predecessor's info) -> (a new ready RankWorker, its info)
         self.spawn = spawn
+        self.tp_group = tp_group
         self.incarnations = [0] * len(workers)
         self.infos: list[RankInfo] = (
             ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
-            if spawn is not None
+            if spawn is not None or tp_group
             else []
         )
+        if tp_group:
+            self._form_group()
+
+    def _form_group(self) -> None:
+        address = ray.get(self.workers[0].open_rendezvous.remote(), timeout=READY_TIMEOUT_S)
+        ray.get([w.join_group.remote(address) for w in self.workers], timeout=READY_TIMEOUT_S)
 
     @property
     def num_ranks(self) -> int:
@@ -70,18 +82,24 @@ class RayWorkerGroup:
         return reports
 
     def restart(self, ranks: list[int]) -> bool:
-        """Replace the ranks; True when every new rank attached its predecessor's CPU-pool shard
-        (it does once the predecessor's process has exited, which a killed one does within
-        moments; one that lingers past ``PREDECESSOR_EXIT_S`` leaves its successor a fresh
-        shard, and the CPU tier is emptied)."""
+        """Replace the ranks (every rank, when they form a TP group); True when every new rank
+        attached its predecessor's CPU-pool shard (it does once the predecessor's process has
+        exited, which a killed one does within moments; one that lingers past
+        ``PREDECESSOR_EXIT_S`` leaves its successor a fresh shard, and the CPU tier is
+        emptied)."""
         if self.spawn is None:
             raise RuntimeError(f"ranks {ranks} died and this worker group cannot replace them")
-        intact = True
+        if self.tp_group:
+            ranks = list(range(self.num_ranks))
         for rank in ranks:
             with contextlib.suppress(Exception):
                 ray.kill(self.workers[rank], no_restart=True)
+        for rank in ranks:  # all at once: a TP group's ranks come up together
             self.incarnations[rank] += 1
-            handle, info = self.spawn(rank, self.incarnations[rank], self.infos[rank])
-            self.workers[rank], self.infos[rank] = handle, info
-            intact &= info.attached
-        return intact
+            self.workers[rank] = self.spawn(rank, self.incarnations[rank], self.infos[rank])
+        infos = ray.get([self.workers[r].ready.remote() for r in ranks], timeout=READY_TIMEOUT_S)
+        for rank, info in zip(ranks, infos, strict=True):
+            self.infos[rank] = info
+        if self.tp_group:
+            self._form_group()
+        return all(info.attached for info in infos)

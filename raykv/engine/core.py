@@ -80,10 +80,11 @@ class EngineCore:
         keep_finished: bool | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
-        """``stop_token_ids``: a real model's EOS tokens (``model.path``); the synthetic model
+        """``stop_token_ids``: a real model's stop tokens besides ``model.stop_token_ids``
+        (which ``configure`` fills with the checkpoint's EOS tokens); the synthetic model
         decides EOS itself."""
         self.cfg = cfg
-        self.stop_token_ids = stop_token_ids
+        self.stop_token_ids = stop_token_ids | frozenset(cfg.model.stop_token_ids)
         # False: forget requests once done (long runs keep only their outputs)
         self.keep_finished = cfg.engine.keep_finished if keep_finished is None else keep_finished
         self.workers = workers
@@ -136,6 +137,12 @@ class EngineCore:
         bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"request {req.req_id}: token id {bad} outside [0, {vocab})")
+        limit = self.cfg.model.max_positions
+        if limit is not None and req.num_prompt + req.max_tokens > limit:
+            raise ValueError(
+                f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
+                f"exceed the model's context of {limit}"
+            )
         if req.eos_token is None:
             req.eos_token = vocab - 1
         self.scheduler.add(req)

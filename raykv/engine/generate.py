@@ -24,6 +24,7 @@ from raykv.engine.workers import LocalWorkerGroup
 from raykv.model.checkpoint import configure
 from raykv.model.sampling import SamplingParams
 from raykv.model.tokenizer import Tokenizer
+from raykv.workload.requests import RequestSpec
 
 
 @dataclass(slots=True)
@@ -103,6 +104,64 @@ def read_prompt_file(path: str) -> list[Prompt]:
     return prompts
 
 
+@dataclass(slots=True)
+class Generation:
+    """Prompts made ready for an engine: the served config (the checkpoint's geometry), the
+    tokenizer, and one request spec per prompt, numbered by its place (``str(index)``)."""
+
+    cfg: RaykvConfig
+    tokenizer: Tokenizer | None
+    specs: list[RequestSpec]
+    logprobs: bool  # whether outputs carry logprobs
+
+    def output(
+        self,
+        index: int,
+        tokens: list[int],
+        status: str,
+        error: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> Output:
+        """Prompt ``index``'s output from what the engine answered (``status``: a request
+        status value, or ``rejected`` with ``error``)."""
+        prompt = list(self.specs[index].prompt)
+        if error is not None:
+            return Output(index, prompt, [], "", "rejected", error)
+        reason = "stop" if status == RequestStatus.FINISHED_STOPPED.value else "length"
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        kept = list(logprobs or []) if self.logprobs else None
+        return Output(index, prompt, list(tokens), text, reason, None, kept)
+
+
+def prepare(
+    cfg: RaykvConfig,
+    prompts: list[Prompt],
+    max_tokens: int,
+    sampling: SamplingSpec | None = None,
+) -> Generation:
+    """Configure ``cfg`` for its checkpoint and turn the prompts into request specs, each with
+    ``sampling`` (greedy by default; a seed is offset by the prompt's index, so prompts differ
+    and a rerun repeats). Bad sampling parameters are refused by name before anything loads."""
+    spec_in = sampling or SamplingSpec()
+    SamplingParams(
+        spec_in.temperature, spec_in.top_p, spec_in.top_k, logprobs=spec_in.logprobs or 0
+    )
+    cfg, _, path = configure(cfg)
+    tokenizer = Tokenizer.of(path)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        stops = sorted({*cfg.model.stop_token_ids, tokenizer.eos_token_id})
+        cfg = cfg.model_copy(
+            update={"model": cfg.model.model_copy(update={"stop_token_ids": stops})}
+        )
+    specs = [
+        RequestSpec(
+            str(i), tuple(_token_ids(tokenizer, p)), max_tokens, 0.0, _for_prompt(spec_in, i)
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return Generation(cfg, tokenizer, specs, spec_in.logprobs is not None)
+
+
 def generate(
     cfg: RaykvConfig,
     prompts: list[Prompt],
@@ -110,36 +169,21 @@ def generate(
     sequential: bool = False,
     sampling: SamplingSpec | None = None,
 ) -> tuple[list[Output], RunReport]:
-    """Run every prompt to the end on the one-process engine (the real model at TP 1), each
-    with ``sampling`` (greedy by default; a seed is offset by the prompt's index, so prompts
-    differ and a rerun repeats)."""
-    spec_in = sampling or SamplingSpec()
-    SamplingParams(  # bad parameters are refused by name before anything loads
-        spec_in.temperature, spec_in.top_p, spec_in.top_k, logprobs=spec_in.logprobs or 0
-    )
-    cfg, spec, path = configure(cfg)
-    tokenizer = Tokenizer.of(path)
-    ids = [_token_ids(tokenizer, p) for p in prompts]
-    stops = set(spec.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        stops.add(tokenizer.eos_token_id)
+    """Run every prompt to the end on the one-process engine (the real model at TP 1); see
+    ``prepare``. With ``sequential`` each prompt is submitted once the previous finished."""
+    gen = prepare(cfg, prompts, max_tokens, sampling)
+    cfg = gen.cfg
     start = time.perf_counter()
     with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-        engine = EngineCore(cfg, workers, stop_token_ids=frozenset(stops))
+        engine = EngineCore(cfg, workers)
         requests = [
-            Request(str(i), i, prompt_ids, max_tokens, sampling=_for_prompt(spec_in, i))
-            for i, prompt_ids in enumerate(ids)
+            Request(s.req_id, i, list(s.prompt), s.max_tokens, sampling=s.sampling)
+            for i, s in enumerate(gen.specs)
         ]
         refused: dict[int, str] = {}
         for batch in [[r] for r in requests] if sequential else [requests]:
             for req in batch:
-                too_long = len(req.prompt) + max_tokens > spec.max_positions
                 try:
-                    if too_long:
-                        raise ValueError(
-                            f"request {req.req_id}: {len(req.prompt)} prompt + {max_tokens} "
-                            f"output tokens exceed the model's context of {spec.max_positions}"
-                        )
                     engine.add_request(req)
                 except ValueError as exc:  # this prompt is at fault; the others go on
                     refused[req.index] = str(exc)
@@ -152,19 +196,10 @@ def generate(
         )
     report.engine = "local"
     report.rejected = [{"request": str(i), "error": e} for i, e in refused.items()]
-    outputs = []
-    for req in requests:
-        if req.index in refused:
-            outputs.append(
-                Output(req.index, list(req.prompt), [], "", "rejected", refused[req.index])
-            )
-            continue
-        reason = "stop" if req.status is RequestStatus.FINISHED_STOPPED else "length"
-        text = tokenizer.decode(req.output) if tokenizer is not None else ""
-        logprobs = list(req.logprobs) if spec_in.logprobs is not None else None
-        outputs.append(
-            Output(req.index, list(req.prompt), req.output, text, reason, None, logprobs)
-        )
+    outputs = [
+        gen.output(r.index, r.output, r.status.value, refused.get(r.index), r.logprobs)
+        for r in requests
+    ]
     return outputs, report
 
 

@@ -134,7 +134,9 @@ class Driver:
         while pending and pending[0][0] <= now:
             _, index, spec = heapq.heappop(pending)
             try:
-                req = Request(spec.req_id, index, list(spec.prompt), spec.max_tokens)
+                req = Request(
+                    spec.req_id, index, list(spec.prompt), spec.max_tokens, sampling=spec.sampling
+                )
                 engine.add_request(req)
             except ValueError as exc:  # this request is at fault; the run goes on
                 self.rejected.append({"request": spec.req_id, "error": str(exc)})

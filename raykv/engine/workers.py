@@ -25,17 +25,35 @@ from raykv.transfer.rank import build_rank
 ExecDelay = Callable[[int], int]  # job id -> steps its copy stays pending (unthreaded engines)
 
 
-def real_model(cfg: RaykvConfig, rank: int, device: Any) -> ModelBackend:
-    """The checkpoint at ``model.path`` as this rank's model (its shard at TP > 1 needs the
-    ranks' process group, which only the Ray deployment will have)."""
+AllReduce = Callable[[Any], Any]  # sums a tensor over the ranks' TP group
+
+
+def real_model(
+    cfg: RaykvConfig, rank: int, device: Any, all_reduce: AllReduce | None = None
+) -> ModelBackend:
+    """This rank's shard of the checkpoint at ``model.path``. At TP > 1 the shards compute
+    together through ``all_reduce``, which only ranks in processes of their own have (the Ray
+    deployment): one process runs a real model at TP 1."""
     from raykv.model.backend import LlmModel
     from raykv.model.checkpoint import resolve
 
-    if cfg.parallel.tensor_parallel_size != 1:
-        raise ValueError("a real model runs at parallel.tensor_parallel_size 1 for now")
+    tp = cfg.parallel.tensor_parallel_size
+    if tp != 1 and all_reduce is None:
+        raise ValueError(
+            f"parallel.tensor_parallel_size {tp}: a real model's ranks need processes of their "
+            "own (--engine ray); the one-process engine runs it at 1"
+        )
     assert cfg.model.path is not None
-    path = resolve(cfg.model.path)
-    return LlmModel(path, cfg.cache.block_size, cfg.model.dtype, device, rank=rank)
+    return LlmModel(
+        resolve(cfg.model.path),
+        cfg.cache.block_size,
+        cfg.model.dtype,
+        device,
+        rank=rank,
+        tp_size=tp,
+        all_reduce=all_reduce,
+        cache_dir=cfg.model.weights_cache_dir or None,
+    )
 
 
 def make_layout(cfg: RaykvConfig, num_slots: int) -> KVLayout:
@@ -64,9 +82,10 @@ class LocalWorker:
         threaded: bool = True,
         incarnation: int = 0,
         pool_path: str | None = None,
+        all_reduce: AllReduce | None = None,
     ) -> None:
         """``pool_path``: keep the CPU-pool shard in that shared-memory file (attached if a dead
-        predecessor left it)."""
+        predecessor left it). ``all_reduce``: a real model's collective over the TP group."""
         self.rank = rank
         self.layout = make_layout(cfg, num_slots)
         self.faults = RankFaults(rank, [parse_fault(f) for f in cfg.faults], incarnation)
@@ -89,7 +108,7 @@ class LocalWorker:
         verify = lambda block, content: model.verify(kv, block, content)  # noqa: E731
         step_model: ModelBackend = model
         if cfg.model.path is not None:
-            step_model, verify = real_model(cfg, rank, kv.device), None
+            step_model, verify = real_model(cfg, rank, kv.device, all_reduce), None
         self.connector = ConnectorWorker(rank, backend, verify)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv)
         if self.faults.active:

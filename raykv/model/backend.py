@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,16 +16,14 @@ from raykv.model.spec import ModelSpec
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_weights(path: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """A checkpoint's description and tensors: a Hugging Face directory or a GGUF file."""
+def load_weights(path: Path, cache_dir: str | None = None) -> tuple[ModelSpec, Mapping[str, Any]]:
+    """A checkpoint's description and tensors (lazy where the file allows): a Hugging Face
+    directory, or a GGUF file dequantized once into ``cache_dir``."""
+    from raykv.model.weights import load_gguf_weights, load_hf_directory
+
     if path.is_dir():
-        from raykv.model.weights import load_hf_directory
-
         return load_hf_directory(path)
-    from raykv.model.gguf_file import load_gguf
-
-    spec, weights, _ = load_gguf(path)
-    return spec, weights
+    return load_gguf_weights(path, cache_dir)
 
 
 class LlmModel:
@@ -40,8 +40,10 @@ class LlmModel:
         rank: int = 0,
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
+        cache_dir: str | None = None,
     ) -> None:
-        spec, weights = load_weights(path)
+        """``cache_dir``: where a GGUF file's dequantized weights are kept (None: nowhere)."""
+        spec, weights = load_weights(path, cache_dir)
         self.spec = spec
         self.decoder = Decoder(
             spec,

@@ -99,9 +99,25 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
             "head_dim": spec.head_dim,
             "vocab_size": spec.vocab_size,
             "kv_layers_per_group": placement.layers_per_group,
+            "max_positions": spec.max_positions,
+            "stop_token_ids": sorted(
+                {*cfg.model.stop_token_ids, *spec.eos_token_ids, *_generation_eos(path)}
+            ),
         }
     )
     cache = cfg.cache.model_copy(update={"groups": groups})
     # the synthetic model's byte checks do not apply to a real model's KV
     offload = cfg.offload.model_copy(update={"verify": False})
     return cfg.model_copy(update={"model": model, "cache": cache, "offload": offload}), spec, path
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """The EOS tokens of a directory's ``generation_config.json`` (chat models often list
+    more there than in ``config.json``)."""
+    file = path / "generation_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos])]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ class Decoder:
     def __init__(
         self,
         spec: ModelSpec,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, Any],
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
@@ -95,6 +96,8 @@ class Decoder:
             for suffix, (dim, part) in shards.items():
                 if module.endswith(suffix) and (kind == "weight" or dim == 0):
                     tensor = tensor[part] if dim == 0 else tensor[:, part]
+            if not isinstance(tensor, torch.Tensor):  # a lazy slice of a file, read whole
+                tensor = tensor[:]
             return tensor.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = get("model.embed_tokens.weight")

@@ -1,18 +1,53 @@
-"""Checkpoint files: a Hugging Face directory (``config.json`` and ``*.safetensors``)."""
+"""Checkpoint tensors: a Hugging Face directory's safetensors files, or a GGUF file's tensors
+dequantized once and kept on disk as safetensors.
+
+Tensors are read lazily: the decoder takes each one by name and slices out its rank's shard,
+and only that shard's bytes are read from the file.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
-import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from raykv.model.spec import ModelSpec, UnsupportedModel
 
+log = logging.getLogger(__name__)
 
-def load_hf_directory(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """The model's description and every tensor of its safetensors files, by name."""
+
+class SafetensorsWeights(Mapping[str, Any]):
+    """The tensors of safetensors files by name, each a lazy slice: index it (``w[rows]``,
+    ``w[:, columns]``, ``w[:]``) to read that part."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._files = [safe_open(str(f), framework="pt") for f in files]
+        self._where: dict[str, Any] = {}
+        for f in self._files:
+            names: list[str] = f.keys()  # a safetensors handle is not a dict: no iteration
+            self._where.update(dict.fromkeys(names, f))
+
+    def __getitem__(self, name: str) -> Any:
+        return self._where[name].get_slice(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf_directory(path: str | Path) -> tuple[ModelSpec, Mapping[str, Any]]:
+    """The model's description and its tensors (lazy) from a Hugging Face directory."""
     root = Path(path)
     config = root / "config.json"
     if not config.is_file():
@@ -21,7 +56,58 @@ def load_hf_directory(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tens
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise UnsupportedModel(f"{root}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    return spec, weights
+    return spec, SafetensorsWeights(files)
+
+
+def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
+    """Where the dequantized tensors of the GGUF file ``path`` are kept: named for the file's
+    place, size and modification time, so a changed file is dequantized again."""
+    stat = path.stat()
+    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    digest = hashlib.sha256(identity).hexdigest()[:16]
+    return Path(cache_dir) / "weights" / f"{path.stem}-{digest}.safetensors"
+
+
+def load_gguf_weights(
+    path: Path, cache_dir: str | Path | None
+) -> tuple[ModelSpec, Mapping[str, Any]]:
+    """The model's description and its tensors from a GGUF file: from the on-disk cache of its
+    dequantized tensors, made on first use (one process makes it; the others wait for it and
+    read it). Without a cache directory, or when it cannot be written, every tensor is
+    dequantized into memory."""
+    from raykv.model.checkpoint import gguf_config
+    from raykv.model.gguf_file import load_gguf
+
+    if cache_dir is None:
+        spec, weights, _ = load_gguf(path)
+        return spec, weights
+    target = cached_gguf_path(path, cache_dir)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target.with_suffix(".lock")):
+            if not target.is_file():
+                spec, weights, _ = load_gguf(path)
+                partial = target.with_suffix(f".partial-{os.getpid()}")
+                save_file(dict(weights), str(partial), metadata={"source": str(path)})
+                os.replace(partial, target)  # whole or absent, never half written
+                return spec, weights
+    except OSError as exc:
+        log.warning(
+            "cannot cache dequantized weights in %s (%s): keeping them in memory", cache_dir, exc
+        )
+        spec, weights, _ = load_gguf(path)
+        return spec, weights
+    from gguf import GGUFReader
+
+    spec = ModelSpec.from_hf_config(gguf_config(GGUFReader(str(path))))
+    return spec, SafetensorsWeights([target])
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from raykv.config import RaykvConfig
+from raykv.core.step import SamplingSpec
 from raykv.workload.trace import MOONCAKE_BLOCK_TOKENS, read_trace
 
 
@@ -18,6 +19,7 @@ class RequestSpec:
     prompt: tuple[int, ...]
     max_tokens: int
     arrival: float  # engine step at which it arrives
+    sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -1,0 +1,130 @@
+"""A real model on the Ray rank actors, tensor-parallel over a gloo process group: tiny random
+checkpoints at TP 2 against transformers (every token and its logprob, a prefix from the CPU
+tier), a rank death that restarts the whole TP group, and SmolLM2-135M-Instruct at TP 3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from raykv.cli import main  # noqa: E402
+from raykv.cluster.client import RaykvClient  # noqa: E402
+from raykv.config import load_config  # noqa: E402
+from raykv.core.step import SamplingSpec  # noqa: E402
+from raykv.engine.generate import Prompt, prepare  # noqa: E402
+from raykv.model.presets import preset_path  # noqa: E402
+from raykv.model.spec import UnsupportedModel  # noqa: E402
+from tests.model.test_decoder import SHAPE, TOLERANCE, checkpoint  # noqa: E402
+from tests.model.test_engine_llm import expected  # noqa: E402
+
+# GPU pools so small that a later prompt's shared prefix has left the GPU cache: it comes
+# back from the CPU tier (a full and a sliding group take blocks from one pool)
+SMALL_POOLS = {"llama-llama3-untied": 12, "qwen3-norms-sliding": 24}
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(1, SHAPE["vocab_size"], (24,), generator=gen).tolist()
+    other = torch.randint(1, SHAPE["vocab_size"], (28,), generator=gen).tolist()
+    return [[*shared, 3], other, [*shared, 4, 5]]
+
+
+@pytest.mark.parametrize("name", list(SMALL_POOLS))
+def test_generate_at_tp2_on_ray_matches_transformers_token_by_token(
+    ray_session, tmp_path: Path, name: str
+) -> None:
+    path, model = checkpoint(tmp_path / "ckpt", name)
+    prompts = _prompts()
+    file = tmp_path / "prompts.jsonl"
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "out.json"
+    argv = ["generate", "--engine", "ray", "--model", str(path), "--prompt-file", str(file)]
+    argv += ["--sequential", "--max-tokens", "5", "--logprobs", "1", "--json", str(out)]
+    argv += ["--set", "parallel.tensor_parallel_size=2"]
+    blocks = SMALL_POOLS[name]
+    for s in ["cache.block_size=4", f"cache.num_gpu_blocks={blocks}", "offload.cpu_slots=64"]:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    eos = model.config.eos_token_id
+    for prompt, got in zip(prompts, result["outputs"], strict=True):
+        assert got["token_ids"] == expected(model, prompt, 5, (eos,) if eos is not None else ())
+        sequence = [*prompt, *got["token_ids"]]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([sequence])).logits[0], dim=-1)
+        for k, entry in enumerate(got["logprobs"]):
+            want = ref[len(prompt) - 1 + k]
+            assert abs(entry["logprob"] - float(want[entry["token_id"]])) < TOLERANCE
+            assert list(entry["top"]) == [str(int(want.argmax()))]
+    report = result["report"]
+    assert report["engine"] == "ray" and report["cpu_hit_tokens"] > 0
+
+
+def _run(path: Path, out: Path, *extra: str) -> dict:
+    argv = ["run", "--engine", "ray", "--model", str(path), "--num-requests", "40"]
+    argv += ["--json-report", str(out), *extra]
+    for s in (
+        "parallel.tensor_parallel_size=2",
+        "cache.block_size=4",
+        "cache.num_gpu_blocks=40",
+        "workload.system_prompt_tokens=40",
+        "workload.user_tokens=12",
+        "workload.answer_tokens=8",
+        "workload.max_tokens=4",
+    ):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_rank_death_restarts_the_whole_tp_group_and_the_outputs_stay_the_same(
+    ray_session, tmp_path: Path
+) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    clean = _run(path, tmp_path / "clean.json")
+    # rank 1 dies at step 8; rank 0's all-reduce fails with it, so rank 0 leaves too and the
+    # group restarts whole; the CPU tier survives in the shared-memory shards
+    faulty = _run(path, tmp_path / "faulty.json", "--fault", "kill-worker:step=8:rank=1")
+    assert clean["rank_restarts"] == 0
+    assert faulty["rank_restarts"] == 2 and faulty["tier_kept_restarts"] == 2
+    assert faulty["output_digest"] == clean["output_digest"]
+    assert faulty["cpu_hit_tokens"] > 0
+
+
+def test_smollm2_at_tp3_on_ray_answers_as_transformers_and_reloads_from_the_cpu_tier(
+    ray_session,
+) -> None:
+    try:
+        path = preset_path("smollm2-135m-instruct")
+    except UnsupportedModel as exc:
+        pytest.skip(str(exc))
+    overrides = [
+        "model.path=smollm2-135m-instruct",
+        "model.dtype=float32",
+        "parallel.tensor_parallel_size=3",  # its 3 KV heads, one per rank
+        "cache.block_size=16",
+        "cache.num_gpu_blocks=14",  # the filler prompt pushes the question out of the GPU cache
+    ]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    filler = [{"role": "user", "content": "Count slowly from one to forty. " * 22}]
+    prompts = [Prompt(messages=question), Prompt(messages=filler), Prompt(messages=question)]
+    cfg = prepare(load_config(None, overrides), prompts, 12).cfg
+    with RaykvClient.start(cfg) as client:
+        outputs = client.generate(prompts, 12, sequential=True, sampling=SamplingSpec())
+        report = client.report()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = outputs[0].prompt_token_ids
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert outputs[0].token_ids == want[0, len(ids) :].tolist()
+    assert tokenizer.decode(outputs[0].token_ids).startswith("The capital of France is Paris.")
+    assert outputs[2].token_ids == outputs[0].token_ids  # asked again: the same answer
+    assert report["cpu_hit_tokens"] > 0
