@@ -238,11 +238,11 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     from raykv.engine.generate import Prompt, generate, read_prompt_file
 
     _check_output("--json", args.json)
-    # a real model computes in float32 on CPUs unless the config says otherwise
-    overrides = ["model.dtype=float32", *(args.set or [])]
-    cfg = load_config(args.config, overrides)
-    model = args.model or cfg.model.path or "smollm2-135m-instruct"
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model})})
+    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
+    # a real model, computing in float32 on CPUs, unless the config says otherwise
+    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
+    cfg = load_config(args.config, overrides, defaults)
+    model = cfg.model.path
     _check_real_model_engine(cfg, args.engine)
     _check_device(cfg, args.engine, args.address)
     if args.prompt_file:

@@ -423,6 +423,15 @@ def _set_path(tree: dict[str, Any], path: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _has_path(tree: Mapping[str, Any], path: str) -> bool:
+    node: Any = tree
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return node is not None
+
+
 def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``key.path=value`` overrides; values are read as YAML scalars (safe loader)."""
     for item in overrides:
@@ -438,9 +447,13 @@ def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def load_config(
-    source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()
+    source: str | Path | Mapping[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    defaults: Sequence[str] = (),
 ) -> RaykvConfig:
-    """Read a YAML file (or a mapping), apply overrides, validate. Raises ConfigError."""
+    """Read a YAML file (or a mapping), apply overrides, validate. Raises ConfigError.
+    ``defaults`` (``key.path=value`` too) apply only where neither the file nor the overrides
+    set the key: a command's own defaults (``raykv generate``'s model and dtype)."""
     name = ""
     if source is None:
         tree: Any = {}
@@ -467,6 +480,8 @@ def load_config(
     if not isinstance(tree, dict):
         raise ConfigError(f"{name or 'config'}: top level must be a mapping of sections")
     tree = apply_overrides(_deep_copy(tree), overrides)
+    unset = [item for item in defaults if not _has_path(tree, item.partition("=")[0].strip())]
+    tree = apply_overrides(tree, unset)
     try:
         return RaykvConfig.model_validate(tree)
     except ValidationError as exc:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of raykv, in one prepared run, for a machine whose torch has CUDA (no internet
-# needed, no Ray needed): the tests in tests/gpu, the transfer benchmark against the copy limit,
+# needed, no Ray needed): the tests in tests/gpu (the real model on CUDA against transformers
+# among them, its bfloat16 logprob differences printed), the transfer benchmark against the copy limit,
 # and `raykv run` on CUDA ranks compared with CPU ranks. Results go to DIR (first argument, else
 # $OUT, else ./gpu-results): device.txt, gpu-tests.txt, transfer-cuda.{txt,json},
 # run-cuda.json, run-cpu.json, summary.txt.
@@ -29,7 +30,7 @@ PYEOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
 
 status=0
-"$PY" -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$DIR/gpu-tests.txt"
+"$PY" -m pytest tests/gpu -q -rP -p no:cacheprovider -o addopts="" 2>&1 | tee "$DIR/gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 "$PY" -m raykv.cli bench transfer --device cuda --page-kib 16,64,256,1024,4096 --blocks 1024 \

@@ -100,3 +100,48 @@ def test_raykv_run_drives_a_real_model_through_the_cpu_tier(tmp_path: Path) -> N
     assert report["requests_finished"] == 12 and report["generated_tokens"] > 0
     assert report["config"]["model"]["num_layers"] == 3  # the checkpoint's, not the config's
     assert report["cpu_hit_tokens"] > 0  # the multi-turn chat's history came from the CPU tier
+
+
+def test_a_prompt_longer_than_the_context_is_refused_by_name_and_the_others_run(
+    tmp_path: Path,
+) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    context = SHAPE["max_position_embeddings"]
+    file = tmp_path / "prompts.jsonl"
+    lines = [[1, 2, 3], [5] * (context - 2), [4, 5, 6]]  # the middle one leaves no room
+    file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in lines))
+    out = tmp_path / "out.json"
+    argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--json", str(out)]
+    argv += ["--max-tokens", "4", "--set", "cache.num_gpu_blocks=128"]
+    assert main(argv) == 0
+    outputs = json.loads(out.read_text())["outputs"]
+    assert [o["finish_reason"] for o in outputs] == ["length", "rejected", "length"]
+    assert f"exceed the model's context of {context}" in outputs[1]["error"]
+    assert len(outputs[0]["token_ids"]) == len(outputs[2]["token_ids"]) == 4
+
+
+def test_a_tp_size_the_checkpoint_cannot_split_is_refused_with_its_counts(
+    tmp_path: Path, capsys
+) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")  # 4 query heads, 2 KV heads
+    argv = ["generate", "--model", str(path), "--prompt-file", "x.jsonl", "--engine", "ray"]
+    argv += ["--set", "parallel.tensor_parallel_size=3"]
+    file = tmp_path / "x.jsonl"
+    file.write_text('{"prompt_token_ids": [1, 2]}\n')
+    argv[4] = str(file)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "parallel.tensor_parallel_size 3 does not divide the model's 4 query heads" in err
+    assert err.count("raykv: error") == 1 and "Traceback" not in err  # one line
+
+
+def test_the_local_engine_refuses_a_real_model_at_tp2_naming_the_way_out(
+    tmp_path: Path, capsys
+) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    file = tmp_path / "x.jsonl"
+    file.write_text('{"prompt_token_ids": [1, 2]}\n')
+    argv = ["generate", "--model", str(path), "--prompt-file", str(file)]
+    assert main([*argv, "--set", "parallel.tensor_parallel_size=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.tensor_parallel_size 2" in err and "--engine ray" in err
