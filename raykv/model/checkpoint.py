@@ -74,6 +74,12 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
     }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):  # linear is what Llama files use; others are refused
+        config["rope_scaling"] = {
+            "rope_type": str(scaling),
+            "factor": float(get("rope.scaling.factor", 1.0)),
+        }
     eos = field("tokenizer.ggml.eos_token_id")
     if eos is not None:
         config["eos_token_id"] = int(eos)

@@ -127,7 +127,12 @@ class Decoder:
                 for name in ("q_norm", "k_norm"):
                     layer[f"self_attn.{name}.weight"] = get(f"{p}self_attn.{name}.weight")
             self.layers.append(layer)
-        self.inv_freq = inverse_frequencies(spec.rope, spec.head_dim).to(self.device)
+        inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
+        if "rope_freqs.weight" in weights:  # a GGUF file's precomputed scaling (llama3)
+            factors = weights["rope_freqs.weight"]
+            factors = factors if isinstance(factors, torch.Tensor) else factors[:]
+            inv_freq = inv_freq / factors.to(torch.float32)
+        self.inv_freq = inv_freq.to(self.device)
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:

@@ -32,6 +32,11 @@ _LAYER_NAMES = {
 }
 
 
+# llama.cpp's converter stores Llama 3's RoPE scaling as one divisor per rotary dimension pair
+# (``rope_freqs.weight``) instead of metadata: the decoder divides its frequencies by them
+ROPE_FREQ_FACTORS = "rope_freqs.weight"
+
+
 def _hf_name(name: str) -> str:
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
@@ -39,6 +44,8 @@ def _hf_name(name: str) -> str:
         return "model.norm.weight"
     if name == "output.weight":
         return "lm_head.weight"
+    if name == "rope_freqs.weight":  # llama3 scaling, precomputed: see ROPE_FREQ_FACTORS
+        return ROPE_FREQ_FACTORS
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"

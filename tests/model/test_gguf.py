@@ -54,15 +54,16 @@ LAYER_NAMES = {
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
 
-def hf_llama(seed: int = 0) -> torch.nn.Module:
-    """A tiny random Llama (default RoPE), with norm weights that are not all ones."""
+def hf_llama(seed: int = 0, rope: dict | None = None) -> torch.nn.Module:
+    """A tiny random Llama (default RoPE unless ``rope`` says otherwise), with norm weights
+    that are not all ones."""
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         **SHAPE,
         tie_word_embeddings=False,
         rms_norm_eps=EPS,
         initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": THETA},
+        rope_parameters={"rope_type": "default", "rope_theta": THETA, **(rope or {})},
     )
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32).eval()
     with torch.no_grad():
@@ -92,7 +93,14 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: Path, model: torch.nn.Module, qtype: Q, arch: str = "llama") -> dict:
+def write_gguf(
+    path: Path,
+    model: torch.nn.Module,
+    qtype: Q,
+    arch: str = "llama",
+    linear_scaling: float | None = None,
+    rope_freqs: np.ndarray | None = None,
+) -> dict:
     """Write ``model`` as llama.cpp would, 2-D weights as ``qtype``; return the ground truth:
     every tensor dequantized from ``qtype`` in Hugging Face order (quantization is row-wise,
     so these are the very blocks the file holds, only in the rows' original order)."""
@@ -108,6 +116,11 @@ def write_gguf(path: Path, model: torch.nn.Module, qtype: Q, arch: str = "llama"
     writer.add_rope_freq_base(THETA)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(cfg.eos_token_id)
+    if linear_scaling is not None:  # as llama.cpp's converter writes linear RoPE scaling
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(linear_scaling)
+    if rope_freqs is not None:  # and Llama 3's, as one divisor per rotary dimension pair
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     truth: dict[str, torch.Tensor] = {}
     for hf, param in model.state_dict().items():
         w = param.detach().numpy().astype(np.float32)
@@ -246,3 +259,39 @@ def test_an_unsupported_architecture_is_refused_by_name(
         load_gguf(path)
     with pytest.raises(UnsupportedModel, match="'gpt2'"):
         load_gguf_weights(path, tmp_path / "cache")
+
+
+def test_rope_scaling_in_a_gguf_file_is_read(tmp_path: Path) -> None:
+    """Linear scaling from the metadata, Llama 3's from its ``rope_freqs`` tensor: each file
+    gives the log-probabilities of the scaled model it came from (transformers' own GGUF
+    loader reads neither, so the original model is the reference)."""
+    from raykv.model.rope import inverse_frequencies
+    from raykv.model.spec import RopeSpec
+
+    ids = tokens(40)  # past the scaled wavelengths' effect on short sequences
+    linear = hf_llama(rope={"rope_type": "linear", "factor": 4.0})
+    path = tmp_path / "linear.gguf"
+    write_gguf(path, linear, Q.F32, linear_scaling=4.0)
+    spec, weights, _ = load_gguf(path)
+    assert spec.rope.kind == "linear" and spec.rope.factor == 4.0
+    ours = decode_token_by_token(Decoder(spec, weights, BLOCK), ids)
+    assert (ours - reference_logprobs(linear, ids)).abs().max().item() < TOLERANCE
+
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    scaled = hf_llama(rope=llama3)
+    head_dim = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+    plain = inverse_frequencies(RopeSpec(THETA), head_dim)
+    wanted = inverse_frequencies(
+        RopeSpec(THETA, "llama3", 8.0, 1.0, 4.0, original_max_positions=32), head_dim
+    )
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, scaled, Q.F32, rope_freqs=(plain / wanted).numpy())
+    spec, weights, _ = load_gguf(path)
+    ours = decode_token_by_token(Decoder(spec, weights, BLOCK), ids)
+    assert (ours - reference_logprobs(scaled, ids)).abs().max().item() < TOLERANCE
