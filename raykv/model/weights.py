@@ -24,6 +24,8 @@ from raykv.model.spec import ModelSpec, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
+_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file to name its cache entry
+
 
 class SafetensorsWeights(Mapping[str, Any]):
     """The tensors of safetensors files by name, each a lazy slice: index it (``w[rows]``,
@@ -61,10 +63,16 @@ def load_hf_directory(path: str | Path) -> tuple[ModelSpec, Mapping[str, Any]]:
 
 def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
     """Where the dequantized tensors of the GGUF file ``path`` are kept: named for the file's
-    place, size and modification time, so a changed file is dequantized again."""
+    place, size, modification time and its first and last MiB (a rewrite within one clock
+    tick still changes the header or the last tensors), so a changed file is dequantized
+    again; reading the whole file would cost seconds per start for a large model."""
     stat = path.stat()
-    identity = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    digest = hashlib.sha256(identity).hexdigest()[:16]
+    identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    with path.open("rb") as file:
+        identity.update(file.read(_SAMPLE))
+        file.seek(max(0, stat.st_size - _SAMPLE))
+        identity.update(file.read(_SAMPLE))
+    digest = identity.hexdigest()[:16]
     return Path(cache_dir) / "weights" / f"{path.stem}-{digest}.safetensors"
 
 
