@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from raykv.core.arith import cdiv
 from raykv.model.rope import apply_rotary, inverse_frequencies, rotary
 from raykv.model.spec import KVPlacement, ModelSpec
 
@@ -46,6 +47,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the TP group
+
+
+@dataclass(slots=True)
+class Read:
+    """The KV one chunk's attention reads in one group: ``length`` positions starting
+    ``skip`` positions into the first of ``blocks``, with a mask ``[queries, length]`` where
+    not every query sees every position (``causal``: a whole prompt's plain causal mask)."""
+
+    blocks: torch.Tensor
+    skip: int
+    length: int
+    mask: torch.Tensor | None = None
+    causal: bool = False
 
 
 class Decoder:
@@ -204,44 +218,53 @@ class Decoder:
         offsets = torch.tensor([p % bs for p in pos], dtype=torch.long, device=self.device)
         return blocks, offsets
 
-    def _reads(
-        self, chunk: SequenceChunk, group: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What a chunk's attention in KV group ``group`` reads: the blocks and offsets of the
-        positions it attends to (the whole prefix, or a sliding window of it), and the mask
-        over them (None: the plain causal mask of a whole prompt)."""
+    def _reads(self, chunk: SequenceChunk, group: int) -> Read:
+        """What a chunk's attention in KV group ``group`` reads: the whole prefix, or a sliding
+        window of it, as the blocks that hold it, and the mask over those positions (None:
+        every position is visible to every query, as for a decode token; ``causal``: the plain
+        causal mask of a whole prompt)."""
         window = self.group_windows[group]
         end = chunk.start + len(chunk.tokens)
         lo = 0 if window is None else max(0, chunk.start - window + 1)
-        blocks, offsets = self._slots(chunk.block_tables[group], lo, end)
+        bs = self.block_size
+        table = chunk.block_tables[group]
+        blocks = torch.tensor(table[lo // bs : cdiv(end, bs)], dtype=torch.long, device=self.device)
+        read = Read(blocks, lo % bs, end - lo)
         if chunk.start == 0 and window is None:
-            return blocks, offsets, None
-        q_pos = torch.arange(chunk.start, end, device=self.device)[:, None]
-        k_pos = torch.arange(lo, end, device=self.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= q_pos - k_pos < window
-        return blocks, offsets, mask
+            read.causal = True
+        elif len(chunk.tokens) > 1:
+            q_pos = torch.arange(chunk.start, end, device=self.device)[:, None]
+            k_pos = torch.arange(lo, end, device=self.device)[None, :]
+            read.mask = k_pos <= q_pos
+            if window is not None:
+                read.mask &= q_pos - k_pos < window
+        return read
 
-    def _attend(
-        self,
-        q: torch.Tensor,
-        pages: torch.Tensor,
-        index: int,
-        read: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, pages: torch.Tensor, index: int, read: Read) -> torch.Tensor:
         """Attention of one chunk's queries ``[n, heads, head_dim]`` over the KV of layer
         ``index`` of its group, read as ``_reads`` says."""
-        blocks, offsets, mask = read
-        keys = pages[blocks, index, 0, :, offsets].to(q.dtype)  # [m, kv_heads, head_dim]
-        values = pages[blocks, index, 1, :, offsets].to(q.dtype)
-        repeat = self.num_heads // self.num_kv_heads
-        # [1, heads, positions, head_dim], contiguous: the shape torch's fused kernels take
-        keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1).contiguous()[None]
-        values = values.repeat_interleave(repeat, dim=1).transpose(0, 1).contiguous()[None]
-        queries = q.transpose(0, 1).contiguous()[None]
-        if mask is None:  # a whole prompt: the plain causal mask
+        n, heads, head_dim = q.shape
+        kv_heads = self.num_kv_heads
+        repeat = heads // kv_heads
+
+        def gather(which: int) -> torch.Tensor:
+            # whole blocks (contiguous copies), then the positions read: [kv_heads, m, head_dim]
+            part = pages[read.blocks, index, which].to(q.dtype)  # [blocks, kv_heads, bs, dim]
+            whole = part.transpose(0, 1).reshape(kv_heads, -1, head_dim)
+            return whole[:, read.skip : read.skip + read.length]
+
+        keys, values = gather(0)[None], gather(1)[None]
+        if read.causal:  # a whole prompt: its query heads one by one against their KV head
+            queries = q.transpose(0, 1)[None]
+            keys = keys.repeat_interleave(repeat, dim=1)
+            values = values.repeat_interleave(repeat, dim=1)
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
-        return out[0].transpose(0, 1)
+            return out[0].transpose(0, 1)
+        # the query heads that share a KV head attend together, as one longer query: no copy
+        # of the keys per query head ([1, kv_heads, repeat * n, head_dim])
+        queries = q.view(n, kv_heads, repeat, head_dim).permute(1, 2, 0, 3)
+        queries = queries.reshape(1, kv_heads, repeat * n, head_dim)
+        mask = None if read.mask is None else read.mask.repeat(repeat, 1)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        out = out.view(kv_heads, repeat, n, head_dim).permute(2, 0, 1, 3)
+        return out.reshape(n, heads, head_dim)
