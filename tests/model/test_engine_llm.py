@@ -30,6 +30,12 @@ def expected(model, prompt: list[int], n: int, eos: tuple[int, ...]) -> list[int
     return out[0, len(prompt) :].tolist()
 
 
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, stopping at the checkpoint's EOS as raykv does."""
+    eos = model.config.eos_token_id
+    return expected(model, prompt, n, (eos,) if eos is not None else ())
+
+
 @pytest.mark.parametrize("name", ["llama-llama3-untied", "qwen3-norms-sliding"])
 def test_the_engine_generates_what_transformers_does_with_the_cpu_tier(
     tmp_path: Path, name: str

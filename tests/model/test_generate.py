@@ -14,7 +14,31 @@ pytest.importorskip("transformers")
 
 from raykv.cli import main
 from tests.model.test_decoder import SHAPE, checkpoint
-from tests.model.test_engine_llm import expected
+from tests.model.test_engine_llm import greedy
+
+# a short multi-turn chat on small blocks, for tiny checkpoints (``raykv run --model``)
+SMALL_CHAT = (
+    "cache.block_size=4",
+    "workload.system_prompt_tokens=40",
+    "workload.user_tokens=12",
+    "workload.answer_tokens=8",
+    "workload.max_tokens=4",
+)
+
+
+def assert_matches_transformers(model, prompt: list[int], got: dict, top: int) -> None:
+    """One ``--json`` output against transformers: its greedy tokens, and every token's logprob
+    (within 5e-4) and top ``top`` over the same sequence (the likeliest among them)."""
+    assert got["token_ids"] == greedy(model, prompt, len(got["token_ids"]))
+    sequence = [*prompt, *got["token_ids"]]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([sequence])).logits[0], dim=-1)
+    assert len(got["logprobs"]) == len(got["token_ids"])
+    for k, entry in enumerate(got["logprobs"]):
+        want = ref[len(prompt) - 1 + k]
+        assert entry["token_id"] == got["token_ids"][k]
+        assert abs(entry["logprob"] - float(want[entry["token_id"]])) < 5e-4
+        assert len(entry["top"]) == top and str(int(want.argmax())) in entry["top"]
 
 
 def test_generate_sequential_prompts_match_transformers_and_hit_the_cpu_tier(
@@ -40,17 +64,7 @@ def test_generate_sequential_prompts_match_transformers_and_hit_the_cpu_tier(
     result = json.loads(out.read_text())
     outputs = result["outputs"]
     for prompt, got in zip(prompts[:3], outputs[:3], strict=True):
-        eos = model.config.eos_token_id
-        assert got["token_ids"] == expected(model, prompt, 5, (eos,) if eos is not None else ())
-        # every token's logprob equals transformers' over the same sequence
-        sequence = [*prompt, *got["token_ids"]]
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([sequence])).logits[0], dim=-1)
-        for k, entry in enumerate(got["logprobs"]):
-            want = ref[len(prompt) - 1 + k]
-            assert entry["token_id"] == got["token_ids"][k]
-            assert abs(entry["logprob"] - float(want[entry["token_id"]])) < 5e-4
-            assert len(entry["top"]) == 2 and str(int(want.argmax())) in entry["top"]
+        assert_matches_transformers(model, prompt, got, top=2)
     assert outputs[3]["finish_reason"] == "rejected" and "token id" in outputs[3]["error"]
     assert result["report"]["cpu_hit_tokens"] > 0
 
@@ -85,15 +99,8 @@ def test_raykv_run_drives_a_real_model_through_the_cpu_tier(tmp_path: Path) -> N
     out = tmp_path / "report.json"
     argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--model", str(path)]
     argv += ["--num-requests", "12", "--json-report", str(out)]
-    for s in (
-        "parallel.tensor_parallel_size=1",
-        "cache.block_size=4",
-        "cache.num_gpu_blocks=64",  # too small to keep the conversations on the GPU
-        "workload.system_prompt_tokens=40",
-        "workload.user_tokens=12",
-        "workload.answer_tokens=8",
-        "workload.max_tokens=4",
-    ):
+    # a GPU pool too small to keep the conversations on the GPU
+    for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
         argv += ["--set", s]
     assert main(argv) == 0
     report = json.loads(out.read_text())
