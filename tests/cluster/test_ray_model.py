@@ -1,5 +1,5 @@
 """A real model on the Ray rank actors, tensor-parallel over a gloo process group: tiny random
-checkpoints at TP 2 against transformers (every token and its logprob, a prefix from the CPU
+checkpoints at TP 2 and 4 against transformers (every token and its logprob, a prefix from the CPU
 tier), a rank death that restarts the whole TP group, and SmolLM2-135M-Instruct at TP 3."""
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from tests.model.test_generate import SMALL_CHAT, assert_matches_transformers  #
 
 # GPU pools so small that a later prompt's shared prefix has left the GPU cache: it comes
 # back from the CPU tier (a full and a sliding group take blocks from one pool)
-SMALL_POOLS = {"llama-llama3-untied": 12, "qwen3-norms-sliding": 24}
+CASES = {  # checkpoint: (TP size, GPU blocks per rank)
+    "llama-llama3-untied": (2, 12),
+    "qwen3-norms-sliding": (2, 24),
+    "qwen2-mha": (4, 12),
+}
 
 
 def _prompts() -> list[list[int]]:
@@ -34,8 +38,8 @@ def _prompts() -> list[list[int]]:
     return [[*shared, 3], other, [*shared, 4, 5]]
 
 
-@pytest.mark.parametrize("name", list(SMALL_POOLS))
-def test_generate_at_tp2_on_ray_matches_transformers_token_by_token(
+@pytest.mark.parametrize("name", list(CASES))
+def test_generate_at_tp2_and_4_on_ray_matches_transformers_token_by_token(
     ray_session, tmp_path: Path, name: str
 ) -> None:
     path, model = checkpoint(tmp_path / "ckpt", name)
@@ -45,8 +49,8 @@ def test_generate_at_tp2_on_ray_matches_transformers_token_by_token(
     out = tmp_path / "out.json"
     argv = ["generate", "--engine", "ray", "--model", str(path), "--prompt-file", str(file)]
     argv += ["--sequential", "--max-tokens", "5", "--logprobs", "1", "--json", str(out)]
-    argv += ["--set", "parallel.tensor_parallel_size=2"]
-    blocks = SMALL_POOLS[name]
+    tp, blocks = CASES[name]
+    argv += ["--set", f"parallel.tensor_parallel_size={tp}"]
     for s in ["cache.block_size=4", f"cache.num_gpu_blocks={blocks}", "offload.cpu_slots=64"]:
         argv += ["--set", s]
     assert main(argv) == 0

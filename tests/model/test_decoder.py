@@ -67,6 +67,8 @@ CONFIGS = {
     "llama-tied": lambda: llama(True),
     "qwen2-bias": qwen2,
     "qwen3-norms-sliding": qwen3,
+    # as many KV heads as query heads: splits over 4 ranks
+    "qwen2-mha": lambda: transformers.Qwen2Config(**{**SHAPE, "num_key_value_heads": 4}),
 }
 
 
