@@ -41,13 +41,27 @@ def run_progress(console: Console, total: int) -> Iterator[callable]:
             elapsed = max(time.perf_counter() - start, 1e-9)
             admitted = max(p["admitted_tokens"], 1)
             hits = p["gpu_hit_tokens"] + p["cpu_hit_tokens"]
+            ttft = p.get("ttft_p50_s")
             stats = (
                 f"{p['generated_tokens'] / elapsed:7.0f} tok/s  "
-                f"hit {hits / admitted:6.1%}  cpu {p['cpu_hit_tokens'] / admitted:6.1%}"
+                f"hit {hits / admitted:6.1%}  cpu {p['cpu_hit_tokens'] / admitted:6.1%}  "
+                f"ttft p50 {_seconds(ttft) if ttft is not None else '-':>8}"
             )
             bar.update(task, completed=p["finished"], stats=stats)
 
         yield update
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _latency(summary: dict | None) -> str:
+    if summary is None:
+        return "-"
+    return "mean {}, p50 {}, p90 {}, p99 {}".format(
+        *(_seconds(summary[k]) for k in ("mean", "p50", "p90", "p99"))
+    )
 
 
 def _size(n: float) -> str:
@@ -72,7 +86,7 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
     # (more than the prompts when preemptions and restarts re-admit requests)
     admitted = max(r["admitted_tokens"], 1)
     rows = [
-        ("requests finished", f"{r['requests_finished']} / {r['requests']}"),
+        ("requests finished", f"{r['requests_finished']} / {r['requests_admitted']}"),
         ("prompt tokens", f"{r['prompt_tokens']:,}"),
         ("generated tokens", f"{r['generated_tokens']:,}"),
         ("admitted tokens", f"{r['admitted_tokens']:,} (re-admissions count again)"),
@@ -85,6 +99,14 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
             f"{r['cpu_hit_tokens']:,} tokens ({r['cpu_hit_tokens'] / admitted:.1%} of admitted)",
         ),
         ("recomputed tokens", f"{r['recomputed_tokens']:,}"),
+        ("time to first token", _latency(r.get("ttft_s"))),
+        ("inter-token latency", _latency(r.get("itl_s"))),
+        (
+            "throughput",
+            "{:,.0f} prompt + {:,.1f} generated tokens/s".format(
+                r["throughput"]["prompt_tokens_per_s"], r["throughput"]["generated_tokens_per_s"]
+            ),
+        ),
     ]
     for name in ("loads", "stores"):
         x = r[name]

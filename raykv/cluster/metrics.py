@@ -24,6 +24,7 @@ from raykv.engine.stats import snapshot
 
 _SIZE_BUCKETS = [2**k for k in range(12, 31, 2)]  # 4 KiB .. 1 GiB per step and rank
 _DELAY_BUCKETS = [1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0]
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 _P = "raykv_kv_offload_"
 
 
@@ -32,6 +33,7 @@ class EngineMetrics:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        engine.latency.export = True
         d = ("direction",)
         self.bytes = Counter(_P + "bytes", "Bytes copied by all ranks, by direction.", d)
         self.seconds = Counter(
@@ -72,6 +74,24 @@ class EngineMetrics:
             "Seconds from a request's first deferred lookup to the one that answered.",
             _DELAY_BUCKETS,
         )
+        # request latency and prefill by source, named as vLLM names its own (``vllm:...``)
+        self.ttft = Histogram(
+            "raykv_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token.",
+            _LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            "raykv_inter_token_latency_seconds",
+            "Seconds between a request's consecutive tokens.",
+            _LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = Counter("raykv_prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = Counter("raykv_generation_tokens", "Tokens generated.")
+        self.prefill = Counter(
+            "raykv_prefill_tokens",
+            "Prefill tokens each admission needed, by source (computed, gpu_cache, cpu_tier).",
+            ("source",),
+        )
         self._last: dict[str, float] = {}
 
     def _delta(self, name: str, value: float) -> float:
@@ -104,7 +124,21 @@ class EngineMetrics:
         s = stats.scheduler
         self._inc(self.hits, "hit_gpu", s.gpu_hit_tokens, {"tier": "gpu"})
         self._inc(self.hits, "hit_cpu", s.cpu_hit_tokens, {"tier": "cpu"})
-        self._inc(self.misses, "miss", s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens)
+        computed = s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens
+        self._inc(self.misses, "miss", computed)
+        for source, value in (
+            ("computed", computed),
+            ("gpu_cache", s.gpu_hit_tokens),
+            ("cpu_tier", s.cpu_hit_tokens),
+        ):
+            self._inc(self.prefill, "prefill_" + source, value, {"source": source})
+        self._inc(self.prompt_tokens, "prompt", stats.prompt_tokens)
+        self._inc(self.generation_tokens, "generated", stats.generated_tokens)
+        ttft, itl = self.engine.latency.take_new()
+        for seconds in ttft:
+            self.ttft.observe(seconds)
+        for seconds in itl:
+            self.itl.observe(seconds)
         cs, d, a = stats.connector, stats.directory, stats.acks
         if cs is None or d is None or a is None:
             return

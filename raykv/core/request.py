@@ -58,6 +58,8 @@ class Request:
     load_tokens: int = 0  # tokens the load in flight brings after num_computed
     sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, if asked
+    arrival_s: float | None = None  # wall clock when handed to the engine (``engine/latency``)
+    last_token_s: float | None = None  # wall clock of its latest token
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -27,6 +27,7 @@ from raykv.core.step import (
     TransferStats,
 )
 from raykv.engine.batch import model_batch
+from raykv.engine.latency import LatencyBook
 from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler, SchedulerOutput
 from raykv.offload.directory import Directory
@@ -126,6 +127,7 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
+        self.latency = LatencyBook()
         self.on_finished: Callable[[Request], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------
@@ -146,6 +148,7 @@ class EngineCore:
         if req.eos_token is None:
             req.eos_token = vocab - 1
         self.scheduler.add(req)
+        self.latency.arrived(req)
         self.requests[req.req_id] = req
         self.totals.prompt_tokens += req.num_prompt
 
@@ -199,6 +202,9 @@ class EngineCore:
         else:
             sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
         self.totals.generated_tokens += len(sampled)
+        now = self.latency.clock()
+        for i in sampled:
+            self.latency.sampled(sched.scheduled[i].req, now)
         finished = self.scheduler.update(sched, reports, sampled)
         for req in finished:
             self._done(req)

@@ -192,7 +192,12 @@ def generate(
         done = [r for r in requests if r.index not in refused]
         digest = output_digest({r.index: (r.req_id, tuple(r.output)) for r in done})
         report = RunReport.build(
-            snapshot(engine), len(done), digest, len(done), time.perf_counter() - start
+            snapshot(engine),
+            len(done),
+            digest,
+            len(done),
+            time.perf_counter() - start,
+            engine.latency,
         )
     report.engine = "local"
     report.rejected = [{"request": str(i), "error": e} for i, e in refused.items()]

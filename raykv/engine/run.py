@@ -169,7 +169,12 @@ class Driver:
     def report(self) -> RunReport:
         seconds = time.perf_counter() - self.started
         report = RunReport.build(
-            snapshot(self.engine), self._finished, self._digest.hexdigest(), self.admitted, seconds
+            snapshot(self.engine),
+            self._finished,
+            self._digest.hexdigest(),
+            self.admitted,
+            seconds,
+            self.engine.latency,
         )
         report.rejected = list(self.rejected)
         return report
@@ -226,4 +231,5 @@ def progress_of(driver: Driver) -> dict[str, Any]:
         "admitted_tokens": s.admitted_tokens,
         "gpu_hit_tokens": s.gpu_hit_tokens,
         "cpu_hit_tokens": s.cpu_hit_tokens,
+        "ttft_p50_s": e.latency.recent_p50(),
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from raykv.engine.latency import LatencyBook
 from raykv.engine.stats import EngineStats
 
 
@@ -55,7 +56,7 @@ class AckCounts:
 @dataclass(slots=True)
 class RunReport:
     requests_finished: int
-    requests: int  # admitted by the engine (refused ones are in ``rejected``)
+    requests_admitted: int  # by the engine (refused ones are in ``rejected``)
     prompt_tokens: int
     generated_tokens: int
     admitted_tokens: int  # what each admission had to provide (re-admissions count again)
@@ -77,6 +78,12 @@ class RunReport:
     idle_steps: int
     wall_seconds: float
     ranks: list[dict[str, float]]  # transfer stats of each rank
+    # wall seconds from arrival (``engine/latency``): {mean, p50, p90, p99}; None: no token
+    ttft_s: dict[str, float] | None = None
+    itl_s: dict[str, float] | None = None
+    throughput: dict[str, float] = field(default_factory=dict)  # tokens per wall second
+    prefill_tokens: dict[str, int] = field(default_factory=dict)  # by where they came from
+    requests: list[dict[str, Any]] = field(default_factory=list)  # each request's first token
     cpu_tier: CpuTierSummary | None = None
     acks: AckCounts | None = None
     rejected: list[dict[str, str]] = field(default_factory=list)
@@ -87,13 +94,33 @@ class RunReport:
 
     @classmethod
     def build(
-        cls, stats: EngineStats, finished: int, digest: str, admitted: int, seconds: float
+        cls,
+        stats: EngineStats,
+        finished: int,
+        digest: str,
+        admitted: int,
+        seconds: float,
+        latency: LatencyBook | None = None,
     ) -> RunReport:
         s, tr, c = stats.scheduler, stats.transfer, stats.connector
         d, a = stats.directory, stats.acks
+        times = latency.report() if latency is not None else {}
+        wall = max(seconds, 1e-9)
         return cls(
+            ttft_s=times.get("ttft_s"),
+            itl_s=times.get("itl_s"),
+            requests=times.get("requests", []),
+            throughput={
+                "prompt_tokens_per_s": stats.prompt_tokens / wall,
+                "generated_tokens_per_s": stats.generated_tokens / wall,
+            },
+            prefill_tokens={
+                "computed": s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens,
+                "gpu_cache": s.gpu_hit_tokens,
+                "cpu_tier": s.cpu_hit_tokens,
+            },
             requests_finished=finished,
-            requests=admitted,
+            requests_admitted=admitted,
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
             admitted_tokens=s.admitted_tokens,

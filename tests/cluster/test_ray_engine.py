@@ -278,6 +278,12 @@ def test_metrics_reach_the_embedded_instances_prometheus_endpoint(ray_session) -
         series = {
             ("ray_raykv_kv_offload_hit_tokens_total", 'tier="cpu"'): report["cpu_hit_tokens"],
             ("ray_raykv_kv_offload_bytes_total", 'direction="store"'): report["stores"]["bytes"],
+            ("ray_raykv_prefill_tokens_total", 'source="computed"'): (
+                report["prefill_tokens"]["computed"]
+            ),
+            ("ray_raykv_prefill_tokens_total", 'source="cpu_tier"'): report["cpu_hit_tokens"],
+            # one TTFT observation per finished request
+            ("ray_raykv_time_to_first_token_seconds_count", ""): report["requests_finished"],
         }
         found: dict[tuple[str, str], list[float]] = {}
         deadline = time.monotonic() + 90  # Ray exports every ~10 s

@@ -111,7 +111,7 @@ def test_requests_the_engine_cannot_serve_are_refused_by_name() -> None:
         with pytest.raises(ValueError, match="duplicate request id 'ok'"):
             engine.add_request(Request("ok", 3, [1], max_tokens=1))
         report = run_workload(engine, [])
-        assert report["requests"] == 0
+        assert report["requests_admitted"] == 0
 
 
 def test_a_rejected_request_does_not_stop_the_run() -> None:

@@ -1,0 +1,131 @@
+"""Latency as a client sees it: time to first token and inter-token latency, in wall seconds.
+
+A request *arrives* when it is handed to the engine (``EngineCore.add_request``): the driver
+hands over each request once its arrival (a trace's scaled timestamp or the workload's step)
+has come, so TTFT counts the time a request queued for a batch slot, waited for a load and
+computed its prefill. A token *is out* when the step that sampled it has returned. TTFT is
+first token minus arrival; every later token adds one inter-token latency (ITL) sample, the
+time since the request's previous token (a recomputation after a preemption or a rank restart
+shows up there, as a client would see it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raykv.core.request import Request
+
+
+@dataclass(slots=True)
+class RequestLatency:
+    """One request's first token, as the per-request list of the run report holds it."""
+
+    req_id: str
+    arrival_s: float  # from the start of the run
+    ttft_s: float
+    prompt_tokens: int
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+
+
+@dataclass(slots=True)
+class LatencySummary:
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LatencySummary | None:
+        """None for no values (a run in which nothing sampled)."""
+        if not values:
+            return None
+        ordered = sorted(values)
+        return cls(
+            sum(ordered) / len(ordered),
+            percentile(ordered, 50),
+            percentile(ordered, 90),
+            percentile(ordered, 99),
+        )
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of sorted values, interpolated linearly between ranks."""
+    if len(ordered) == 1:
+        return ordered[0]
+    at = (len(ordered) - 1) * q / 100.0
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+@dataclass(slots=True)
+class LatencyBook:
+    """Every TTFT and ITL sample of one engine, and each request's first-token record."""
+
+    clock: Callable[[], float] = time.perf_counter
+    started: float = field(default=0.0)
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    requests: list[RequestLatency] = field(default_factory=list)
+    export: bool = False  # keep new samples for ``take_new`` (a metrics exporter reads them)
+    # what ``take_new`` has not handed out yet
+    _new_ttft: list[float] = field(default_factory=list)
+    _new_itl: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def arrived(self, req: Request) -> None:
+        req.arrival_s = self.clock()
+
+    def sampled(self, req: Request, now: float) -> None:
+        """``req`` got a token from the step that returned at ``now``."""
+        if req.arrival_s is None:
+            return
+        if req.last_token_s is None:
+            ttft = now - req.arrival_s
+            self.ttft.append(ttft)
+            if self.export:
+                self._new_ttft.append(ttft)
+            self.requests.append(
+                RequestLatency(
+                    req.req_id,
+                    req.arrival_s - self.started,
+                    ttft,
+                    req.num_prompt,
+                    req.num_gpu_hit_tokens,
+                    req.num_cpu_hit_tokens,
+                )
+            )
+        else:
+            gap = now - req.last_token_s
+            self.itl.append(gap)
+            if self.export:
+                self._new_itl.append(gap)
+        req.last_token_s = now
+
+    def recent_p50(self, window: int = 512) -> float | None:
+        """The median TTFT of the latest ``window`` requests (what a progress bar shows; cheap
+        at any run length)."""
+        recent = self.ttft[-window:]
+        return percentile(sorted(recent), 50) if recent else None
+
+    def take_new(self) -> tuple[list[float], list[float]]:
+        """TTFT and ITL samples since the last call."""
+        out = self._new_ttft, self._new_itl
+        self._new_ttft, self._new_itl = [], []
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """``ttft_s`` and ``itl_s`` summaries and the per-request list, in the report's shape."""
+        ttft, itl = LatencySummary.of(self.ttft), LatencySummary.of(self.itl)
+        return {
+            "ttft_s": asdict(ttft) if ttft else None,
+            "itl_s": asdict(itl) if itl else None,
+            "requests": [asdict(r) for r in self.requests],
+        }
