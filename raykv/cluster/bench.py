@@ -150,3 +150,30 @@ def format_fanout_table(result: dict[str, Any]) -> str:
     ok = all(r["ratio"] <= result["limit"] for r in result["tensor_parallel"].values())
     lines.append(f"limit {result['limit']}: {'ok' if ok else 'EXCEEDED'}")
     return "\n".join(lines)
+
+
+class RayTTFTEngine:
+    """``raykv bench ttft --engine ray``: the deployment (scheduler and rank actors), one
+    request at a time through the client."""
+
+    def __init__(self, cfg: RaykvConfig) -> None:
+        from raykv.cluster.client import RaykvClient
+
+        self.client = RaykvClient.start(cfg)
+
+    def first_token(self, req_id: str, prompt: list[int]) -> tuple[float, int]:
+        from raykv.workload.requests import RequestSpec
+
+        self.client.submit([RequestSpec(req_id, tuple(prompt), 1, 0.0)])
+        for _ in self.client.stream():  # returns once it is done and every store has landed
+            pass
+        found = ray.get(self.client.server.latency_of.remote(req_id), timeout=60)
+        if found is None:
+            raise RuntimeError(f"request {req_id} finished without a first token")
+        return found
+
+    def empty_gpu_cache(self) -> None:
+        ray.get(self.client.server.reset_prefix_cache.remote(), timeout=60)
+
+    def close(self) -> None:
+        self.client.shutdown()

@@ -174,6 +174,18 @@ class EngineServer:
         if self._loop is not None:
             self._loop.join(timeout=30)
 
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.engine.reset_prefix_cache()
+
+    def latency_of(self, req_id: str) -> tuple[float, int] | None:
+        """A request's TTFT and CPU-tier hit tokens, once it has its first token."""
+        with self._lock:
+            for record in reversed(self.engine.latency.requests):
+                if record.req_id == req_id:
+                    return record.ttft_s, record.cpu_hit_tokens
+            return None
+
     def ping(self) -> float:
         return time.time()
 

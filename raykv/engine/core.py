@@ -241,6 +241,11 @@ class EngineCore:
 
     # ---- maintenance ----------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the GPU prefix cache: later requests find nothing on the GPU (blocks in use
+        keep their contents; the CPU tier is untouched)."""
+        self.pool.reset_cache()
+
     def reset_offload(self) -> None:
         """Empty the CPU tier (e.g. after a model swap). Loads in flight are abandoned: their
         requests recompute; every job still in flight is flushed by the next step."""

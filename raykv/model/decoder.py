@@ -248,9 +248,12 @@ class Decoder:
         repeat = heads // kv_heads
 
         def gather(which: int) -> torch.Tensor:
-            # whole blocks (contiguous copies), then the positions read: [kv_heads, m, head_dim]
-            part = pages[read.blocks, index, which].to(q.dtype)  # [blocks, kv_heads, bs, dim]
-            whole = part.transpose(0, 1).reshape(kv_heads, -1, head_dim)
+            # whole blocks, gathered straight into [kv_heads, blocks, bs, head_dim] (one pass
+            # over the KV: it is read from memory that no cache holds), then the positions
+            # read: [kv_heads, m, head_dim]
+            heads_first = pages[:, index, which].permute(1, 0, 2, 3)
+            part = heads_first.index_select(1, read.blocks).to(q.dtype)
+            whole = part.view(kv_heads, -1, head_dim)
             return whole[:, read.skip : read.skip + read.length]
 
         keys, values = gather(0)[None], gather(1)[None]

@@ -117,3 +117,11 @@ def test_smollm2_at_tp3_on_ray_answers_as_transformers_and_reloads_from_the_cpu_
     assert tokenizer.decode(outputs[0].token_ids).startswith("The capital of France is Paris.")
     assert outputs[2].token_ids == outputs[0].token_ids  # asked again: the same answer
     assert report["cpu_hit_tokens"] > 0
+
+
+def test_bench_ttft_on_two_ray_ranks(ray_session, tmp_path: Path) -> None:
+    from tests.model.test_bench_ttft import check, run_bench
+
+    result = run_bench(tmp_path, "--engine", "ray", "--set", "parallel.tensor_parallel_size=2")
+    assert result["engine"] == "ray" and result["tensor_parallel_size"] == 2
+    check(result)

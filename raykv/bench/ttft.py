@@ -1,0 +1,231 @@
+"""``raykv bench ttft``: time to first token of one prompt alone, recomputed against loaded from
+the CPU tier, with transformers' own forward pass over the same prompt beside them.
+
+For each prompt length and repeat, a fresh prompt of random token ids is sent twice to one
+engine with ``max_tokens`` 1. The first time nothing holds it: the whole prefill is computed
+(``recompute_s``), and its KV is stored to the CPU tier. Then, once every store has landed, the
+GPU prefix cache is emptied, so the second time the CPU tier is the only source: the prefix is
+loaded and only the last token is computed (``cpu_tier_s``). Each is the request's TTFT as the
+engine measures it (from its arrival at the engine to its first token). The fastest of the
+repeats is kept each way, and ``speedup`` is their ratio. transformers' number is a forward pass
+over the same number of tokens on the same weights in this process, fastest of the repeats.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from raykv.config import RaykvConfig
+
+
+class TTFTEngine(Protocol):
+    """An engine that answers one request at a time (the local one, or the Ray deployment)."""
+
+    def first_token(self, req_id: str, prompt: list[int]) -> tuple[float, int]:
+        """Run ``prompt`` alone to its first token once every earlier transfer has landed;
+        its TTFT in seconds and the prompt tokens it found in the CPU tier."""
+        ...
+
+    def empty_gpu_cache(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class TTFTResult:
+    prompt_tokens: int
+    recompute_s: float
+    cpu_tier_s: float
+    speedup: float
+    transformers_s: float | None
+    cpu_hit_tokens: int  # of the CPU-tier run (the fastest repeat's)
+
+
+@dataclass(slots=True)
+class TTFTReport:
+    model: str
+    device: str
+    engine: str
+    tensor_parallel_size: int
+    results: list[TTFTResult] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LocalTTFTEngine:
+    """The one-process engine, the CPU tier on."""
+
+    def __init__(self, cfg: RaykvConfig) -> None:
+        from raykv.engine.core import EngineCore
+        from raykv.engine.workers import LocalWorkerGroup
+
+        self._workers = LocalWorkerGroup(cfg, cfg.cpu_slots())
+        self.engine = EngineCore(cfg, self._workers, keep_finished=False)
+
+    def first_token(self, req_id: str, prompt: list[int]) -> tuple[float, int]:
+        from raykv.core.request import Request
+
+        engine = self.engine
+        while engine.has_work():  # the previous request's stores land first
+            engine.step()
+        req = Request(req_id, len(engine.latency.requests), prompt, 1)
+        engine.add_request(req)
+        while not req.finished:
+            engine.step()
+        record = engine.latency.requests[-1]
+        assert record.req_id == req_id
+        return record.ttft_s, record.cpu_hit_tokens
+
+    def empty_gpu_cache(self) -> None:
+        while self.engine.has_work():
+            self.engine.step()
+        self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        self._workers.shutdown()
+
+
+def bench_config(cfg: RaykvConfig, lengths: list[int]) -> RaykvConfig:
+    """``cfg`` with room for the longest prompt: on the GPU (it and a spare), in one step's
+    batch (the prefill in one chunk, as transformers computes it), and in the CPU tier."""
+    longest = max(lengths)
+    blocks = longest // cfg.cache.block_size + 4
+    cache = cfg.cache.model_copy(
+        update={"num_gpu_blocks": max(cfg.cache.num_gpu_blocks, 2 * blocks)}
+    )
+    engine = cfg.engine.model_copy(
+        update={"max_num_batched_tokens": max(cfg.engine.max_num_batched_tokens, longest)}
+    )
+    offload = cfg.offload.model_copy(update={"enabled": True})
+    return cfg.model_copy(update={"cache": cache, "engine": engine, "offload": offload})
+
+
+def run_ttft_bench(
+    cfg: RaykvConfig,
+    engine: TTFTEngine,
+    lengths: list[int],
+    repeat: int,
+    reference: Callable[[list[int]], float] | None,
+    progress: Callable[[str], None] | None = None,
+    seed: int = 0,
+) -> list[TTFTResult]:
+    """Both ways for every length (see the module's docstring); ``reference`` times
+    transformers' forward pass over a prompt (None: not measured)."""
+    rng = random.Random(seed)
+    vocab = cfg.model.vocab_size
+    results = []
+    # a first request pays for lazy initialisation (threads, allocator) outside the numbers
+    engine.first_token("warm-up", [rng.randrange(vocab) for _ in range(16)])
+    for n in lengths:
+        best_recompute = best_loaded = best_reference = float("inf")
+        hits = 0
+        for r in range(repeat):
+            prompt = [rng.randrange(vocab) for _ in range(n)]
+            if progress is not None:
+                progress(f"{n} tokens, repeat {r + 1}/{repeat}")
+            recompute, _ = engine.first_token(f"recompute-{n}-{r}", prompt)
+            engine.empty_gpu_cache()
+            loaded, found = engine.first_token(f"cpu-tier-{n}-{r}", prompt)
+            if found == 0:
+                raise RuntimeError(
+                    f"{n} tokens: the second run found nothing in the CPU tier (is the tier "
+                    "large enough for the prompt?)"
+                )
+            best_recompute = min(best_recompute, recompute)
+            if loaded < best_loaded:
+                best_loaded, hits = loaded, found
+            if reference is not None:
+                best_reference = min(best_reference, reference(prompt))
+        results.append(
+            TTFTResult(
+                n,
+                best_recompute,
+                best_loaded,
+                best_recompute / best_loaded,
+                best_reference if reference is not None else None,
+                hits,
+            )
+        )
+    return results
+
+
+def transformers_forward(path: Path, dtype: str, device: str) -> Callable[[list[int]], float]:
+    """transformers' forward pass over a prompt on the checkpoint's weights: seconds."""
+    import torch
+    import transformers
+
+    torch_dtype = getattr(torch, dtype)
+    if path.is_dir():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch_dtype
+        )
+    model = model.to(device).eval()
+
+    def forward(prompt: list[int]) -> float:
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(ids)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+    return forward
+
+
+def plot_ttft(report: TTFTReport, path: str) -> None:
+    """TTFT against prompt length, both ways (and transformers'), as a PNG line chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r.prompt_tokens for r in report.results]
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    axes.plot(lengths, [r.recompute_s for r in report.results], "o-", label="recomputed")
+    axes.plot(lengths, [r.cpu_tier_s for r in report.results], "o-", label="from the CPU tier")
+    if all(r.transformers_s is not None for r in report.results):
+        axes.plot(
+            lengths,
+            [r.transformers_s for r in report.results],
+            "s--",
+            label="transformers forward",
+        )
+    axes.set_xlabel("prompt tokens")
+    axes.set_ylabel("time to first token (s)")
+    axes.set_yscale("log")
+    axes.set_title(
+        f"{report.model} on {report.device} ({report.engine}, TP {report.tensor_parallel_size})"
+    )
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def format_ttft_table(report: TTFTReport) -> str:
+    lines = [
+        f"raykv bench ttft: {report.model} on {report.device}, {report.engine} engine, "
+        f"TP {report.tensor_parallel_size} (fastest of the repeats)",
+        f"{'tokens':>7} {'recompute_s':>12} {'cpu_tier_s':>11} {'speedup':>8} "
+        f"{'transformers_s':>15} {'recompute/transformers':>23}",
+    ]
+    for r in report.results:
+        ref = f"{r.transformers_s:>15.3f}" if r.transformers_s is not None else f"{'-':>15}"
+        ratio = f"{r.recompute_s / r.transformers_s:>23.2f}" if r.transformers_s else f"{'-':>23}"
+        lines.append(
+            f"{r.prompt_tokens:>7} {r.recompute_s:>12.3f} {r.cpu_tier_s:>11.4f} "
+            f"{r.speedup:>8.1f} {ref} {ratio}"
+        )
+    return "\n".join(lines)

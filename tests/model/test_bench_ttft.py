@@ -1,0 +1,51 @@
+"""``raykv bench ttft`` on a tiny checkpoint: the JSON has every field, both ways really ran
+(the second run of each prompt found it in the CPU tier), transformers' forward pass was timed
+beside them, and the plot is a PNG. Speed is not asserted: the benchmark reports it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from raykv.cli import main
+from tests.model.test_decoder import checkpoint
+
+FIELDS = {"prompt_tokens", "recompute_s", "cpu_tier_s", "speedup", "transformers_s"}
+
+
+def run_bench(tmp_path: Path, *extra: str) -> dict:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    out, plot = tmp_path / "ttft.json", tmp_path / "ttft.png"
+    argv = ["bench", "ttft", "--model", str(path), "--prompt-tokens", "24,64", "--repeat", "2"]
+    argv += ["--json", str(out), "--plot", str(plot), "--set", "cache.block_size=4", *extra]
+    assert main(argv) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(out.read_text())
+
+
+def check(result: dict) -> None:
+    assert result["model"].endswith("ckpt") and result["device"] == "cpu"
+    assert [r["prompt_tokens"] for r in result["results"]] == [24, 64]
+    for r in result["results"]:
+        assert set(r) >= FIELDS
+        assert r["recompute_s"] > 0 and r["cpu_tier_s"] > 0 and r["transformers_s"] > 0
+        assert r["speedup"] == pytest.approx(r["recompute_s"] / r["cpu_tier_s"])
+        # loaded: every block of the prompt but the one holding its last token
+        assert r["cpu_hit_tokens"] == (r["prompt_tokens"] - 1) // 4 * 4
+
+
+def test_bench_ttft_measures_both_ways_and_transformers(tmp_path: Path) -> None:
+    result = run_bench(tmp_path)
+    assert result["engine"] == "local" and result["tensor_parallel_size"] == 1
+    check(result)
+
+
+def test_bench_ttft_refuses_a_prompt_longer_than_the_context(tmp_path: Path, capsys) -> None:
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")  # a context of 256
+    argv = ["bench", "ttft", "--model", str(path), "--prompt-tokens", "64,512"]
+    assert main(argv) == 2
+    assert "--prompt-tokens 512: longer than the model's context of 256" in capsys.readouterr().err
