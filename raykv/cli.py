@@ -8,11 +8,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from rich.console import Console
 
 from raykv.config import ConfigError, RaykvConfig, load_config
+
+if TYPE_CHECKING:
+    from raykv.engine.run_report import RunReport
 
 DEFAULT_RUN_CONFIG = "configs/local.yaml"
 
@@ -153,10 +157,7 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
     _check_output("--json", args.json)
     _check_output("--plot", args.plot)
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ConfigError("--plot needs matplotlib: pip install 'raykv[plot]'") from None
+        _need_matplotlib()
     lengths = args.prompt_tokens
     overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
     defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
@@ -255,36 +256,42 @@ def _run_config(args: argparse.Namespace) -> RaykvConfig:
     return cfg
 
 
-def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from raykv.report import print_run_report, run_progress
-    from raykv.workload.requests import make_workload
-
+def _prepared_run(args: argparse.Namespace) -> RaykvConfig:
+    """``raykv run``'s config, checked, and configured for its checkpoint when it has one."""
     cfg = _run_config(args)
-    _check_output("--json-report", args.json_report)
     _check_device(cfg, args.engine, args.address)
     if cfg.model.path is not None:  # a real model: its geometry, its vocabulary, its EOS
         from raykv.model.checkpoint import configure
 
         _check_real_model_engine(cfg, args.engine)
         cfg, _, _ = configure(cfg)
+    if args.engine == "local" and any(f.startswith("kill-scheduler") for f in cfg.faults):
+        raise ConfigError("fault kill-scheduler needs the Ray engine (--engine ray)")
+    return cfg
+
+
+def _execute_run(
+    cfg: RaykvConfig, engine: str, address: str | None, err: Console, label: str = "running"
+) -> RunReport:
+    """Run ``cfg``'s workload to the end on the local engine or a Ray deployment."""
+    from raykv.report import run_progress
+    from raykv.workload.requests import make_workload
+
     specs = make_workload(cfg)
-    err = Console(stderr=True)
-    if args.engine == "local":
-        if any(f.startswith("kill-scheduler") for f in cfg.faults):
-            raise ConfigError("fault kill-scheduler needs the Ray engine (--engine ray)")
+    if engine == "local":
         from raykv.engine.core import EngineCore
         from raykv.engine.run import run_engine
         from raykv.engine.workers import LocalWorkerGroup
 
         with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-            engine = EngineCore(cfg, workers)
-            with run_progress(err, len(specs)) as progress:
-                report = run_engine(engine, specs, progress=progress)
+            core = EngineCore(cfg, workers)
+            with run_progress(err, len(specs), label) as progress:
+                report = run_engine(core, specs, progress=progress)
     else:
         from raykv.cluster.client import RaykvClient
 
         with err.status("starting Ray and the raykv actors..."):
-            client = RaykvClient.start(cfg, address=args.address)
+            client = RaykvClient.start(cfg, address=address)
         if client.metrics_url:
             err.print(f"Prometheus metrics (while the run lasts): {client.metrics_url}")
         if any(f.startswith("kill-") for f in cfg.faults):
@@ -292,16 +299,67 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
                 "injected faults kill processes: Ray reports each death below "
                 "('A worker died or was killed...'); that is expected, the run carries on"
             )
-        with client, run_progress(err, len(specs)) as progress:
+        with client, run_progress(err, len(specs), label) as progress:
             report = client.run_report(specs, progress=progress)
-    report.engine = args.engine
+    report.engine = engine
     report.config = cfg.model_dump(mode="json")
+    return report
+
+
+def _cmd_run(args: argparse.Namespace, console: Console) -> int:
+    from raykv.report import print_run_report
+
+    _check_output("--json-report", args.json_report)
+    cfg = _prepared_run(args)
+    report = _execute_run(cfg, args.engine, args.address, Console(stderr=True))
     shape = report.as_dict()
     print_run_report(console, shape, verify=cfg.offload.verify)
     if args.json_report:
         Path(args.json_report).write_text(json.dumps(shape, indent=2) + "\n")
         console.print(f"wrote {args.json_report}")
     return 1 if report.integrity.mismatches else 0
+
+
+def _cmd_bench_offload(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.offload import compare_runs, format_comparison, plot_ttft_distributions
+
+    _check_output("--json", args.json)
+    _check_output("--plot", args.plot)
+    if args.plot:
+        _need_matplotlib()
+    args.no_offload, args.verify = False, False
+    cfg = _prepared_run(args)
+    err = Console(stderr=True)
+    # the first run in a process pays for warming up (allocator, thread pools, the weights'
+    # page cache): a few requests first, unmeasured, so that neither way is charged for it
+    workload = cfg.workload.model_copy(update={"num_requests": min(4, cfg.workload.num_requests)})
+    _execute_run(
+        cfg.model_copy(update={"workload": workload}), args.engine, args.address, err, "warm-up"
+    )
+    runs = {}
+    for way, enabled in (("with_tier", True), ("without_tier", False)):
+        offload = cfg.offload.model_copy(update={"enabled": enabled})
+        this = cfg.model_copy(update={"offload": offload})
+        runs[way] = _execute_run(this, args.engine, args.address, err, way.replace("_", " "))
+    result = compare_runs(runs["with_tier"].as_dict(), runs["without_tier"].as_dict())
+    console.print(format_comparison(result), highlight=False)
+    if args.json:
+        shape = {**result, "runs": {k: v.as_dict() for k, v in runs.items()}}
+        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    if args.plot:
+        plot_ttft_distributions(
+            runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), args.plot
+        )
+        err.print(f"wrote {args.plot}")
+    return 1 if any(r.integrity.mismatches for r in runs.values()) else 0
+
+
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'raykv[plot]'") from None
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
@@ -360,6 +418,34 @@ def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
     console.print(f"{args.file}: ok", highlight=False)
     print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """What ``raykv run`` and ``raykv bench offload`` share: engine, config, workload, model."""
+    parser.add_argument(
+        "--engine",
+        choices=["ray", "local"],
+        default="ray",
+        help="ray: scheduler and rank actors (default); local: everything in this process",
+    )
+    parser.add_argument(
+        "--address",
+        help="Ray cluster to join ('auto', host:port); default: RAY_ADDRESS, else start an "
+        "embedded local Ray (loopback only, no dashboard)",
+    )
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_RUN_CONFIG if Path(DEFAULT_RUN_CONFIG).exists() else None,
+        help=f"YAML config (default: {DEFAULT_RUN_CONFIG} when it exists, else built-in defaults)",
+    )
+    parser.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    parser.add_argument("--workload", help="synthetic, or trace:FILE (Mooncake JSONL)")
+    parser.add_argument(
+        "--model",
+        help="a real model (model.path: a preset, a Hugging Face directory or a .gguf file); "
+        "tensor_parallel_size > 1 needs --engine ray",
+    )
+    parser.add_argument("--num-requests", type=int, help="how many requests to run")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -443,6 +529,15 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", help="write the results to this JSON file")
     st.set_defaults(func=_cmd_bench_step)
 
+    off = bench.add_parser(
+        "offload",
+        help="one workload with the CPU tier and without: TTFT, throughput, hits, ratios",
+    )
+    _add_workload_options(off)
+    off.add_argument("--json", help="write the comparison and both run reports to this file")
+    off.add_argument("--plot", help="draw both TTFT distributions to this PNG file")
+    off.set_defaults(func=_cmd_bench_offload, fault=None)
+
     tt = bench.add_parser(
         "ttft",
         help="time to first token of one prompt, recomputed vs loaded from the CPU tier",
@@ -470,30 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     tt.set_defaults(func=_cmd_bench_ttft)
 
     run = sub.add_parser("run", help="run a workload through the engine and report")
-    run.add_argument(
-        "--engine",
-        choices=["ray", "local"],
-        default="ray",
-        help="ray: scheduler and rank actors (default); local: everything in this process",
-    )
-    run.add_argument(
-        "--address",
-        help="Ray cluster to join ('auto', host:port); default: RAY_ADDRESS, else start an "
-        "embedded local Ray (loopback only, no dashboard)",
-    )
-    run.add_argument(
-        "--config",
-        default=DEFAULT_RUN_CONFIG if Path(DEFAULT_RUN_CONFIG).exists() else None,
-        help=f"YAML config (default: {DEFAULT_RUN_CONFIG} when it exists, else built-in defaults)",
-    )
-    run.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
-    run.add_argument("--workload", help="synthetic, or trace:FILE (Mooncake JSONL)")
-    run.add_argument(
-        "--model",
-        help="a real model (model.path: a preset, a Hugging Face directory or a .gguf file); "
-        "tensor_parallel_size > 1 needs --engine ray",
-    )
-    run.add_argument("--num-requests", type=int, help="how many requests to run")
+    _add_workload_options(run)
     run.add_argument("--no-offload", action="store_true", help="run without the CPU tier")
     run.add_argument(
         "--verify", action="store_true", help="check every loaded block's bytes (offload.verify)"

@@ -117,6 +117,12 @@ class OffloadConfig(_Strict):
         min_length=1,
         description="A tmpfs directory for the shared CPU-pool shards (on every node of ranks).",
     )
+    copy_thread: bool | None = Field(
+        default=None,
+        description="CPU ranks copy in a thread of their own, beside the model (None: yes, "
+        "except with a real model, whose compute threads would lose their cores to it: then "
+        "the copies run at the step's transfer points, between the model's computations).",
+    )
     verify: bool = Field(
         default=False, description="Compare every loaded block with what recomputing it gives."
     )
@@ -349,6 +355,12 @@ class RaykvConfig(_Strict):
         return self
 
     # ---- derived sizes (plain arithmetic, shared by every layer) ----
+
+    def copy_thread(self) -> bool:
+        """Whether CPU ranks copy in a thread (``offload.copy_thread``, resolved)."""
+        if self.offload.copy_thread is not None:
+            return self.offload.copy_thread
+        return not (self.model.path is not None and self.parallel.device == "cpu")
 
     @property
     def layers_per_group(self) -> int:

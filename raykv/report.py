@@ -21,11 +21,11 @@ from raykv.bench.policy import BASELINE_LRU, BELADY, PolicyBenchReport
 
 
 @contextmanager
-def run_progress(console: Console, total: int) -> Iterator[callable]:
+def run_progress(console: Console, total: int, label: str = "running") -> Iterator[callable]:
     """A progress bar for ``raykv run``: requests done, tokens/s and hit rates so far. Yields
     ``update(progress)`` taking the dict of ``EngineServer.progress`` / ``progress_of``."""
     bar = Progress(
-        TextColumn("[bold]running"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[stats]}"),

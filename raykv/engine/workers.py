@@ -94,7 +94,7 @@ class LocalWorker:
             rank,
             cfg.parallel.tensor_parallel_size,
             cfg.parallel.device,
-            threaded=threaded,
+            threaded=threaded and cfg.copy_thread(),
             exec_delay=exec_delay,
             pool_path=pool_path,
         )

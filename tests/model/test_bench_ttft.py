@@ -49,3 +49,33 @@ def test_bench_ttft_refuses_a_prompt_longer_than_the_context(tmp_path: Path, cap
     argv = ["bench", "ttft", "--model", str(path), "--prompt-tokens", "64,512"]
     assert main(argv) == 2
     assert "--prompt-tokens 512: longer than the model's context of 256" in capsys.readouterr().err
+
+
+def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
+    tmp_path: Path,
+) -> None:
+    from tests.model.test_generate import SMALL_CHAT
+
+    # as test_generate's raykv run: two KV groups in a small pool, so the chat reaches the tier
+    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
+    out, plot = tmp_path / "offload.json", tmp_path / "offload.png"
+    argv = ["bench", "offload", "--engine", "local", "--config", "configs/local.yaml"]
+    argv += ["--model", str(path), "--num-requests", "12", "--json", str(out), "--plot", str(plot)]
+    for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads(out.read_text())
+    on, off = result["runs"]["with_tier"], result["runs"]["without_tier"]
+    assert on["config"]["offload"]["enabled"] and not off["config"]["offload"]["enabled"]
+    assert on["cpu_hit_tokens"] > 0 and off["cpu_hit_tokens"] == 0
+    assert on["output_digest"] == off["output_digest"]  # the same tokens either way
+    assert len(on["requests"]) == len(off["requests"]) == 12
+    assert result["with_tier"]["prefill_tokens"] == on["prefill_tokens"]
+    hit = [r["req_id"] for r in on["requests"] if r["cpu_hit_tokens"] > 0]
+    assert result["cpu_hit_requests"]["count"] == len(hit) > 0
+    ratio = result["cpu_hit_requests"]["ttft_ratio_median"]
+    assert ratio is not None and ratio > 0
+    assert result["ratios"]["ttft_mean"] == pytest.approx(
+        on["ttft_s"]["mean"] / off["ttft_s"]["mean"]
+    )

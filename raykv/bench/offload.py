@@ -1,0 +1,123 @@
+"""``raykv bench offload``: one workload run twice, with the CPU tier and without, and what the
+tier changed: time to first token (mean, p50, p90), throughput, prompt tokens by where they came
+from, and request by request (the runs' per-request lists joined on the request id) the TTFT
+ratio of the requests that hit the CPU tier.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from raykv.engine.latency import percentile
+
+
+def _way(report: dict[str, Any]) -> dict[str, Any]:
+    ttft = report.get("ttft_s") or {}
+    return {
+        "ttft_mean_s": ttft.get("mean"),
+        "ttft_p50_s": ttft.get("p50"),
+        "ttft_p90_s": ttft.get("p90"),
+        "generated_tokens_per_s": report["throughput"]["generated_tokens_per_s"],
+        "prompt_tokens_per_s": report["throughput"]["prompt_tokens_per_s"],
+        "prefill_tokens": report["prefill_tokens"],
+        "wall_seconds": report["wall_seconds"],
+        "requests_finished": report["requests_finished"],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def compare_runs(with_tier: dict[str, Any], without_tier: dict[str, Any]) -> dict[str, Any]:
+    """The two run reports (``RunReport.as_dict``) side by side, with the ratios (with /
+    without: below 1 means the tier made it faster)."""
+    on, off = _way(with_tier), _way(without_tier)
+    before = {r["req_id"]: r for r in without_tier["requests"]}
+    per_request = [
+        r["ttft_s"] / before[r["req_id"]]["ttft_s"]
+        for r in with_tier["requests"]
+        if r["cpu_hit_tokens"] > 0 and r["req_id"] in before and before[r["req_id"]]["ttft_s"] > 0
+    ]
+    ordered = sorted(per_request)
+    return {
+        "with_tier": on,
+        "without_tier": off,
+        "ratios": {
+            "ttft_mean": _ratio(on["ttft_mean_s"], off["ttft_mean_s"]),
+            "ttft_p50": _ratio(on["ttft_p50_s"], off["ttft_p50_s"]),
+            "ttft_p90": _ratio(on["ttft_p90_s"], off["ttft_p90_s"]),
+            "generated_tokens_per_s": _ratio(
+                on["generated_tokens_per_s"], off["generated_tokens_per_s"]
+            ),
+        },
+        "cpu_hit_requests": {
+            "count": len(ordered),
+            "ttft_ratio_median": statistics.median(ordered) if ordered else None,
+            "ttft_ratio_p90": percentile(ordered, 90) if ordered else None,
+        },
+    }
+
+
+def _cell(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+    return f"{value:,.2f}"
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    on, off, ratio = result["with_tier"], result["without_tier"], result["ratios"]
+    rows = [
+        ("TTFT mean", "ttft_mean_s", "ttft_mean", "s"),
+        ("TTFT p50", "ttft_p50_s", "ttft_p50", "s"),
+        ("TTFT p90", "ttft_p90_s", "ttft_p90", "s"),
+        ("generated tokens/s", "generated_tokens_per_s", "generated_tokens_per_s", ""),
+    ]
+    lines = [
+        "raykv bench offload: the same workload with the CPU tier and without",
+        f"{'':<22}{'with tier':>14}{'without':>14}{'with/without':>14}",
+    ]
+    for name, key, ratio_key, unit in rows:
+        lines.append(
+            f"{name:<22}{_cell(on[key], unit):>14}{_cell(off[key], unit):>14}"
+            f"{_cell(ratio[ratio_key]):>14}"
+        )
+    for source in ("computed", "gpu_cache", "cpu_tier"):
+        lines.append(
+            f"{'prefill ' + source:<22}{on['prefill_tokens'][source]:>14,}"
+            f"{off['prefill_tokens'][source]:>14,}"
+        )
+    hits = result["cpu_hit_requests"]
+    lines.append(
+        f"requests that hit the CPU tier: {hits['count']}, their TTFT with/without: median "
+        f"{_cell(hits['ttft_ratio_median'])}, p90 {_cell(hits['ttft_ratio_p90'])}"
+    )
+    return "\n".join(lines)
+
+
+def plot_ttft_distributions(
+    with_tier: dict[str, Any], without_tier: dict[str, Any], path: str
+) -> None:
+    """Both runs' TTFT as cumulative distributions, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.2))
+    for label, report in (("with the CPU tier", with_tier), ("without", without_tier)):
+        values = sorted(r["ttft_s"] for r in report["requests"])
+        if values:
+            share = [(i + 1) / len(values) for i in range(len(values))]
+            axes.step(values, share, where="post", label=label)
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token (s)")
+    axes.set_ylabel("share of requests")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
