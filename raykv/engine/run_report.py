@@ -91,6 +91,7 @@ class RunReport:
     config: dict[str, Any] | None = None
     ranks_detail: list[dict[str, Any]] | None = None
     scheduler_restarts: int | None = None
+    samples: list[dict[str, Any]] | None = None  # a chat run's questions and answers
 
     @classmethod
     def build(
@@ -160,7 +161,8 @@ class RunReport:
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape: every field, with the parts a run does not have left out."""
         out = asdict(self)
-        for key in ("cpu_tier", "acks", "engine", "config", "ranks_detail", "scheduler_restarts"):
+        optional = ("cpu_tier", "acks", "engine", "config", "ranks_detail", "scheduler_restarts")
+        for key in (*optional, "samples"):
             if out[key] is None:
                 del out[key]
         return out

@@ -126,6 +126,8 @@ def trace_requests(
 def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
     """The requests ``cfg.workload`` describes."""
     w, vocab = cfg.workload, cfg.model.vocab_size
+    if w.kind == "chat":
+        raise ValueError("workload.kind chat is driven by the answers: see workload/chat.py")
     if w.kind == "trace":
         assert w.trace is not None
         return trace_requests(

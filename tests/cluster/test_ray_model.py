@@ -63,7 +63,8 @@ def test_generate_at_tp2_and_4_on_ray_matches_transformers_token_by_token(
 
 
 def _run(path: Path, out: Path, *extra: str) -> dict:
-    argv = ["run", "--engine", "ray", "--model", str(path), "--num-requests", "40"]
+    argv = ["run", "--engine", "ray", "--config", "configs/synthetic.yaml", "--model", str(path)]
+    argv += ["--num-requests", "40"]
     argv += ["--json-report", str(out), *extra]
     for s in ("parallel.tensor_parallel_size=2", "cache.num_gpu_blocks=40", *SMALL_CHAT):
         argv += ["--set", s]
@@ -125,3 +126,25 @@ def test_bench_ttft_on_two_ray_ranks(ray_session, tmp_path: Path) -> None:
     result = run_bench(tmp_path, "--engine", "ray", "--set", "parallel.tensor_parallel_size=2")
     assert result["engine"] == "ray" and result["tensor_parallel_size"] == 2
     check(result)
+
+
+def test_the_main_job_chats_on_ray_each_answer_feeding_the_next_turn(
+    ray_session, tmp_path: Path
+) -> None:
+    """``make run``'s config, shortened: turns are submitted while the stream yields the
+    answers they follow (the stream must not end between an answer and its follow-up)."""
+    try:
+        preset_path("smollm2-135m-instruct")
+    except UnsupportedModel as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "report.json"
+    argv = ["run", "--config", "configs/local.yaml", "--json-report", str(out)]
+    chat = ("num_requests=6", "concurrent_conversations=2", "chat_turns=3", "max_tokens=6")
+    for s in (f"workload.{c}" for c in chat):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["engine"] == "ray" and report["requests_finished"] == 6
+    ids = {r["req_id"] for r in report["requests"]}
+    assert {"chat-0-1", "chat-0-2", "chat-0-3"} <= ids
+    assert report["ttft_s"]["p50"] > 0 and len(report["samples"]) == 6

@@ -60,7 +60,16 @@ def test_sliding_window_groups_are_equivalent_too() -> None:
 
 
 def test_run_command_writes_the_report(tmp_path: Path) -> None:
-    base = ["run", "--engine", "local", "--num-requests", "30", "--verify"]
+    base = [
+        "run",
+        "--engine",
+        "local",
+        "--config",
+        "configs/synthetic.yaml",
+        "--num-requests",
+        "30",
+    ]
+    base += ["--verify"]
     sets = ["--set", "cache.num_gpu_blocks=48", "--set", "workload.max_tokens=6"]
     out, plain = tmp_path / "on.json", tmp_path / "off.json"
     assert main([*base, *sets, "--json-report", str(out)]) == 0
@@ -92,7 +101,8 @@ def test_run_command_writes_the_report(tmp_path: Path) -> None:
 
 def test_trace_workload_runs(mooncake_trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.json"
-    argv = ["run", "--workload", f"trace:{mooncake_trace}", "--num-requests", "12", "--verify"]
+    argv = ["run", "--config", "configs/synthetic.yaml", "--workload", f"trace:{mooncake_trace}"]
+    argv += ["--num-requests", "12", "--verify"]
     argv += ["--set", "workload.trace_tokens_per_block=16", "--set", "workload.max_tokens=4"]
     assert main([*argv, "--json-report", str(out)]) == 0
     report = json.loads(out.read_text())

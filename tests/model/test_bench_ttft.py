@@ -59,7 +59,7 @@ def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
     # as test_generate's raykv run: two KV groups in a small pool, so the chat reaches the tier
     path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
     out, plot = tmp_path / "offload.json", tmp_path / "offload.png"
-    argv = ["bench", "offload", "--engine", "local", "--config", "configs/local.yaml"]
+    argv = ["bench", "offload", "--engine", "local", "--config", "configs/synthetic.yaml"]
     argv += ["--model", str(path), "--num-requests", "12", "--json", str(out), "--plot", str(plot)]
     for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
         argv += ["--set", s]

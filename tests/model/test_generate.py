@@ -97,7 +97,7 @@ def test_a_seed_repeats_sampled_tokens_and_bad_parameters_are_named(tmp_path: Pa
 def test_raykv_run_drives_a_real_model_through_the_cpu_tier(tmp_path: Path) -> None:
     path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
     out = tmp_path / "report.json"
-    argv = ["run", "--engine", "local", "--config", "configs/local.yaml", "--model", str(path)]
+    argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml", "--model", str(path)]
     argv += ["--num-requests", "12", "--json-report", str(out)]
     # a GPU pool too small to keep the conversations on the GPU
     for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
