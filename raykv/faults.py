@@ -9,6 +9,10 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 - ``drop-acks:rate=P``           each completion report is lost with probability P
 - ``dup-acks:rate=P``            each completion report is delivered twice with probability P
 - ``fail-copy:rate=P``           each copy job fails with probability P
+- ``corrupt-cpu:rate=P``         each stored chunk has a byte flipped in the CPU pool, after
+                                 its store landed, with probability P (``offload.verify``
+                                 catches it at load time: the load fails, the chunk leaves the
+                                 tier, the request recomputes)
 - ``kill-scheduler:step=N``      the scheduler actor dies at step N (Ray engine; its replacement
                                  lives)
 
@@ -38,13 +42,22 @@ class RankDied(RuntimeError):
     """This rank is gone (an injected fault; on Ray the actor process exits instead)."""
 
 
-KINDS = ("kill-worker", "delay-acks", "drop-acks", "dup-acks", "fail-copy", "kill-scheduler")
+KINDS = (
+    "kill-worker",
+    "delay-acks",
+    "drop-acks",
+    "dup-acks",
+    "fail-copy",
+    "corrupt-cpu",
+    "kill-scheduler",
+)
 _PARAMS = {
     "kill-worker": {"rate", "step", "rank", "seed", "incarnation"},
     "delay-acks": {"rank", "steps", "rate", "seed", "incarnation"},
     "drop-acks": {"rate", "seed", "rank", "incarnation"},
     "dup-acks": {"rate", "seed", "rank", "incarnation"},
     "fail-copy": {"rate", "seed", "rank", "incarnation"},
+    "corrupt-cpu": {"rate", "seed", "rank", "incarnation"},
     "kill-scheduler": {"step", "seed"},  # seed: accepted like everywhere, nothing is drawn
 }
 
@@ -102,7 +115,7 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: delay-acks needs rank=R and steps=K")
     if kind == "kill-scheduler" and "step" not in values:
         raise FaultSpecError(f"fault {text!r}: kill-scheduler needs step=N")
-    if kind in ("drop-acks", "dup-acks", "fail-copy") and "rate" not in values:
+    if kind in ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu") and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
     for key in ("rank", "step", "steps", "incarnation"):
         if key in values and int(values[key]) < 0:
@@ -172,6 +185,9 @@ class RankFaults:
     def copy_fails(self) -> bool:
         return any(self._rng(i).random() < f.rate for i, f in self._mine("fail-copy"))
 
+    def corrupts(self) -> bool:
+        return any(self._rng(i).random() < f.rate for i, f in self._mine("corrupt-cpu"))
+
     @property
     def active(self) -> bool:
         return any(f.applies_to(self.rank, self.incarnation) for f in self.faults)
@@ -180,18 +196,22 @@ class RankFaults:
 class FaultyBackend:
     """A transfer backend (``connector.worker.TransferBackend``) whose copies fail
     (``fail-copy``): a failed job copies nothing, holds no block, and is reported failed by the
-    next poll, as a copy that failed on the device."""
+    next poll, as a copy that failed on the device; and whose stored chunks go bad in the CPU
+    pool after they landed (``corrupt-cpu``), as memory that flips."""
 
     def __init__(self, inner: Any, faults: RankFaults) -> None:
         self.inner = inner
         self.faults = faults
         self._failed: list[int] = []
+        self._to_corrupt: dict[int, TransferSpec] = {}  # stores to corrupt once they land
 
     def submit(self, spec: TransferSpec) -> None:
         if self.faults.copy_fails():
             self._failed.append(spec.job_id)
         else:
             self.inner.submit(spec)
+            if spec.is_store and self.faults.corrupts():
+                self._to_corrupt[spec.job_id] = spec
 
     def flush(self, job_ids: Iterable[int]) -> None:
         failed = set(self._failed)
@@ -199,6 +219,12 @@ class FaultyBackend:
 
     def poll(self) -> tuple[list[int], list[int]]:
         completed, failed = self.inner.poll()
+        for job_id in completed:  # the store landed: now its bytes in the pool go bad
+            spec = self._to_corrupt.pop(job_id, None)
+            if spec is not None:
+                self.inner.corrupt_rows(spec.copy)
+        for job_id in failed:
+            self._to_corrupt.pop(job_id, None)
         if self._failed:
             failed, self._failed = [*failed, *self._failed], []
         return completed, failed

@@ -134,6 +134,13 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
     if verify:
         i = r["integrity"]
         rows.append(("verified blocks", f"{i['blocks_verified']:,}, mismatches {i['mismatches']}"))
+        rows.append(
+            (
+                "checksums",
+                f"{i.get('checked', 0):,} loaded rows checked, "
+                f"{i.get('corrupt_detected', 0):,} corrupt caught (recomputed)",
+            )
+        )
     if r.get("rejected"):
         rows.append(("rejected requests", str(len(r["rejected"]))))
     for name, value in rows:

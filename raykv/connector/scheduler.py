@@ -46,6 +46,8 @@ class ConnectorScheduler:
         blocks_per_chunk: GPU blocks per CPU chunk.
         num_ranks: ranks that must each acknowledge every job.
         verify: attach the expected content of each loaded block to load jobs.
+        check_sums: have the ranks check every loaded chunk's checksum before copying it; a
+            corrupt chunk fails its load and leaves the tier.
         max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
     """
@@ -60,6 +62,7 @@ class ConnectorScheduler:
         verify: bool = False,
         max_deferred_steps: int = 64,
         ack_timeout_steps: int = 32,
+        check_sums: bool = False,
     ) -> None:
         self.directory = directory
         self.groups = list(groups)
@@ -67,6 +70,8 @@ class ConnectorScheduler:
         self.bpc = blocks_per_chunk
         self.tpc = block_size * blocks_per_chunk
         self.verify = verify
+        self.check_sums = check_sums
+        self._corrupt: set[int] = set()  # loads a rank found corrupt, until they finalize
         self.ack_timeout_steps = ack_timeout_steps
         self.step = 0  # the step being scheduled: jobs created now belong to it
         self.jobs = JobTable(num_ranks)
@@ -155,7 +160,7 @@ class ConnectorScheduler:
         for gs in state.groups:  # chunk-level: what was loaded is not stored again
             gs.next_stored_chunk = max(gs.next_stored_chunk, last // bpc)
         copy = BlockCopy(blocks, [slot_of[k] for k in chunk_keys], subs)
-        self._loads.append(TransferSpec(job.job_id, False, copy, expect))
+        self._loads.append(TransferSpec(job.job_id, False, copy, expect, self.check_sums))
         self.stats.load_jobs += 1
         self.stats.load_blocks += len(blocks)
 
@@ -301,6 +306,7 @@ class ConnectorScheduler:
         done: list[FinishedLoad] = []
         for report in reports:
             t = report.transfers
+            self._corrupt.update(t.corrupt)
             for ok, ids in ((True, t.completed), (False, t.failed)):
                 for job_id in ids:
                     job = self.jobs.ack(job_id, report.rank, ok)
@@ -321,6 +327,10 @@ class ConnectorScheduler:
         else:
             d.complete_load(job.keys)
             self.stats.failed_loads += job.failed
+            if job.job_id in self._corrupt:  # never served again: its request recomputes
+                self._corrupt.discard(job.job_id)
+                self.stats.corrupt_loads += 1
+                d.discard(job.keys)
             for key in job.keys:
                 n = self._loading_keys[key] - 1
                 if n:

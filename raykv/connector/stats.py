@@ -15,6 +15,7 @@ class ConnectorStats:
     store_blocks: int = 0
     failed_loads: int = 0
     failed_stores: int = 0
+    corrupt_loads: int = 0  # failed loads whose chunk was corrupt (dropped from the tier)
     allocation_failures: int = 0
     flushes_reuse: int = 0
     flushes_preemption: int = 0

@@ -39,6 +39,7 @@ class TransferBackend(Protocol):
     def pending_reads(self) -> set[int]: ...
     def pending_writes(self) -> set[int]: ...
     def take_stats(self) -> TransferStats: ...
+    def take_corrupt(self) -> list[int]: ...
 
 
 class FenceViolation(RuntimeError):
@@ -103,7 +104,7 @@ class ConnectorWorker:
             ok = self._reported.get(job_id)
             if ok is not None and job_id not in completed and job_id not in failed:
                 (completed if ok else failed).append(job_id)
-        return TransferReport(completed, failed, stats)
+        return TransferReport(completed, failed, stats, backend.take_corrupt())
 
     def check_writable(self, blocks: list[int], what: str = "write") -> None:
         """Raise unless no unfinished transfer on this rank uses ``blocks``."""

@@ -47,6 +47,9 @@ class TransferSpec:
     copy: BlockCopy
     # loads in verify mode: the expected content of each destination block (same order)
     expect: list[BlockContent] | None = None
+    # loads in verify mode: check each source row's checksum (recorded when it was stored)
+    # before copying it; a mismatch fails the job as corrupt
+    check_sums: bool = False
 
 
 @dataclass(slots=True)
@@ -155,6 +158,8 @@ class TransferStats:
     flush_seconds: float = 0.0
     blocks_verified: int = 0
     mismatches: int = 0
+    chunks_checked: int = 0  # CPU-pool rows whose checksum a load checked
+    corrupt_detected: int = 0  # of those, rows whose bytes no longer matched
 
     def add(self, other: TransferStats) -> None:
         for name in self.__slots__:
@@ -168,6 +173,7 @@ class TransferReport:
     completed: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     stats: TransferStats = field(default_factory=TransferStats)
+    corrupt: list[int] = field(default_factory=list)  # failed loads that read corrupt bytes
 
 
 @dataclass(slots=True)

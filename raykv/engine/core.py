@@ -98,6 +98,7 @@ class EngineCore:
         self.connector: ConnectorScheduler | None = None
         if use_offload:
             o = cfg.offload
+            checked = cfg.offload.verify if verify is None else verify
             if directory is None:
                 directory = Directory(
                     cfg.cpu_slots(),
@@ -113,9 +114,11 @@ class EngineCore:
                 self.block_size,
                 o.blocks_per_chunk,
                 workers.num_ranks,
-                verify=cfg.offload.verify if verify is None else verify,
+                # the synthetic model's byte checks; any model's checksums of loaded chunks
+                verify=checked and cfg.model.path is None,
                 max_deferred_steps=cfg.engine.max_deferred_steps,
                 ack_timeout_steps=cfg.engine.ack_timeout_steps,
+                check_sums=checked,
             )
         self.scheduler = Scheduler(
             self.pool,

@@ -33,8 +33,10 @@ class Flushes:
 
 @dataclass(slots=True)
 class Integrity:
-    blocks_verified: int
-    mismatches: int
+    blocks_verified: int  # synthetic model: loaded blocks compared byte for byte
+    mismatches: int  # what the model read wrong (exit status 1)
+    checked: int = 0  # loaded CPU-pool rows whose checksum was checked (offload.verify)
+    corrupt_detected: int = 0  # of those, caught corrupt: the load failed, nothing was read
 
 
 @dataclass(slots=True)
@@ -148,7 +150,9 @@ class RunReport:
             deferral_timeouts=c.deferral_timeouts if c else 0,
             deferred_lookups=c.deferred_lookups if c else 0,
             allocation_failures=c.allocation_failures if c else 0,
-            integrity=Integrity(tr.blocks_verified, tr.mismatches),
+            integrity=Integrity(
+                tr.blocks_verified, tr.mismatches, tr.chunks_checked, tr.corrupt_detected
+            ),
             output_digest=digest,
             steps=stats.steps,
             idle_steps=stats.idle_steps,

@@ -112,9 +112,7 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
         }
     )
     cache = cfg.cache.model_copy(update={"groups": groups})
-    # the synthetic model's byte checks do not apply to a real model's KV
-    offload = cfg.offload.model_copy(update={"verify": False})
-    return cfg.model_copy(update={"model": model, "cache": cache, "offload": offload}), spec, path
+    return cfg.model_copy(update={"model": model, "cache": cache}), spec, path
 
 
 def _generation_eos(path: Path) -> list[int]:

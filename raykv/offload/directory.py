@@ -314,6 +314,22 @@ class Directory:
             self._slots.release([slot_pop(k) for k in done])
             self.policy.remove(done)
 
+    def discard(self, keys: Iterable[int]) -> None:
+        """Drop readable keys nobody is reading (a chunk found corrupt): their slots are freed
+        and one ``BlockRemoved`` announces them. Keys absent, being written or still read by
+        another load are left alone (that load finds the corruption too)."""
+        gone = [
+            k
+            for k in dict.fromkeys(keys)
+            if k in self._slot and k not in self._writing and k not in self._readers
+        ]
+        if not gone:
+            return
+        slot_pop = self._slot.pop
+        self._slots.release([slot_pop(k) for k in gone])
+        self.policy.remove(gone)
+        self._events.removed(gone)
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def reset(self) -> None:

@@ -13,6 +13,11 @@ class TransferEngineBase:
     def shutdown(self, wait: bool = True) -> None:
         raise NotImplementedError
 
+    def take_corrupt(self) -> list[int]:
+        """Loads that failed since the last call because a source row's checksum no longer
+        matched (engines that keep no checksums report none)."""
+        return []
+
     def __enter__(self) -> TransferEngineBase:
         return self
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from raykv.core.step import TransferSpec, TransferStats
+from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.copy_plan import Gather, Slice, check_range, plan_copies, wide_dtype
 from raykv.transfer.layout import KVLayout, pool_rows
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 class _Job:
     spec: TransferSpec
     gpu_blocks: list[int] = field(default_factory=list)
+
+
+class ChunkCorrupt(RuntimeError):
+    """A load's source bytes in the CPU pool differ from what was stored."""
 
 
 class CpuTransferEngine(TransferEngineBase):
@@ -81,6 +86,8 @@ class CpuTransferEngine(TransferEngineBase):
         self._completed: list[int] = []
         self._failed: list[int] = []
         self._errors: dict[int, str] = {}
+        self._sums: dict[int, int] = {}  # pool row -> checksum of what its last store wrote
+        self._corrupt: list[int] = []
         self._stats = TransferStats()
         self._paused = False
         self._closing = False  # no more submits
@@ -323,6 +330,8 @@ class CpuTransferEngine(TransferEngineBase):
             src_t, dst_t, src, dst = self._kv_rows, self._pool_rows, gpu, rows
         else:
             src_t, dst_t, src, dst = self._pool_rows, self._kv_rows, rows, gpu
+            if spec.check_sums:
+                self._check_rows(spec.job_id, rows)
         ops, index = plan_copies(src, dst)
         idx = torch.tensor(index, dtype=torch.long, device=src_t.device) if index else None
         for op in ops:
@@ -336,3 +345,41 @@ class CpuTransferEngine(TransferEngineBase):
             else:
                 assert idx is not None
                 dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
+        if spec.is_store:  # what the rows hold now, for the loads that will read them
+            sums = self._sums
+            for row in rows:
+                sums[row] = self._checksum(row)
+
+    def _checksum(self, row: int) -> int:
+        return zlib.crc32(self._pool_rows[row].numpy().view("uint8").data)
+
+    def _check_rows(self, job_id: int, rows: list[int]) -> None:
+        """Raise ``ChunkCorrupt`` if a row's bytes no longer match its checksum."""
+        sums = self._sums
+        known = [r for r in rows if r in sums]  # rows stored before a restart: see adopt_rows
+        bad = [r for r in known if sums[r] != self._checksum(r)]
+        rows = known
+        with self._cond:
+            self._stats.chunks_checked += len(rows)
+            self._stats.corrupt_detected += len(bad)
+            if bad:
+                self._corrupt.append(job_id)
+        if bad:
+            raise ChunkCorrupt(f"CPU-pool rows {bad} changed since they were stored")
+
+    def corrupt_rows(self, copy: BlockCopy) -> None:
+        """Fault hook (``corrupt-cpu``): flip one byte in every pool row ``copy`` wrote."""
+        bpc = self.layout.blocks_per_chunk
+        for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True):
+            row = self._pool_rows[slot * bpc + sub].view(torch.uint8)
+            row[len(row) // 2] ^= 0x5A
+
+    def adopt_rows(self) -> None:
+        """Checksum every pool row as it is now: a rank that took over its predecessor's shard
+        (whose checksums died with it) checks later corruption of the finished chunks it found."""
+        self._sums = {row: self._checksum(row) for row in range(self._pool_rows.shape[0])}
+
+    def take_corrupt(self) -> list[int]:
+        with self._cond:
+            out, self._corrupt = self._corrupt, []
+        return out

@@ -94,7 +94,8 @@ def test_run_command_writes_the_report(tmp_path: Path) -> None:
     assert set(on["loads"]) >= {"jobs", "blocks", "bytes"}
     assert set(on["stores"]) >= {"jobs", "blocks", "bytes"}
     assert set(on["flushes"]) >= {"reuse", "preemption"}
-    assert set(on["integrity"]) == {"blocks_verified", "mismatches"}
+    assert set(on["integrity"]) == {"blocks_verified", "mismatches", "checked", "corrupt_detected"}
+    assert on["integrity"]["checked"] > 0 and on["integrity"]["corrupt_detected"] == 0
     assert on["requests_finished"] == 30 and on["integrity"]["mismatches"] == 0
     assert on["output_digest"] == off["output_digest"]
 

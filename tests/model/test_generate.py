@@ -152,3 +152,24 @@ def test_the_local_engine_refuses_a_real_model_at_tp2_naming_the_way_out(
     assert main([*argv, "--set", "parallel.tensor_parallel_size=2"]) == 2
     err = capsys.readouterr().err
     assert "parallel.tensor_parallel_size 2" in err and "--engine ray" in err
+
+
+def test_a_real_models_corrupt_cpu_chunks_are_caught_and_recomputed(tmp_path: Path) -> None:
+    """Real KV has no expected bytes: the ranks' checksums catch what ``corrupt-cpu`` flips,
+    the loads fail, their requests recompute, and every token is the fault-free one."""
+    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
+    reports = []
+    for extra in ([], ["--fault", "corrupt-cpu:rate=0.5:seed=3"]):
+        out = tmp_path / f"report{len(reports)}.json"
+        argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml"]
+        argv += ["--model", str(path), "--num-requests", "12", "--json-report", str(out)]
+        argv += ["--verify", *extra]
+        for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
+            argv += ["--set", s]
+        assert main(argv) == 0
+        reports.append(json.loads(out.read_text()))
+    clean, corrupt = reports
+    assert clean["integrity"]["checked"] > 0 and clean["integrity"]["corrupt_detected"] == 0
+    assert corrupt["integrity"]["corrupt_detected"] > 0
+    assert corrupt["requests_finished"] == 12
+    assert corrupt["output_digest"] == clean["output_digest"]
