@@ -292,6 +292,12 @@ class WorkloadConfig(_Strict):
     answer_tokens: int = Field(default=32, gt=0, description="Answer tokens kept in history.")
     mean_turns: float = Field(default=4.0, ge=1)
     concurrent_conversations: int = Field(default=16, gt=0)
+    trace_time_scale: float | None = Field(
+        default=None,
+        gt=0,
+        description="Replay a trace at its own timestamps: wall seconds times this factor (2: "
+        "half the recorded rate); None: arrival_rate requests per engine step.",
+    )
     trace_tokens_per_block: int = Field(
         default=512, gt=0, description="Tokens per trace hash id (512 in Mooncake traces)."
     )

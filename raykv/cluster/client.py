@@ -185,7 +185,9 @@ class RaykvClient:
         if self._serving:
             ray.get(self.server.start.remote())
             # they arrived long ago: due now
-            again = [dataclasses.replace(s, arrival=0) for s in self._unfinished.values()]
+            again = [
+                dataclasses.replace(s, arrival=0, arrival_s=None) for s in self._unfinished.values()
+            ]
             if again:
                 ray.get(self.server.submit.remote(again))
 

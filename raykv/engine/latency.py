@@ -81,7 +81,9 @@ class LatencyBook:
         self.started = self.clock()
 
     def arrived(self, req: Request) -> None:
-        req.arrival_s = self.clock()
+        """``req`` reached the engine now, unless its driver said when it arrived."""
+        if req.arrival_s is None:
+            req.arrival_s = self.clock()
 
     def sampled(self, req: Request, now: float) -> None:
         """``req`` got a token from the step that returned at ``now``."""

@@ -80,6 +80,9 @@ class StreamingDigest:
         return h.hexdigest()
 
 
+_MAX_ARRIVAL_WAIT_S = 0.05  # an idle driver sleeps at most this long for a timed arrival
+
+
 class Driver:
     """Feeds requests to an engine as they arrive (one step is one time unit) and steps it.
 
@@ -99,14 +102,18 @@ class Driver:
         self._digest = StreamingDigest()
         self.rejected: list[dict[str, str]] = []
         self._recent: list[Request] = []  # finished since take_finished
-        self._pending: list[tuple[float, int, RequestSpec]] = []
+        self._pending: list[tuple[float, float, int, RequestSpec]] = []  # (wall, step, index)
+        self._origin: float | None = None  # when the first request was submitted
         self._submitted = 0
         self._idle = 0
         self.started = time.perf_counter()
 
     def submit(self, specs: Iterable[RequestSpec]) -> None:
+        if self._origin is None:  # wall-clock arrivals count from the first submission
+            self._origin = time.perf_counter()
         for spec in specs:
-            heapq.heappush(self._pending, (spec.arrival, self._submitted, spec))
+            wall = spec.arrival_s if spec.arrival_s is not None else 0.0
+            heapq.heappush(self._pending, (wall, spec.arrival, self._submitted, spec))
             self._submitted += 1
 
     @property
@@ -127,16 +134,26 @@ class Driver:
         return bool(self._pending) or self.engine.has_work()
 
     def _admit_arrived(self) -> None:
+        """Hand the engine what has arrived: by engine steps (``RequestSpec.arrival``) or, for
+        a replay at a trace's own timestamps, by wall-clock seconds (``arrival_s``)."""
         engine, pending = self.engine, self._pending
         now = engine.totals.steps
+        origin = self._origin if self._origin is not None else time.perf_counter()
+        elapsed = time.perf_counter() - origin
         if pending and not engine.has_work():
-            now = max(now, pending[0][0])  # nothing to do: jump to the next arrival
-        while pending and pending[0][0] <= now:
-            _, index, spec = heapq.heappop(pending)
+            wall, step = pending[0][0], pending[0][1]
+            now = max(now, step)  # nothing to do: jump to the next arrival
+            if wall > elapsed:  # or wait for it, a little at a time (the loop stays live)
+                time.sleep(min(wall - elapsed, _MAX_ARRIVAL_WAIT_S))
+                elapsed = time.perf_counter() - origin
+        while pending and pending[0][1] <= now and pending[0][0] <= elapsed:
+            _, _, index, spec = heapq.heappop(pending)
             try:
                 req = Request(
                     spec.req_id, index, list(spec.prompt), spec.max_tokens, sampling=spec.sampling
                 )
+                if spec.arrival_s is not None:  # it arrived then, whenever the step ended
+                    req.arrival_s = origin + spec.arrival_s
                 engine.add_request(req)
             except ValueError as exc:  # this request is at fault; the run goes on
                 self.rejected.append({"request": spec.req_id, "error": str(exc)})

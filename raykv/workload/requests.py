@@ -20,6 +20,7 @@ class RequestSpec:
     max_tokens: int
     arrival: float  # engine step at which it arrives
     sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
+    arrival_s: float | None = None  # or: wall seconds after the run's first submission
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -87,8 +88,12 @@ def trace_requests(
     max_tokens: int | None = None,
     arrival_rate: float = 2.0,
     seed: int = 0,
+    time_scale: float | None = None,
 ) -> list[RequestSpec]:
     """Requests from a Mooncake trace, with tokens derived from the hash ids.
+
+    Arrivals: ``arrival_rate`` requests per engine step, or with ``time_scale`` the trace's own
+    timestamps, in wall seconds multiplied by it (2: half the recorded rate).
 
     Each hash id stands for ``tokens_per_block`` tokens drawn from a generator seeded by the id,
     so equal ids give equal token blocks and shared prefixes in the trace are shared prefixes
@@ -119,7 +124,10 @@ def trace_requests(
         if max_tokens is not None:
             out_len = min(out_len, max_tokens)
         arrival = i / arrival_rate if arrival_rate > 0 else 0.0
-        out.append(RequestSpec(f"trace-{i}", tuple(prompt), out_len, arrival))
+        wall = None
+        if time_scale is not None:
+            arrival, wall = 0.0, (r.timestamp - trace[0].timestamp) / 1000.0 * time_scale
+        out.append(RequestSpec(f"trace-{i}", tuple(prompt), out_len, arrival, arrival_s=wall))
     return out
 
 
@@ -138,6 +146,7 @@ def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
             max_tokens=w.max_tokens,
             arrival_rate=w.arrival_rate,
             seed=w.seed,
+            time_scale=w.trace_time_scale,
         )
     return synthetic_chat(
         w.num_requests,
