@@ -103,8 +103,6 @@ class LocalWorker:
         if pool_path is not None:
             remove_generations(pool_path, keep=True)
         self.pool_attached = res.pool_attached
-        if res.pool_attached and hasattr(self.engine, "adopt_rows"):
-            self.engine.adopt_rows()
         backend = FaultyBackend(self.engine, self.faults) if self.faults.active else self.engine
         kv, model = self.kv, self.model
         verify = lambda block, content: model.verify(kv, block, content)  # noqa: E731

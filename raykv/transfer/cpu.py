@@ -57,11 +57,14 @@ class CpuTransferEngine(TransferEngineBase):
         *,
         threaded: bool = True,
         exec_delay: Callable[[int], int] | None = None,
+        sums: torch.Tensor | None = None,
     ) -> None:
         """``threaded=False`` runs no copy thread: queued jobs are copied, in FIFO order, at the
         start of :meth:`poll` (or by :meth:`flush`). With ``exec_delay`` (job id -> polls to wait)
         a job stays queued, really uncopied, for that many polls, and holds back the jobs behind
-        it. Together they make every interleaving of copies and steps reproducible for tests."""
+        it. Together they make every interleaving of copies and steps reproducible for tests.
+        ``sums``: where the checksum of each pool page row lives (int64, -1: none), kept with a
+        shared-memory pool so that a successor still checks what its predecessor stored."""
         expected_kv = (layout.num_gpu_blocks, layout.page_elems)
         if tuple(kv.shape) != expected_kv:
             raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout {expected_kv}")
@@ -86,7 +89,8 @@ class CpuTransferEngine(TransferEngineBase):
         self._completed: list[int] = []
         self._failed: list[int] = []
         self._errors: dict[int, str] = {}
-        self._sums: dict[int, int] = {}  # pool row -> checksum of what its last store wrote
+        rows = self._pool_rows.shape[0]
+        self._sums = sums if sums is not None else torch.full((rows,), -1, dtype=torch.int64)
         self._corrupt: list[int] = []
         self._stats = TransferStats()
         self._paused = False
@@ -355,9 +359,9 @@ class CpuTransferEngine(TransferEngineBase):
 
     def _check_rows(self, job_id: int, rows: list[int]) -> None:
         """Raise ``ChunkCorrupt`` if a row's bytes no longer match its checksum."""
-        sums = self._sums
-        known = [r for r in rows if r in sums]  # rows stored before a restart: see adopt_rows
-        bad = [r for r in known if sums[r] != self._checksum(r)]
+        recorded = self._sums[rows].tolist()
+        known = [r for r, v in zip(rows, recorded, strict=True) if v >= 0]
+        bad = [r for r, v in zip(rows, recorded, strict=True) if v >= 0 and v != self._checksum(r)]
         rows = known
         with self._cond:
             self._stats.chunks_checked += len(rows)
@@ -373,11 +377,6 @@ class CpuTransferEngine(TransferEngineBase):
         for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True):
             row = self._pool_rows[slot * bpc + sub].view(torch.uint8)
             row[len(row) // 2] ^= 0x5A
-
-    def adopt_rows(self) -> None:
-        """Checksum every pool row as it is now: a rank that took over its predecessor's shard
-        (whose checksums died with it) checks later corruption of the finished chunks it found."""
-        self._sums = {row: self._checksum(row) for row in range(self._pool_rows.shape[0])}
 
     def take_corrupt(self) -> list[int]:
         with self._cond:

@@ -69,7 +69,10 @@ def build_rank(
     kv = allocate_kv(layout)
     shared = _shared_pool(pool_path, layout, rank)
     pool = shared.tensor if shared is not None else allocate_pool(layout)
-    engine = CpuTransferEngine(kv, pool, layout, threaded=threaded, exec_delay=exec_delay)
+    sums = shared.sums if shared is not None else None
+    engine = CpuTransferEngine(
+        kv, pool, layout, threaded=threaded, exec_delay=exec_delay, sums=sums
+    )
     return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size), shared)
 
 

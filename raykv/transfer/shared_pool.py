@@ -27,13 +27,18 @@ class SharedPoolUnavailable(RuntimeError):
 
 class SharedPool:
     """One rank's CPU-pool shard mapped from ``path``: ``tensor`` has the shape of
-    :func:`~raykv.transfer.layout.allocate_pool`'s pool, and ``attached`` says whether the file
-    already existed with this size (a predecessor's shard, contents kept) or was created now."""
+    :func:`~raykv.transfer.layout.allocate_pool`'s pool, ``sums`` one checksum per page row
+    (-1: none), and ``attached`` says whether the file already existed with this size (a
+    predecessor's shard, contents and checksums kept) or was created now."""
 
     def __init__(self, path: str, layout: KVLayout) -> None:
         rows, cols = layout.num_slots, layout.page_elems * layout.blocks_per_chunk
         itemsize = torch.empty((), dtype=layout.torch_dtype).element_size()
-        nbytes = rows * cols * itemsize
+        pool_bytes = rows * cols * itemsize
+        pages = rows * layout.blocks_per_chunk
+        # after the pool, one int64 checksum per page row (``CpuTransferEngine``): they must
+        # outlive the process with the bytes they vouch for
+        nbytes = pool_bytes + pages * 8
         self.path = path
         self._nbytes = nbytes
         self._pinned = False
@@ -55,7 +60,12 @@ class SharedPool:
             raise
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=layout.torch_dtype).view(rows, cols)
+        self.tensor = torch.frombuffer(self._map, dtype=layout.torch_dtype, count=rows * cols).view(
+            rows, cols
+        )
+        self.sums = torch.frombuffer(self._map, dtype=torch.int64, offset=pool_bytes, count=pages)
+        if not self.attached:
+            self.sums.fill_(-1)  # no row vouched for yet
 
     def pin(self) -> bool:
         """Page-lock the mapping for asynchronous DMA (``cudaHostRegister``), as a pinned pool

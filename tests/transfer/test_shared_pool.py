@@ -50,9 +50,21 @@ def test_a_second_mapping_of_the_same_file_sees_the_first_ones_bytes(tmp_path) -
 def test_a_file_of_another_size_is_not_attached(tmp_path) -> None:
     files = PoolFiles.new(str(tmp_path))
     SharedPool(files.path(0), layout(num_slots=6))
-    other = SharedPool(files.path(0), layout(num_slots=7))
+    other_layout = layout(num_slots=7)
+    other = SharedPool(files.path(0), other_layout)
     assert not other.attached and other.tensor.shape[0] == 7
-    assert os.path.getsize(files.path(0)) == other.tensor.numel() * 2
+    # the pool (float16) and one int64 checksum per page row
+    assert os.path.getsize(files.path(0)) == other.tensor.numel() * 2 + other.sums.numel() * 8
+    pages = 7 * other_layout.blocks_per_chunk
+    assert other.sums.numel() == pages and bool((other.sums == -1).all())
+
+
+def test_checksums_survive_in_the_file_for_the_next_rank(tmp_path) -> None:
+    files = PoolFiles.new(str(tmp_path))
+    first = SharedPool(files.path(0), layout(num_slots=6))
+    first.sums[2] = 12345
+    again = SharedPool(files.path(0), layout(num_slots=6))
+    assert again.attached and int(again.sums[2]) == 12345 and int(again.sums[3]) == -1
 
 
 def test_a_pool_larger_than_the_directory_is_refused_by_name(tmp_path, monkeypatch) -> None:
