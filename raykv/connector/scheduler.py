@@ -272,7 +272,8 @@ class ConnectorScheduler:
             if any(b in self._allocated for b in fenced):
                 self._flush.setdefault(job.job_id, "reuse")  # new owner writes this step
         state.add_job(job.job_id, is_store=True)
-        out.append(TransferSpec(job.job_id, True, BlockCopy(blocks, slots, subs)))
+        copy = BlockCopy(blocks, slots, subs)
+        out.append(TransferSpec(job.job_id, True, copy, check_sums=self.check_sums))
         self.stats.store_jobs += 1
         self.stats.store_blocks += len(blocks)
 

@@ -47,8 +47,8 @@ class TransferSpec:
     copy: BlockCopy
     # loads in verify mode: the expected content of each destination block (same order)
     expect: list[BlockContent] | None = None
-    # loads in verify mode: check each source row's checksum (recorded when it was stored)
-    # before copying it; a mismatch fails the job as corrupt
+    # verify mode: a store records each pool row's checksum once its copy has landed; a load
+    # checks each source row's before copying it, and a mismatch fails the job as corrupt
     check_sums: bool = False
 
 

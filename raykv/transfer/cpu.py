@@ -349,7 +349,7 @@ class CpuTransferEngine(TransferEngineBase):
             else:
                 assert idx is not None
                 dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
-        if spec.is_store:  # what the rows hold now, for the loads that will read them
+        if spec.is_store and spec.check_sums:  # what the rows hold now, for the loads
             sums = self._sums
             for row in rows:
                 sums[row] = self._checksum(row)
@@ -359,12 +359,15 @@ class CpuTransferEngine(TransferEngineBase):
 
     def _check_rows(self, job_id: int, rows: list[int]) -> None:
         """Raise ``ChunkCorrupt`` if a row's bytes no longer match its checksum."""
-        recorded = self._sums[rows].tolist()
-        known = [r for r, v in zip(rows, recorded, strict=True) if v >= 0]
-        bad = [r for r, v in zip(rows, recorded, strict=True) if v >= 0 and v != self._checksum(r)]
-        rows = known
+        checked, bad = 0, []
+        for row, recorded in zip(rows, self._sums[rows].tolist(), strict=True):
+            if recorded < 0:  # no checksum was kept for it: nothing to check against
+                continue
+            checked += 1
+            if self._checksum(row) != recorded:
+                bad.append(row)
         with self._cond:
-            self._stats.chunks_checked += len(rows)
+            self._stats.chunks_checked += checked
             self._stats.corrupt_detected += len(bad)
             if bad:
                 self._corrupt.append(job_id)
