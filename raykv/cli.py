@@ -78,6 +78,17 @@ def _check_device(cfg: RaykvConfig, engine: str, address: str | None) -> None:
         raise ConfigError(f"parallel.device: {device}: {problem}; use parallel.device=cpu")
 
 
+def _real_model_config(args: argparse.Namespace) -> RaykvConfig:
+    """The config of a command that always runs a real model (``generate``, ``bench ttft``):
+    SmolLM2 in float32 unless ``--model``, the config file or ``--set`` say otherwise."""
+    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
+    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
+    cfg = load_config(args.config, overrides, defaults)
+    _check_real_model_engine(cfg, args.engine)
+    _check_device(cfg, args.engine, getattr(args, "address", None))
+    return cfg
+
+
 def _check_real_model_engine(cfg: RaykvConfig, engine: str) -> None:
     """A real model's tensor-parallel ranks compute together through a process group, which
     only ranks in processes of their own (the Ray engine) have."""
@@ -160,12 +171,7 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
     if args.plot:
         _need_matplotlib()
     lengths = args.prompt_tokens
-    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
-    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
-    cfg = load_config(args.config, overrides, defaults)
-    _check_real_model_engine(cfg, args.engine)
-    _check_device(cfg, args.engine, None)
-    cfg, spec, path = configure(bench_config(cfg, lengths))
+    cfg, spec, path = configure(bench_config(_real_model_config(args), lengths))
     too_long = [n for n in lengths if n + 1 > spec.max_positions]
     if too_long:
         raise ConfigError(
@@ -278,7 +284,9 @@ def _execute_run(
     from raykv.report import run_progress
     from raykv.workload.requests import make_workload
 
-    session = _chat_session(cfg) if cfg.workload.kind == "chat" else None
+    session = None
+    if cfg.workload.kind == "chat":
+        session, cfg = _chat_session(cfg)
     specs = make_workload(cfg) if session is None else []
     total = len(specs) or cfg.workload.num_requests
     if engine == "local":
@@ -321,9 +329,10 @@ def _execute_run(
     return report
 
 
-def _chat_session(cfg: RaykvConfig) -> ChatSession:
-    """``workload.kind: chat`` on the configured model, through its tokenizer."""
-    from raykv.model.checkpoint import resolve
+def _chat_session(cfg: RaykvConfig) -> tuple[ChatSession, RaykvConfig]:
+    """``workload.kind: chat`` on the configured model, through its tokenizer (whose EOS then
+    ends a request too, as in ``raykv generate``)."""
+    from raykv.model.checkpoint import resolve, with_stop_tokens
     from raykv.model.tokenizer import Tokenizer
     from raykv.workload.chat import ChatSession
 
@@ -335,7 +344,7 @@ def _chat_session(cfg: RaykvConfig) -> ChatSession:
             f"workload.kind chat: {cfg.model.path} has no tokenizer and chat template"
         )
     w = cfg.workload
-    return ChatSession(
+    session = ChatSession(
         w.num_requests,
         chat_ids=tokenizer.chat,
         decode=tokenizer.decode,
@@ -344,6 +353,7 @@ def _chat_session(cfg: RaykvConfig) -> ChatSession:
         turns=w.chat_turns,
         seed=w.seed,
     )
+    return session, with_stop_tokens(cfg, [tokenizer.eos_token_id])
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
@@ -415,13 +425,8 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     from raykv.engine.generate import Prompt, generate, read_prompt_file
 
     _check_output("--json", args.json)
-    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
-    # a real model, computing in float32 on CPUs, unless the config says otherwise
-    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
-    cfg = load_config(args.config, overrides, defaults)
+    cfg = _real_model_config(args)
     model = cfg.model.path
-    _check_real_model_engine(cfg, args.engine)
-    _check_device(cfg, args.engine, args.address)
     if args.prompt_file:
         prompts = read_prompt_file(args.prompt_file)
     else:
@@ -441,13 +446,11 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         from raykv.cluster.client import RaykvClient
         from raykv.engine.generate import prepare
 
-        served = prepare(cfg, prompts, args.max_tokens, sampling).cfg  # refuse bad input here
+        gen = prepare(cfg, prompts, args.max_tokens, sampling)  # bad input refused here
         with err.status(f"starting Ray and {model} on its rank actors..."):
-            client = RaykvClient.start(served, address=args.address)
+            client = RaykvClient.start(gen.cfg, address=args.address)
         with client, err.status("generating..."):
-            outputs = client.generate(
-                prompts, args.max_tokens, sequential=args.sequential, sampling=sampling
-            )
+            outputs = client.run_generation(gen, sequential=args.sequential)
             report_shape = client.report()
     for out in outputs:
         if out.error is not None:

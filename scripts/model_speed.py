@@ -84,15 +84,10 @@ def engine_times(cfg: Any, lengths: list[int], decode: int, repeat: int) -> dict
 
 def transformers_times(path: Path, lengths: list[int], decode: int, repeat: int) -> dict:
     import torch
-    import transformers
 
-    if path.is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        )
-    model.eval()
+    from raykv.bench.ttft import transformers_model
+
+    model = transformers_model(path, "float32")
     vocab = model.config.vocab_size
     rng = random.Random(1)
     out = {}

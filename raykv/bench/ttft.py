@@ -155,8 +155,9 @@ def run_ttft_bench(
     return results
 
 
-def transformers_forward(path: Path, dtype: str, device: str) -> Callable[[list[int]], float]:
-    """transformers' forward pass over a prompt on the checkpoint's weights: seconds."""
+def transformers_model(path: Path, dtype: str, device: str = "cpu") -> Any:
+    """transformers' own model on the checkpoint (a Hugging Face directory or a GGUF file):
+    the reference a user would pick instead of raykv."""
     import torch
     import transformers
 
@@ -167,7 +168,14 @@ def transformers_forward(path: Path, dtype: str, device: str) -> Callable[[list[
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch_dtype
         )
-    model = model.to(device).eval()
+    return model.to(device).eval()
+
+
+def transformers_forward(path: Path, dtype: str, device: str) -> Callable[[list[int]], float]:
+    """transformers' forward pass over a prompt on the checkpoint's weights: seconds."""
+    import torch
+
+    model = transformers_model(path, dtype, device)
 
     def forward(prompt: list[int]) -> float:
         ids = torch.tensor([prompt], device=device)

@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from raykv.cluster.engine_actor import REJECTED, EngineServer, FinishedItem
+from raykv.cluster.engine_actor import EngineServer, FinishedItem
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
+from raykv.core.request import REJECTED
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
 if TYPE_CHECKING:
-    from raykv.engine.generate import Output, Prompt
+    from raykv.engine.generate import Generation, Output, Prompt
     from raykv.engine.run_report import RunReport
     from raykv.workload.chat import ChatSession
 
@@ -225,6 +226,10 @@ class RaykvClient:
                 break
             except ray.exceptions.RayActorError as exc:
                 self._replace_deployment(exc)
+        return self._with_client_fields(report)
+
+    def _with_client_fields(self, report: RunReport) -> RunReport:
+        """What only the client knows: the per-rank detail and the scheduler restarts."""
         report.ranks_detail = self.rank_report(report)
         report.scheduler_restarts = self.scheduler_restarts
         return report
@@ -343,6 +348,13 @@ class RaykvClient:
         if self.cfg.model.path is None:
             raise ValueError("generate needs a real model (model.path)")
         gen = prepare(self.cfg, list(prompts), max_tokens, sampling)
+        return self.run_generation(gen, sequential=sequential, timeout_s=timeout_s)
+
+    def run_generation(
+        self, gen: Generation, *, sequential: bool = False, timeout_s: float = 600.0
+    ) -> list[Output]:
+        """``generate`` for prompts already made ready (``engine.generate.prepare``, on the
+        config this deployment serves)."""
         batches = [[s] for s in gen.specs] if sequential else [gen.specs]
         outputs: dict[int, Output] = {}
         for batch in batches:
@@ -372,10 +384,7 @@ class RaykvClient:
                 self.submit(follow)
             if progress is not None:
                 progress(self.progress())
-        report = ray.get(self.server.report.remote(), timeout=60)
-        report.ranks_detail = self.rank_report(report)
-        report.scheduler_restarts = self.scheduler_restarts
-        return report
+        return self._with_client_fields(ray.get(self.server.report.remote(), timeout=60))
 
     def events(self) -> list[Any]:
         """The CPU tier's KV events since the last call (BlockStored / BlockRemoved)."""

@@ -23,15 +23,12 @@ from raykv.cluster.rank_actor import (
 )
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.config import RaykvConfig
-from raykv.core.request import Request
+from raykv.core.request import REJECTED, Request
 from raykv.core.step import TokenLogprobs
 from raykv.faults import parse_fault, scheduler_dies_at
 
 if TYPE_CHECKING:
     from raykv.engine.run_report import RunReport
-
-# The status ``take_finished`` (and so ``RaykvClient.stream``) gives a request that was refused.
-REJECTED = "rejected"
 
 # (request id, generated tokens, status, why it was refused, logprobs per token)
 FinishedItem = tuple[str, list[int], str, "str | None", "list[TokenLogprobs] | None"]

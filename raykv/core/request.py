@@ -8,6 +8,10 @@ from enum import Enum
 from raykv.core.hashing import extend_hashes
 from raykv.core.step import SamplingSpec, TokenLogprobs
 
+# The status of a request the engine refused (bad token ids, too long, an id in use): it never
+# became a ``Request``; reported beside the finished ones' ``RequestStatus`` values.
+REJECTED = "rejected"
+
 
 class RequestStatus(Enum):
     WAITING = "waiting"

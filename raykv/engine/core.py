@@ -79,13 +79,11 @@ class EngineCore:
         verify: bool | None = None,
         directory: Directory | None = None,
         keep_finished: bool | None = None,
-        stop_token_ids: frozenset[int] = frozenset(),
     ) -> None:
-        """``stop_token_ids``: a real model's stop tokens besides ``model.stop_token_ids``
-        (which ``configure`` fills with the checkpoint's EOS tokens); the synthetic model
-        decides EOS itself."""
         self.cfg = cfg
-        self.stop_token_ids = stop_token_ids | frozenset(cfg.model.stop_token_ids)
+        # a real model's stop tokens (``configure`` puts the checkpoint's EOS tokens there); the
+        # synthetic model decides EOS itself
+        self.stop_token_ids = frozenset(cfg.model.stop_token_ids)
         # False: forget requests once done (long runs keep only their outputs)
         self.keep_finished = cfg.engine.keep_finished if keep_finished is None else keep_finished
         self.workers = workers

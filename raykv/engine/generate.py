@@ -8,20 +8,18 @@ so a later prompt can reuse an earlier one's KV from the GPU prefix cache or the
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from raykv.config import ConfigError, RaykvConfig
-from raykv.core.request import Request, RequestStatus
+from raykv.core.request import REJECTED, RequestStatus
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.engine.core import EngineCore
-from raykv.engine.run import output_digest
+from raykv.engine.run import Driver
 from raykv.engine.run_report import RunReport
-from raykv.engine.stats import snapshot
 from raykv.engine.workers import LocalWorkerGroup
-from raykv.model.checkpoint import configure
+from raykv.model.checkpoint import configure, with_stop_tokens
 from raykv.model.sampling import SamplingParams
 from raykv.model.tokenizer import Tokenizer
 from raykv.workload.requests import RequestSpec
@@ -126,7 +124,7 @@ class Generation:
         status value, or ``rejected`` with ``error``)."""
         prompt = list(self.specs[index].prompt)
         if error is not None:
-            return Output(index, prompt, [], "", "rejected", error)
+            return Output(index, prompt, [], "", REJECTED, error)
         reason = "stop" if status == RequestStatus.FINISHED_STOPPED.value else "length"
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         kept = list(logprobs or []) if self.logprobs else None
@@ -148,11 +146,8 @@ def prepare(
     )
     cfg, _, path = configure(cfg)
     tokenizer = Tokenizer.of(path)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        stops = sorted({*cfg.model.stop_token_ids, tokenizer.eos_token_id})
-        cfg = cfg.model_copy(
-            update={"model": cfg.model.model_copy(update={"stop_token_ids": stops})}
-        )
+    if tokenizer is not None:
+        cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])
     specs = [
         RequestSpec(
             str(i), tuple(_token_ids(tokenizer, p)), max_tokens, 0.0, _for_prompt(spec_in, i)
@@ -173,39 +168,24 @@ def generate(
     ``prepare``. With ``sequential`` each prompt is submitted once the previous finished."""
     gen = prepare(cfg, prompts, max_tokens, sampling)
     cfg = gen.cfg
-    start = time.perf_counter()
+    outputs: dict[int, Output] = {}
     with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-        engine = EngineCore(cfg, workers)
-        requests = [
-            Request(s.req_id, i, list(s.prompt), s.max_tokens, sampling=s.sampling)
-            for i, s in enumerate(gen.specs)
-        ]
-        refused: dict[int, str] = {}
-        for batch in [[r] for r in requests] if sequential else [requests]:
-            for req in batch:
-                try:
-                    engine.add_request(req)
-                except ValueError as exc:  # this prompt is at fault; the others go on
-                    refused[req.index] = str(exc)
-            while engine.has_work():
-                engine.step()
-        done = [r for r in requests if r.index not in refused]
-        digest = output_digest({r.index: (r.req_id, tuple(r.output)) for r in done})
-        report = RunReport.build(
-            snapshot(engine),
-            len(done),
-            digest,
-            len(done),
-            time.perf_counter() - start,
-            engine.latency,
-        )
+        driver = Driver(EngineCore(cfg, workers))
+        for batch in [[s] for s in gen.specs] if sequential else [gen.specs]:
+            driver.submit(batch)
+            while driver.has_work():
+                driver.step()
+            for req in driver.take_finished():
+                index = int(req.req_id)
+                outputs[index] = gen.output(
+                    index, req.output, req.status.value, logprobs=req.logprobs
+                )
+        report = driver.report()
+    for refused in report.rejected:  # this prompt is at fault; the others ran
+        index = int(refused["request"])
+        outputs[index] = gen.output(index, [], REJECTED, refused["error"])
     report.engine = "local"
-    report.rejected = [{"request": str(i), "error": e} for i, e in refused.items()]
-    outputs = [
-        gen.output(r.index, r.output, r.status.value, refused.get(r.index), r.logprobs)
-        for r in requests
-    ]
-    return outputs, report
+    return [outputs[i] for i in range(len(gen.specs))], report
 
 
 def _for_prompt(spec: SamplingSpec, index: int) -> SamplingSpec:

@@ -9,6 +9,7 @@ sliding window), so the pages the ranks allocate are the pages the model reads a
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,10 @@ def _generation_eos(path: Path) -> list[int]:
     if eos is None:
         return []
     return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
+
+
+def with_stop_tokens(cfg: RaykvConfig, token_ids: Iterable[int | None]) -> RaykvConfig:
+    """``cfg`` with more tokens that end a request (a tokenizer's EOS beside the checkpoint's;
+    None is skipped)."""
+    stops = sorted({*cfg.model.stop_token_ids, *(t for t in token_ids if t is not None)})
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"stop_token_ids": stops})})

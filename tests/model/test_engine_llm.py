@@ -55,7 +55,7 @@ def test_the_engine_generates_what_transformers_does_with_the_cpu_tier(
     first = [*shared, 7, 8, 9]
     second = [*shared, 11, 12]
     with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
-        engine = EngineCore(cfg, workers, stop_token_ids=frozenset(spec.eos_token_ids))
+        engine = EngineCore(cfg, workers)  # configure put the EOS tokens in the config
         a = Request("a", 0, first, 6)
         engine.add_request(a)
         while engine.has_work():
