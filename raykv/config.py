@@ -126,6 +126,15 @@ class OffloadConfig(_Strict):
     verify: bool = Field(
         default=False, description="Compare every loaded block with what recomputing it gives."
     )
+    load_in_step: bool | None = Field(
+        default=None,
+        description="A request whose prefix comes from the CPU tier computes the rest in the "
+        "step that loads it (each rank finishes the load before its model runs) instead of in "
+        "the step after every rank acked the load. None: yes where the ranks copy at the step's "
+        "transfer points (a real model on CPU ranks), where the load takes its time from that "
+        "step anyway; no where copies overlap the model (a copy thread, CUDA streams), where "
+        "waiting would stall the whole batch for one request's load.",
+    )
 
     @field_validator("policy")
     @classmethod
@@ -282,8 +291,12 @@ class WorkloadConfig(_Strict):
     chat_turns: int = Field(default=4, gt=0, description="Questions per conversation (chat).")
     num_requests: int = Field(default=200, gt=0)
     seed: int = 0
-    arrival_rate: float = Field(
-        default=2.0, ge=0, description="Requests arriving per engine step (0: all at once)."
+    arrival_rate: float | None = Field(
+        default=None,
+        ge=0,
+        description="Requests arriving per engine step (0: all at once). None: 2 for the "
+        "synthetic workload; a trace at half the rate the engine serves (its seats, token "
+        "budget and GPU pool), its own timestamps setting the gaps.",
     )
     max_tokens: int = Field(default=24, gt=0, description="Tokens generated per request.")
     system_prompts: int = Field(default=6, gt=0)
@@ -295,8 +308,8 @@ class WorkloadConfig(_Strict):
     trace_time_scale: float | None = Field(
         default=None,
         gt=0,
-        description="Replay a trace at its own timestamps: wall seconds times this factor (2: "
-        "half the recorded rate); None: arrival_rate requests per engine step.",
+        description="Replay a trace at its own timestamps on the wall clock: seconds times "
+        "this factor (2: half the recorded rate); None: on the engine-step clock (arrival_rate).",
     )
     trace_tokens_per_block: int = Field(
         default=512, gt=0, description="Tokens per trace hash id (512 in Mooncake traces)."
@@ -372,6 +385,13 @@ class RaykvConfig(_Strict):
         if self.offload.copy_thread is not None:
             return self.offload.copy_thread
         return not (self.model.path is not None and self.parallel.device == "cpu")
+
+    def load_in_step(self) -> bool:
+        """Whether a loaded request computes in its load's step (``offload.load_in_step``,
+        resolved)."""
+        if self.offload.load_in_step is not None:
+            return self.offload.load_in_step
+        return self.parallel.device == "cpu" and not self.copy_thread()
 
     @property
     def layers_per_group(self) -> int:

@@ -93,6 +93,8 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         f"offload.policy={rng.choice(['lru', 'arc', 'recall'])}",
         f"offload.store_threshold={rng.choice([0, 0, 2, 3])}",
         f"offload.shared_pool={rng.choice(['true', 'false'])}",  # a death keeps / drops the tier
+        # a loaded request computes in its load's step, or in the step after the load's acks
+        f"offload.load_in_step={rng.choice(['true', 'false'])}",
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
         f"engine.max_deferred_steps={rng.choice([8, 64])}",

@@ -77,6 +77,8 @@ class PrefixLookup:
             # (acked, asked again after ack_timeout_steps, or failed with a rank declared dead)
             self.stats.deferred_lookups += 1
             return None
+        if state.load_failed:
+            return 0  # a failed load falls back to recompute (DESIGN invariant 2)
         state.update_keys(self.block_size, self.bpc)
         tpc = self.tpc
         # at least the last token is computed, to produce the next one

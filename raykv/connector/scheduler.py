@@ -26,8 +26,20 @@ from raykv.offload.directory import Directory
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """A request computing ``num_tokens`` tokens this step. ``loading``: its load from the CPU
+    tier lands in this same step, before the model runs (``offload.load_in_step``), and the
+    tokens come after the loaded ones; they count only if every rank acks that load in this
+    step's reports."""
+
     req: Request
     num_tokens: int
+    loading: bool = False
+
+    @property
+    def start(self) -> int:
+        """Position of the first token computed this step."""
+        req = self.req
+        return req.num_computed + (req.load_tokens if self.loading else 0)
 
 
 @dataclass(slots=True)
@@ -48,6 +60,8 @@ class ConnectorScheduler:
         verify: attach the expected content of each loaded block to load jobs.
         check_sums: have the ranks check every loaded chunk's checksum before copying it; a
             corrupt chunk fails its load and leaves the tier.
+        load_in_step: every load is finished by each rank before that step's model runs, so
+            its request can compute in the step that loads it (``TransferSpec.same_step``).
         max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
     """
@@ -63,8 +77,10 @@ class ConnectorScheduler:
         max_deferred_steps: int = 64,
         ack_timeout_steps: int = 32,
         check_sums: bool = False,
+        load_in_step: bool = False,
     ) -> None:
         self.directory = directory
+        self.load_in_step = load_in_step
         self.groups = list(groups)
         self.block_size = block_size
         self.bpc = blocks_per_chunk
@@ -160,7 +176,9 @@ class ConnectorScheduler:
         for gs in state.groups:  # chunk-level: what was loaded is not stored again
             gs.next_stored_chunk = max(gs.next_stored_chunk, last // bpc)
         copy = BlockCopy(blocks, [slot_of[k] for k in chunk_keys], subs)
-        self._loads.append(TransferSpec(job.job_id, False, copy, expect, self.check_sums))
+        self._loads.append(
+            TransferSpec(job.job_id, False, copy, expect, self.check_sums, self.load_in_step)
+        )
         self.stats.load_jobs += 1
         self.stats.load_blocks += len(blocks)
 
@@ -180,7 +198,9 @@ class ConnectorScheduler:
         stores: list[TransferSpec] = []
         for item in scheduled:
             state = self._reqs.get(item.req)
-            if state is not None and not state.finished:
+            # one load xor stores: what a request computes while its load lands is stored by
+            # a later step's plan (the store cursor catches up then)
+            if state is not None and not state.finished and not item.loading:
                 self._build_store(state, item.req.num_computed + item.num_tokens, stores)
         for state in self._finished:
             self._build_store(state, state.req.num_computed, stores)
@@ -341,6 +361,8 @@ class ConnectorScheduler:
         state = self._reqs.get(job.request)
         if state is not None:
             state.end_job(job.job_id, job.is_store)
+            if job.failed and not job.is_store:
+                state.load_failed = True
             if state.forgettable:
                 del self._reqs[state.req]
         return None if job.is_store else FinishedLoad(job.request, not job.failed)

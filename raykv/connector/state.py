@@ -39,6 +39,9 @@ class RequestOffloadState:
     finished_signaled: bool = False  # its last store was planned: no more jobs after that
     deferred_since: float | None = None  # when its lookups started being deferred
     deferred_steps: int = 0  # lookups deferred so far, in all (the wait is bounded per request)
+    # a load of this request failed on some rank: it recomputes from then on, or a copy path
+    # that fails every time would have it load, fail and load again for ever
+    load_failed: bool = False
 
     @classmethod
     def new(cls, req: Request, num_groups: int) -> RequestOffloadState:

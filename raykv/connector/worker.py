@@ -1,7 +1,8 @@
 """The connector's worker half: one per rank, it moves KV and nothing else.
 
 The rank runner calls it around the model step: ``before_model`` flushes (finishes the listed
-jobs now, submitting any of them that arrive in this very plan first) and submits the loads;
+jobs now, submitting any of them that arrive in this very plan first) and submits the loads
+(finishing those the model reads in this same step);
 ``after_model`` queues the stores and polls finished jobs without blocking. Before the model
 writes a block, or a load is queued into one, the rank asks ``check_writable``: no unfinished
 store on this rank may still read that block (the fence invariant, checked where it matters),
@@ -84,6 +85,11 @@ class ConnectorWorker:
             backend.submit(spec)
             if spec.expect is not None and self.verify is not None:
                 self._verify[spec.job_id] = spec
+        # loads whose blocks this step's model reads land first (reported by the next poll)
+        now = [spec.job_id for spec in plan.loads if spec.same_step]
+        if now:
+            backend.flush(now)
+            self._check_loads(now)
 
     def after_model(self, plan: TransferPlan, idle: bool) -> TransferReport:
         """Queue the stores, poll, and report what ended (and what the plan asks again)."""

@@ -50,6 +50,9 @@ class TransferSpec:
     # verify mode: a store records each pool row's checksum once its copy has landed; a load
     # checks each source row's before copying it, and a mismatch fails the job as corrupt
     check_sums: bool = False
+    # a load whose blocks the model reads in this very step: every rank finishes it before its
+    # model step runs (otherwise the request runs only after every rank has acked the load)
+    same_step: bool = False
 
 
 @dataclass(slots=True)

@@ -23,7 +23,8 @@ def model_batch(scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> li
     batch = []
     for i, item in enumerate(scheduled):
         req, n = item.req, item.num_tokens
-        start, end = req.num_computed, req.num_computed + n
+        start = item.start
+        end = start + n
         hashes = req.update_hashes(bs)
         first_b, last_b = start // bs, (end - 1) // bs
         tokens = req.tokens[start:end]

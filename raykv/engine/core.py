@@ -117,6 +117,7 @@ class EngineCore:
                 max_deferred_steps=cfg.engine.max_deferred_steps,
                 ack_timeout_steps=cfg.engine.ack_timeout_steps,
                 check_sums=checked,
+                load_in_step=cfg.load_in_step(),
             )
         self.scheduler = Scheduler(
             self.pool,
@@ -195,18 +196,22 @@ class EngineCore:
         self, sched: SchedulerOutput, plan: StepPlan, reports: list[StepReport]
     ) -> list[Request]:
         self._absorb(reports)
+        void = self.scheduler.settle(sched, reports)
         m = self.cfg.model
         if m.path is not None:
             sampled, logprobs = real_model_tokens(plan.batch, reports, self.stop_token_ids)
             for i, found in logprobs.items():
-                sched.scheduled[i].req.logprobs.append(found)
+                if i not in void:
+                    sched.scheduled[i].req.logprobs.append(found)
         else:
             sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
+        for i in void:
+            sampled.pop(i, None)
         self.totals.generated_tokens += len(sampled)
         now = self.latency.clock()
         for i in sampled:
             self.latency.sampled(sched.scheduled[i].req, now)
-        finished = self.scheduler.update(sched, reports, sampled)
+        finished = self.scheduler.advance(sched, sampled, void)
         for req in finished:
             self._done(req)
         return finished

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
@@ -67,6 +68,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         connector: ConnectorScheduler | None = None,
     ) -> None:
+        """With a connector whose ``load_in_step`` is set, a request admitted with a CPU-tier hit
+        also computes the rest of its prompt (as far as the step's budget goes) in the step that
+        loads it."""
         self.pool = pool
         self.groups = groups
         self.max_num_seqs = max_num_seqs
@@ -155,10 +159,16 @@ class Scheduler:
                     skipped.append(req)
                     continue
             if ext > 0:
-                if not self._admit_loading(req, local, num_local, ext):
+                n = 0  # tokens it computes beside its load, in the same step
+                if self.connector is not None and self.connector.load_in_step:
+                    n = min(req.num_tokens - num_local - ext, budget)
+                if not self._admit_loading(req, local, num_local, ext, n):
                     self.waiting.appendleft(req)
                     break
                 out.started_loads += 1
+                if n:
+                    out.scheduled.append(ScheduledRequest(req, n, loading=True))
+                    budget -= n
                 continue
             n = min(req.num_tokens - num_local, budget)
             if not self.kv.admit(req, local, num_local, num_local + n):
@@ -173,15 +183,17 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _admit_loading(
-        self, req: Request, local: list[list[int]], num_local: int, ext: int
+        self, req: Request, local: list[list[int]], num_local: int, ext: int, compute: int = 0
     ) -> bool:
         """Admit a request whose next ``ext`` tokens come from the CPU tier: its blocks are
-        allocated now (the connector plans the load with them) and it waits for the load."""
+        allocated now (the connector plans the load with them, and ``compute`` tokens after it
+        get theirs too when the request computes in the load's step) and it waits for the
+        load."""
         status, computed = req.status, req.num_computed
         req.num_computed, req.load_tokens = num_local, ext
         req.status = RequestStatus.WAITING_FOR_LOAD
         end = num_local + ext
-        if not self.kv.admit(req, local, end, end):
+        if not self.kv.admit(req, local, end, end + compute):
             req.status, req.num_computed, req.load_tokens = status, computed, 0
             return False
         self._count_hits(req, num_local, ext)
@@ -214,12 +226,34 @@ class Scheduler:
         reports: list[StepReport],
         sampled: dict[int, tuple[int, bool]],
     ) -> list[Request]:
-        """The step ran on every rank. First the ranks' acks (a load that landed lets its
-        request run), then each scheduled request's progress, and the token it sampled
-        (``sampled``: batch index -> (token, is EOS)). Returns the requests that finished."""
+        """The step ran on every rank: ``settle`` then ``advance``."""
+        void = self.settle(out, reports)
+        return self.advance(out, {i: t for i, t in sampled.items() if i not in void}, void)
+
+    def settle(self, out: SchedulerOutput, reports: list[StepReport]) -> set[int]:
+        """The ranks' acks (a load that landed lets its request run). Returns the batch indices
+        whose computed tokens do not count: requests that computed beside their load, where the
+        load failed or is not yet acked by every rank (a late or lost ack: the request waits for
+        it and computes those tokens again)."""
         self.process_reports(reports)
+        return {
+            i
+            for i, item in enumerate(out.scheduled)
+            if item.loading and item.req.status is not RequestStatus.RUNNING
+        }
+
+    def advance(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[int, tuple[int, bool]],
+        void: AbstractSet[int] = frozenset(),
+    ) -> list[Request]:
+        """Each scheduled request's progress (but those in ``void``), and the token it sampled
+        (``sampled``: batch index -> (token, is EOS)). Returns the requests that finished."""
         finished: list[Request] = []
         for i, item in enumerate(out.scheduled):
+            if i in void:
+                continue
             req = item.req
             start = req.num_computed
             req.num_computed += item.num_tokens

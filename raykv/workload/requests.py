@@ -79,6 +79,31 @@ def synthetic_chat(
     return out
 
 
+# A trace replayed on the engine-step clock comes, by default, at this share of the rate the
+# engine can serve: its bursts (several requests within a step) still find room, so time to first
+# token is what the engine takes for a request, not an ever longer queue (at 100% or more the
+# queue grows with the run's length, and a request's TTFT says more about how many came before it
+# than about its prefill).
+TRACE_LOAD = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class EngineCapacity:
+    """What bounds how many requests an engine serves per step: its seats (``max_num_seqs``),
+    its per-step token budget, and the tokens its GPU pool holds."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    pool_tokens: int  # GPU blocks times tokens per block, per KV group
+
+    def requests_per_step(self, mean_prompt: float, mean_output: float) -> float:
+        """Requests per step it serves in the long run: a request holds its seat for its output
+        plus the prefill step, and its tokens of the budget and of the pool meanwhile."""
+        per_request = mean_prompt + mean_output
+        seats = min(self.max_num_seqs, self.pool_tokens / per_request)
+        return min(seats / (mean_output + 1), self.max_num_batched_tokens / per_request)
+
+
 def trace_requests(
     path: str | Path,
     *,
@@ -86,14 +111,18 @@ def trace_requests(
     num_requests: int | None = None,
     tokens_per_block: int = MOONCAKE_BLOCK_TOKENS,
     max_tokens: int | None = None,
-    arrival_rate: float = 2.0,
+    arrival_rate: float | None = None,
+    capacity: EngineCapacity | None = None,
     seed: int = 0,
     time_scale: float | None = None,
 ) -> list[RequestSpec]:
     """Requests from a Mooncake trace, with tokens derived from the hash ids.
 
-    Arrivals: ``arrival_rate`` requests per engine step, or with ``time_scale`` the trace's own
-    timestamps, in wall seconds multiplied by it (2: half the recorded rate).
+    Arrivals keep the trace's own timestamps. With ``time_scale`` they are wall seconds times
+    that factor (2: half the recorded rate). Otherwise they are engine steps, the trace's gaps
+    scaled so that requests arrive at ``arrival_rate`` per step on average (0: all at once),
+    by default ``TRACE_LOAD`` of what ``capacity`` serves (2 per step without one). The step
+    clock makes a replay the same on any machine, and the same with the CPU tier and without.
 
     Each hash id stands for ``tokens_per_block`` tokens drawn from a generator seeded by the id,
     so equal ids give equal token blocks and shared prefixes in the trace are shared prefixes
@@ -111,8 +140,9 @@ def trace_requests(
             blocks[h] = toks
         return toks
 
-    out = []
-    for i, r in enumerate(trace):
+    prompts: list[list[int]] = []
+    outputs: list[int] = []
+    for r in trace:
         n_full = r.input_length // MOONCAKE_BLOCK_TOKENS
         prompt = [t for h in r.hash_ids[:n_full] for t in block(h)]
         tail = int((r.input_length - n_full * MOONCAKE_BLOCK_TOKENS) * scale)
@@ -120,15 +150,39 @@ def trace_requests(
             prompt += block(r.hash_ids[n_full])[:tail]
         if not prompt:
             prompt = block(r.hash_ids[0])[:1]
+        prompts.append(prompt)
         out_len = max(1, r.output_length)
-        if max_tokens is not None:
-            out_len = min(out_len, max_tokens)
-        arrival = i / arrival_rate if arrival_rate > 0 else 0.0
-        wall = None
-        if time_scale is not None:
-            arrival, wall = 0.0, (r.timestamp - trace[0].timestamp) / 1000.0 * time_scale
-        out.append(RequestSpec(f"trace-{i}", tuple(prompt), out_len, arrival, arrival_s=wall))
-    return out
+        outputs.append(out_len if max_tokens is None else min(out_len, max_tokens))
+    first = min(r.timestamp for r in trace)
+    if time_scale is not None:
+        steps = [0.0] * len(trace)
+        walls: list[float | None] = [(r.timestamp - first) / 1000.0 * time_scale for r in trace]
+    else:
+        if arrival_rate is None:
+            arrival_rate = 2.0
+            if capacity is not None:
+                mean_prompt = sum(map(len, prompts)) / len(prompts)
+                mean_output = sum(outputs) / len(outputs)
+                arrival_rate = TRACE_LOAD * capacity.requests_per_step(mean_prompt, mean_output)
+        steps = _step_arrivals([r.timestamp for r in trace], arrival_rate)
+        walls = [None] * len(trace)
+    return [
+        RequestSpec(f"trace-{i}", tuple(p), n, step, arrival_s=wall)
+        for i, (p, n, step, wall) in enumerate(zip(prompts, outputs, steps, walls, strict=True))
+    ]
+
+
+def _step_arrivals(timestamps: list[float], rate: float) -> list[float]:
+    """The engine step at which each request arrives: the trace's gaps, scaled to ``rate``
+    requests per step on average (0: all at once; a trace whose timestamps are all equal
+    arrives at ``rate`` per step in its order)."""
+    if rate <= 0:
+        return [0.0] * len(timestamps)
+    first, span = min(timestamps), max(timestamps) - min(timestamps)
+    if span <= 0:
+        return [i / rate for i in range(len(timestamps))]
+    steps_per_ms = (len(timestamps) - 1) / (span * rate)
+    return [(t - first) * steps_per_ms for t in timestamps]
 
 
 def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
@@ -138,6 +192,12 @@ def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
         raise ValueError("workload.kind chat is driven by the answers: see workload/chat.py")
     if w.kind == "trace":
         assert w.trace is not None
+        c = cfg.cache
+        capacity = EngineCapacity(
+            cfg.engine.max_num_seqs,
+            cfg.engine.max_num_batched_tokens,
+            (c.num_gpu_blocks - 1) * c.block_size // len(c.groups),  # block 0 is the null block
+        )
         return trace_requests(
             w.trace,
             vocab_size=vocab,
@@ -145,6 +205,7 @@ def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
             tokens_per_block=w.trace_tokens_per_block,
             max_tokens=w.max_tokens,
             arrival_rate=w.arrival_rate,
+            capacity=capacity,
             seed=w.seed,
             time_scale=w.trace_time_scale,
         )
@@ -159,5 +220,5 @@ def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
         answer_tokens=w.answer_tokens,
         mean_turns=w.mean_turns,
         concurrent_conversations=w.concurrent_conversations,
-        arrival_rate=w.arrival_rate,
+        arrival_rate=2.0 if w.arrival_rate is None else w.arrival_rate,
     )

@@ -54,6 +54,7 @@ class Runner:
         keep_finished: bool = True,
         store_threshold: int = 0,
         max_deferred_steps: int = 64,
+        load_in_step: bool = False,
     ) -> None:
         n_groups = groups.count("kind")
         self.cfg = load_config(
@@ -73,6 +74,7 @@ class Runner:
                 f"engine.max_num_batched_tokens={max_num_batched_tokens}",
                 f"offload.store_threshold={store_threshold}",
                 f"engine.max_deferred_steps={max_deferred_steps}",
+                f"offload.load_in_step={'true' if load_in_step else 'false'}",
                 "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
             ],
         )
