@@ -102,13 +102,19 @@ class KVCacheManager:
         """Give a waiting request its cached blocks plus fresh ones for positions up to ``end``
         (computing or loading resumes at ``start``). All or nothing."""
         bs, pool = self.block_size, self.pool
-        revive = sum(1 for t in local for b in t if b != NULL_BLOCK and pool.ref_count(b) == 0)
-        fresh_needed = 0
+        revive = fresh_needed = 0
         plans = []
         for group, table in zip(self.groups, local, strict=True):
             first = group.first_needed_block(start, bs)
             positions = range(len(table), cdiv(end, bs))
             fresh_needed += sum(1 for b in positions if b >= first)
+            # only the cached blocks it keeps are taken from the free pool: those before a
+            # window that starts past them (a load resumes later than the GPU hit) are not
+            revive += sum(
+                1
+                for i, b in enumerate(table)
+                if i >= first and b != NULL_BLOCK and pool.ref_count(b) == 0
+            )
             plans.append((first, positions))
         if fresh_needed + revive > pool.num_free:
             return False

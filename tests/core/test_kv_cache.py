@@ -106,3 +106,26 @@ def test_sampled_blocks_skip_what_a_window_no_longer_reads() -> None:
     full, window = a.block_tables
     # the token at 15 reads 11..15 of the window: blocks 2 and 3
     assert kv.sampled_blocks(a, 16) == [*full, *window[2:]]
+
+
+def test_cached_blocks_before_a_later_window_are_not_counted_against_the_pool() -> None:
+    # A GPU hit of 16 tokens (a window of 9 tokens keeps blocks 2-3 cached for it), then a load
+    # to 24 tokens: the window resuming at 24 reads from block 4 on, so blocks 2-3 are dropped,
+    # not revived. Counting them as taken from the free pool refused an admission that fits
+    # (found by the fuzzer: a request whose every admission failed, with nothing running, waited
+    # for ever).
+    sliding = KVGroup(0, GroupKind.SLIDING_WINDOW, window_tokens=9)
+    kv = manager([sliding], blocks=9, budget=8)  # 8 usable
+    a = request("a", 16)
+    assert kv.admit(a, [[]], 0, 16)
+    kv.pool.allocate(4)  # the rest of the pool: only a's blocks will be free
+    a.num_computed = 16
+    kv.publish(a)
+    kv.free(a)
+    b = request("b", 40)  # starts with a's 16 tokens
+    hit, local = kv.local_hit(b)
+    assert hit == 16 and [x != NULL_BLOCK for x in local[0]] == [False, False, True, True]
+    assert kv.pool.num_free == 4
+    assert kv.admit(b, local, 24, 32)  # blocks 4-7: the window at 24 and 8 tokens after it
+    assert b.block_tables[0][:4] == [NULL_BLOCK] * 4
+    assert NULL_BLOCK not in b.block_tables[0][4:8]
