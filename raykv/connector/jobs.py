@@ -30,7 +30,6 @@ class TransferJobStatus:
     deferred_fenced: bool = False
     acked_ranks: int = 0  # bitmask: a rank counts at most once
     failed: bool = False
-    corrupt: bool = False  # a load whose source chunk failed its checksum on some rank
     created_step: int = 0
 
     @property

@@ -220,21 +220,12 @@ class Scheduler:
 
     # ---- after the step -------------------------------------------------------------------------
 
-    def update(
-        self,
-        out: SchedulerOutput,
-        reports: list[StepReport],
-        sampled: dict[int, tuple[int, bool]],
-    ) -> list[Request]:
-        """The step ran on every rank: ``settle`` then ``advance``."""
-        void = self.settle(out, reports)
-        return self.advance(out, {i: t for i, t in sampled.items() if i not in void}, void)
-
     def settle(self, out: SchedulerOutput, reports: list[StepReport]) -> set[int]:
-        """The ranks' acks (a load that landed lets its request run). Returns the batch indices
-        whose computed tokens do not count: requests that computed beside their load, where the
-        load failed or is not yet acked by every rank (a late or lost ack: the request waits for
-        it and computes those tokens again)."""
+        """After the step ran on every rank, first (then ``advance``): the ranks' acks (a load
+        that landed lets its request run). Returns the batch indices whose computed tokens do
+        not count: requests that computed beside their load, where the load failed or is not
+        yet acked by every rank (a late or lost ack: the request waits for it and computes those
+        tokens again)."""
         self.process_reports(reports)
         return {
             i
