@@ -322,9 +322,11 @@ def _execute_run(
     report.engine = engine
     report.config = cfg.model_dump(mode="json")
     if session is not None:
+        # by conversation, each one's turns in order (they finish in whatever order the
+        # scheduler serves them)
         report.samples = [
             {"conversation": x.conversation, "question": x.question, "answer": x.answer}
-            for x in session.exchanges
+            for x in sorted(session.exchanges, key=lambda x: x.conversation)
         ]
     return report
 

@@ -253,6 +253,18 @@ class ParallelConfig(_Strict):
 class EngineConfig(_Strict):
     max_num_seqs: int = Field(default=32, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
+    schedule_policy: Literal["fcfs", "shortest-prefill"] = Field(
+        default="fcfs",
+        description="Order of admission. fcfs: arrival order. shortest-prefill: the waiting "
+        "request with the fewest prompt tokens left to compute after the GPU prefix cache and "
+        "the CPU tier first (ties by arrival), bounded by max_bypass_steps.",
+    )
+    max_bypass_steps: int = Field(
+        default=16,
+        gt=0,
+        description="shortest-prefill: steps a request may be passed over before it is admitted "
+        "first, in arrival order.",
+    )
     max_deferred_steps: int = Field(
         default=64,
         ge=0,

@@ -95,6 +95,8 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         f"offload.shared_pool={rng.choice(['true', 'false'])}",  # a death keeps / drops the tier
         # a loaded request computes in its load's step, or in the step after the load's acks
         f"offload.load_in_step={rng.choice(['true', 'false'])}",
+        f"engine.schedule_policy={rng.choice(['fcfs', 'shortest-prefill'])}",
+        f"engine.max_bypass_steps={rng.choice([1, 4, 16])}",
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
         f"engine.max_deferred_steps={rng.choice([8, 64])}",

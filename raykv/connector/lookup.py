@@ -60,6 +60,24 @@ class PrefixLookup:
             state.deferred_since = None
         return result
 
+    def peek(self, state: RequestOffloadState, num_local: int) -> int:
+        """About how many tokens after ``num_local`` the tier holds for this request: the prefix
+        of its chunks present in every group, nothing counted, touched or deferred (to order
+        the waiting queue; ``lookup`` decides what a load brings)."""
+        if state.load_failed:
+            return 0
+        state.update_keys(self.block_size, self.bpc)
+        tpc, d = self.tpc, self.directory
+        start = num_local // tpc
+        end = (state.req.num_tokens - 1) // tpc
+        for gs in state.groups:
+            present = start
+            end = min(end, len(gs.keys))
+            while present < end and gs.keys[present] in d:
+                present += 1
+            end = present
+        return max(0, end * tpc - num_local)
+
     def take_delays(self) -> tuple[list[float], list[float]]:
         """Seconds spent in each lookup, and from a request's first deferred lookup to the one
         that answered it, since the last call (for the lookup-delay histograms)."""

@@ -125,6 +125,11 @@ class ConnectorScheduler:
         """
         return self._lookup.lookup(self._state(req), num_local, self._loading_keys)
 
+    def peek(self, req: Request, num_local: int) -> int:
+        """About how many tokens after ``num_local`` the CPU tier holds for ``req``, with no
+        effect on the tier or the request (``PrefixLookup.peek``)."""
+        return self._lookup.peek(self._state(req), num_local)
+
     def take_delays(self) -> tuple[list[float], list[float]]:
         """Lookup delays since the last call (see ``PrefixLookup.take_delays``)."""
         return self._lookup.take_delays()

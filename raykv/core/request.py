@@ -63,6 +63,7 @@ class Request:
     sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, if asked
     arrival_s: float | None = None  # wall clock when handed to the engine (``engine/latency``)
+    queued_step: int = 0  # the engine step it joined the waiting queue in (admission order)
     last_token_s: float | None = None  # wall clock of its latest token
 
     def __post_init__(self) -> None:

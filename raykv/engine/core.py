@@ -126,6 +126,8 @@ class EngineCore:
             cfg.engine.max_num_seqs,
             cfg.engine.max_num_batched_tokens,
             self.connector,
+            policy=cfg.engine.schedule_policy,
+            max_bypass_steps=cfg.engine.max_bypass_steps,
         )
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()

@@ -23,6 +23,9 @@ from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request, RequestStatus
 from raykv.core.step import StepReport, TransferPlan
 
+SCHEDULE_POLICIES = ("fcfs", "shortest-prefill")
+REORDER_WINDOW = 64  # waiting requests the shortest-prefill policy orders each step
+
 
 class RequestTooLarge(ValueError):
     """A request needs more GPU blocks than the whole pool holds."""
@@ -67,10 +70,27 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         connector: ConnectorScheduler | None = None,
+        *,
+        policy: str = "fcfs",
+        max_bypass_steps: int = 16,
     ) -> None:
         """With a connector whose ``load_in_step`` is set, a request admitted with a CPU-tier hit
         also computes the rest of its prompt (as far as the step's budget goes) in the step that
-        loads it."""
+        loads it.
+
+        ``policy``: the order waiting requests are admitted in. ``fcfs``: arrival order.
+        ``shortest-prefill``: among the first ``REORDER_WINDOW`` waiting, the one with the
+        fewest prompt tokens left to compute once the GPU prefix cache and the CPU tier have
+        supplied theirs goes first (ties by arrival), so a request served from a cache is not
+        held behind a long prompt computed from scratch (shortest remaining work first: the
+        order that minimises mean time to first token); a request that has waited
+        ``max_bypass_steps`` steps goes before all of those, in arrival order, so none starves.
+        """
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}; one of {SCHEDULE_POLICIES}")
+        self.policy = policy
+        self.max_bypass_steps = max_bypass_steps
+        self._step = 0
         self.pool = pool
         self.groups = groups
         self.max_num_seqs = max_num_seqs
@@ -96,6 +116,7 @@ class Scheduler:
             )
         req.reset_blocks(len(self.groups))
         req.status = RequestStatus.WAITING
+        req.queued_step = self._step
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -122,6 +143,7 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self, step: int) -> SchedulerOutput:
+        self._step = step
         out = SchedulerOutput(step)
         budget = self.max_num_batched_tokens
         i = 0
@@ -144,7 +166,33 @@ class Scheduler:
             out.transfers = self.connector.plan(step, out.scheduled, out.preempted)
         return out
 
+    def _admission_order(self) -> None:
+        """Reorder the head of the waiting queue as the policy says (``__init__``)."""
+        if self.policy == "fcfs" or len(self.waiting) < 2:
+            return
+        head = [self.waiting.popleft() for _ in range(min(REORDER_WINDOW, len(self.waiting)))]
+
+        def key(req: Request) -> tuple[int, int, int]:
+            if self._starved(req):
+                return (0, 0, req.index)
+            return (1, self._prefill_left(req, self.kv.local_hit(req)[0]), req.index)
+
+        head.sort(key=key)
+        self.waiting.extendleft(reversed(head))
+
+    def _starved(self, req: Request) -> bool:
+        return self._step - req.queued_step >= self.max_bypass_steps
+
+    def _prefill_left(self, req: Request, num_local: int) -> int:
+        """About how many prompt tokens ``req`` computes once the GPU prefix cache (its first
+        ``num_local``) and the CPU tier have supplied theirs."""
+        cached = num_local
+        if self.connector is not None:
+            cached += self.connector.peek(req, num_local)
+        return req.num_tokens - max(req.num_computed, cached)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self._admission_order()
         skipped: list[Request] = []
         while self.waiting and budget > 0:
             if len(self.running) + len(self.loading) >= self.max_num_seqs:

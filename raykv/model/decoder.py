@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from raykv.core.arith import cdiv
+from raykv.model.linear import Linear
 from raykv.model.rope import apply_rotary, inverse_frequencies, rotary
 from raykv.model.spec import KVPlacement, ModelSpec
 
@@ -60,6 +61,17 @@ class Read:
     length: int
     mask: torch.Tensor | None = None
     causal: bool = False
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """A step's decode tokens in one KV group, attended together: their ``rows`` in the flat
+    token axis, the blocks each reads ``[b, width]`` (padded with block 0) and the mask
+    ``[b, 1, 1, width * block_size]`` of the positions each sees."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor
 
 
 class Decoder:
@@ -116,31 +128,41 @@ class Decoder:
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if spec.tie_embeddings else get("lm_head.weight")
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.lm_head = Linear(self.embed if spec.tie_embeddings else get("lm_head.weight"))
+        self.layers: list[dict[str, torch.Tensor]] = []  # norms
+        # per layer: q, k and v as one product (split after), o, gate and up as one, down
+        self.linears: list[dict[str, Linear]] = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             layer = {
                 name: get(p + name)
-                for name in (
-                    "input_layernorm.weight",
-                    "post_attention_layernorm.weight",
-                    "self_attn.q_proj.weight",
-                    "self_attn.k_proj.weight",
-                    "self_attn.v_proj.weight",
-                    "self_attn.o_proj.weight",
-                    "mlp.gate_proj.weight",
-                    "mlp.up_proj.weight",
-                    "mlp.down_proj.weight",
-                )
+                for name in ("input_layernorm.weight", "post_attention_layernorm.weight")
             }
-            if spec.qkv_bias:
-                for name in ("q_proj", "k_proj", "v_proj"):
-                    layer[f"self_attn.{name}.bias"] = get(f"{p}self_attn.{name}.bias")
             if spec.qk_norm:
                 for name in ("q_norm", "k_norm"):
                     layer[f"self_attn.{name}.weight"] = get(f"{p}self_attn.{name}.weight")
             self.layers.append(layer)
+            qkv = [get(f"{p}self_attn.{name}.weight") for name in ("q_proj", "k_proj", "v_proj")]
+            bias = None
+            if spec.qkv_bias:
+                bias = torch.cat(
+                    [get(f"{p}self_attn.{name}.bias") for name in ("q_proj", "k_proj", "v_proj")]
+                )
+            gate_up = [get(f"{p}mlp.{name}.weight") for name in ("gate_proj", "up_proj")]
+            self.linears.append(
+                {
+                    "qkv": Linear(torch.cat(qkv), bias),
+                    "o": Linear(get(f"{p}self_attn.o_proj.weight")),
+                    "gate_up": Linear(torch.cat(gate_up)),
+                    "down": Linear(get(f"{p}mlp.down_proj.weight")),
+                }
+            )
+        self._qkv_split = (
+            self.num_heads * spec.head_dim,
+            self.num_kv_heads * spec.head_dim,
+            self.num_kv_heads * spec.head_dim,
+        )
+        self._mlp_rows = spec.intermediate_size // tp_size
         inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
         if "rope_freqs.weight" in weights:  # a GGUF file's precomputed scaling (llama3)
             factors = weights["rope_freqs.weight"]
@@ -171,52 +193,97 @@ class Decoder:
             row += len(c.tokens)
         cos, sin = rotary(self.inv_freq, positions)
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-        # per group and chunk, once for every layer: where the new tokens' KV goes, and what
-        # the chunk's attention reads back
-        targets = [
-            [self._slots(c.block_tables[g], c.start, c.start + len(c.tokens)) for c in chunks]
+        # per group, once for every layer: where the step's new tokens' KV goes (one write
+        # for all of them), what each prompt chunk's attention reads back, and the decode
+        # tokens, which attend together as one padded batch
+        targets = [self._slots(chunks, g) for g in range(len(self.group_windows))]
+        singles = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+        longer = [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
+        prompts = [
+            [(*spans[i], self._reads(chunks[i], g)) for i in longer]
             for g in range(len(self.group_windows))
         ]
-        reads = [[self._reads(c, g) for c in chunks] for g in range(len(self.group_windows))]
+        decodes = [
+            self._decode_batch([chunks[i] for i in singles], [spans[i][0] for i in singles], g)
+            if singles
+            else None
+            for g in range(len(self.group_windows))
+        ]
         x = self.embed[tokens]
         for i, layer in enumerate(self.layers):
             g, li = self.placement.group_of[i], self.placement.index_in_group[i]
+            linear = self.linears[i]
             h = rms_norm(x, layer["input_layernorm.weight"], s.rms_eps)
-            q = self._project(h, layer, "q_proj").view(-1, self.num_heads, s.head_dim)
-            k = self._project(h, layer, "k_proj").view(-1, self.num_kv_heads, s.head_dim)
-            v = self._project(h, layer, "v_proj").view(-1, self.num_kv_heads, s.head_dim)
+            q, k, v = linear["qkv"](h).split(self._qkv_split, dim=-1)
+            q = q.reshape(-1, self.num_heads, s.head_dim)
+            k = k.reshape(-1, self.num_kv_heads, s.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, s.head_dim)
             if s.qk_norm:
                 q = rms_norm(q, layer["self_attn.q_norm.weight"], s.rms_eps)
                 k = rms_norm(k, layer["self_attn.k_norm.weight"], s.rms_eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            blocks, offsets = targets[g]
+            pages[blocks, li, 0, :, offsets] = k.to(pages.dtype)
+            pages[blocks, li, 1, :, offsets] = v.to(pages.dtype)
             out = torch.empty_like(q)
-            for (first, n), (blocks, offsets), read in zip(
-                spans, targets[g], reads[g], strict=True
-            ):
-                pages[blocks, li, 0, :, offsets] = k[first : first + n].to(pages.dtype)
-                pages[blocks, li, 1, :, offsets] = v[first : first + n].to(pages.dtype)
+            for first, n, read in prompts[g]:
                 out[first : first + n] = self._attend(q[first : first + n], pages, li, read)
-            attn = F.linear(out.reshape(len(tokens), -1), layer["self_attn.o_proj.weight"])
-            x = x + self.all_reduce(attn)
+            batch = decodes[g]
+            if batch is not None:
+                out[batch.rows] = self._attend_decodes(q[batch.rows], pages, li, batch)
+            x = x + self.all_reduce(linear["o"](out.reshape(len(tokens), -1)))
             h = rms_norm(x, layer["post_attention_layernorm.weight"], s.rms_eps)
-            gate = F.linear(h, layer["mlp.gate_proj.weight"])
-            up = F.linear(h, layer["mlp.up_proj.weight"])
-            x = x + self.all_reduce(F.linear(F.silu(gate) * up, layer["mlp.down_proj.weight"]))
+            gate, up = linear["gate_up"](h).split(self._mlp_rows, dim=-1)
+            x = x + self.all_reduce(linear["down"](F.silu(gate) * up))
         last = [first + n - 1 for c, (first, n) in zip(chunks, spans, strict=True) if c.sample]
         h = rms_norm(x[last], self.norm, s.rms_eps)
-        return F.linear(h, self.lm_head).to(torch.float32)
-
-    def _project(self, h: torch.Tensor, layer: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        return F.linear(h, layer[f"self_attn.{name}.weight"], layer.get(f"self_attn.{name}.bias"))
+        return self.lm_head(h).to(torch.float32)
 
     def _slots(
-        self, table: Sequence[int], start: int, end: int
+        self, chunks: Sequence[SequenceChunk], group: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (block, offset in block) of every new token of the step in KV group ``group``,
+        in the flat token order."""
         bs = self.block_size
-        pos = range(start, end)
-        blocks = torch.tensor([table[p // bs] for p in pos], dtype=torch.long, device=self.device)
-        offsets = torch.tensor([p % bs for p in pos], dtype=torch.long, device=self.device)
-        return blocks, offsets
+        blocks: list[int] = []
+        offsets: list[int] = []
+        for c in chunks:
+            table = c.block_tables[group]
+            for p in range(c.start, c.start + len(c.tokens)):
+                blocks.append(table[p // bs])
+                offsets.append(p % bs)
+        return (
+            torch.tensor(blocks, dtype=torch.long, device=self.device),
+            torch.tensor(offsets, dtype=torch.long, device=self.device),
+        )
+
+    def _decode_batch(
+        self, chunks: Sequence[SequenceChunk], rows: Sequence[int], group: int
+    ) -> DecodeBatch:
+        """The single-token chunks of a step in KV group ``group`` as one batch: each one's
+        blocks padded to the longest (with block 0, masked out) and which positions of them
+        it sees (its prefix, or the sliding window of it)."""
+        window = self.group_windows[group]
+        bs = self.block_size
+        tables: list[list[int]] = []
+        spans: list[tuple[int, int]] = []  # (first position read, positions read)
+        for c in chunks:
+            end = c.start + 1
+            lo = 0 if window is None else max(0, c.start - window + 1)
+            tables.append(list(c.block_tables[group][lo // bs : cdiv(end, bs)]))
+            spans.append((lo % bs, end - lo))
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        where = torch.arange(width * bs, device=dev)[None, :]
+        skip = torch.tensor([lo for lo, _ in spans], device=dev)[:, None]
+        length = torch.tensor([n for _, n in spans], device=dev)[:, None]
+        mask = (where >= skip) & (where < skip + length)
+        return DecodeBatch(
+            torch.tensor(rows, dtype=torch.long, device=dev),
+            torch.tensor(padded, dtype=torch.long, device=dev),
+            mask[:, None, None, :],
+        )
 
     def _reads(self, chunk: SequenceChunk, group: int) -> Read:
         """What a chunk's attention in KV group ``group`` reads: the whole prefix, or a sliding
@@ -240,23 +307,23 @@ class Decoder:
                 read.mask &= q_pos - k_pos < window
         return read
 
+    def _gather(self, pages: torch.Tensor, index: int, blocks: torch.Tensor) -> torch.Tensor:
+        """K and V of layer ``index`` in ``blocks``, as ``[2, kv_heads, blocks, bs, head_dim]``
+        in one copy of just those blocks (a view of the pages with the block axis inside,
+        selected along it: selecting first and permuting after would copy twice)."""
+        heads_inside = pages[:, index].permute(1, 2, 0, 3, 4)
+        return heads_inside.index_select(2, blocks)
+
     def _attend(self, q: torch.Tensor, pages: torch.Tensor, index: int, read: Read) -> torch.Tensor:
         """Attention of one chunk's queries ``[n, heads, head_dim]`` over the KV of layer
         ``index`` of its group, read as ``_reads`` says."""
         n, heads, head_dim = q.shape
         kv_heads = self.num_kv_heads
         repeat = heads // kv_heads
-
-        def gather(which: int) -> torch.Tensor:
-            # whole blocks, gathered straight into [kv_heads, blocks, bs, head_dim] (one pass
-            # over the KV: it is read from memory that no cache holds), then the positions
-            # read: [kv_heads, m, head_dim]
-            heads_first = pages[:, index, which].permute(1, 0, 2, 3)
-            part = heads_first.index_select(1, read.blocks).to(q.dtype)
-            whole = part.view(kv_heads, -1, head_dim)
-            return whole[:, read.skip : read.skip + read.length]
-
-        keys, values = gather(0)[None], gather(1)[None]
+        both = self._gather(pages, index, read.blocks).to(q.dtype)
+        both = both.view(2, kv_heads, -1, head_dim)
+        both = both[:, :, read.skip : read.skip + read.length]
+        keys, values = both[0][None], both[1][None]
         if read.causal:  # a whole prompt: its query heads one by one against their KV head
             queries = q.transpose(0, 1)[None]
             keys = keys.repeat_interleave(repeat, dim=1)
@@ -271,3 +338,16 @@ class Decoder:
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         out = out.view(kv_heads, repeat, n, head_dim).permute(2, 0, 1, 3)
         return out.reshape(n, heads, head_dim)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, pages: torch.Tensor, index: int, batch: DecodeBatch
+    ) -> torch.Tensor:
+        """Attention of a step's decode tokens ``[b, heads, head_dim]``, one per request, over
+        the KV of layer ``index`` of their group, in one padded batch."""
+        b, heads, head_dim = q.shape
+        kv_heads = self.num_kv_heads
+        both = self._gather(pages, index, batch.blocks.flatten()).to(q.dtype)
+        both = both.view(2, kv_heads, b, -1, head_dim).transpose(1, 2)  # [2, b, kvh, L, hd]
+        queries = q.view(b, kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(queries, both[0], both[1], attn_mask=batch.mask)
+        return out.reshape(b, heads, head_dim)

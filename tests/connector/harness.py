@@ -55,6 +55,7 @@ class Runner:
         store_threshold: int = 0,
         max_deferred_steps: int = 64,
         load_in_step: bool = False,
+        settings: tuple[str, ...] = (),
     ) -> None:
         n_groups = groups.count("kind")
         self.cfg = load_config(
@@ -76,6 +77,7 @@ class Runner:
                 f"engine.max_deferred_steps={max_deferred_steps}",
                 f"offload.load_in_step={'true' if load_in_step else 'false'}",
                 "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
+                *settings,
             ],
         )
         self.workers = LocalWorkerGroup(

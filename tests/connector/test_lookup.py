@@ -102,3 +102,24 @@ def test_lookup_touches_the_hit_keys() -> None:
     c.directory.touch = lambda keys: touched.append(list(keys))  # type: ignore[method-assign]
     assert c.lookup(req, 0) == 4 * BS
     assert len(touched) == 1 and len(touched[0]) == 4
+
+
+@pytest.mark.parametrize(
+    ("groups", "present", "num_local", "expected"),
+    [
+        ([FULL], [{0, 1, 2, 3, 4}], 0, 5 * BS),
+        ([FULL], [{0, 2, 3}], 0, 1 * BS),
+        ([FULL], [{2, 3}], 2 * BS, 2 * BS),  # after a GPU hit of two chunks
+        ([FULL, sliding(1, 2 * BS)], [{0, 1, 2}, {0, 1}], 0, 2 * BS),  # every group's prefix
+    ],
+)
+def test_peek_estimates_the_hit_and_changes_nothing(groups, present, num_local, expected) -> None:
+    # the shortest-prefill policy peeks at every waiting request each step: that must not count
+    # as lookups (the store-threshold filter and the hit rates read those) nor refresh recency
+    c, req = setup(groups, 5, present)
+    touched = []
+    c.directory.touch = lambda keys: touched.append(list(keys))  # type: ignore[method-assign]
+    before = (c.stats.lookups, c.directory.stats().lookups)
+    assert c.peek(req, num_local) == expected
+    assert (c.stats.lookups, c.directory.stats().lookups) == before
+    assert touched == []

@@ -142,6 +142,35 @@ def test_chunked_prefill_and_a_batch_of_requests_match_transformers(
     assert (got - want).abs().max().item() < TOLERANCE
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_decodes_of_different_lengths_in_one_step_match_transformers(
+    tmp_path: Path, name: str
+) -> None:
+    """A step's decode tokens attend as one padded batch: requests of 1 to 4 blocks (past the
+    Qwen3 checkpoint's window of 6), with a prompt chunk between them in the step, so their
+    rows are not contiguous and each reads only its own positions."""
+    path, model = checkpoint(tmp_path, name)
+    spec, weights = load_hf_directory(path)
+    decoder = Decoder(spec, weights, BLOCK)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [3, 13, 6, 22]
+    prompts = [torch.randint(0, SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+    other = torch.randint(0, SHAPE["vocab_size"], (9,), generator=gen).tolist()
+    groups = len(decoder.group_windows)
+    kv = torch.zeros(128, *decoder.page_shape).view(128, -1)
+    # request r's block b of group g: scattered, disjoint
+    tables = [[[1 + r + 6 * b + 40 * g for b in range(6)] for g in range(groups)] for r in range(5)]
+    for r, prompt in enumerate(prompts):  # every prompt but its last token, one request a step
+        decoder.forward([SequenceChunk(prompt[:-1], 0, tables[r], sample=False)], kv)
+    chunks = [SequenceChunk(p[-1:], len(p) - 1, tables[r]) for r, p in enumerate(prompts)]
+    chunks.insert(2, SequenceChunk(other, 0, tables[4]))
+    got = torch.log_softmax(decoder.forward(chunks, kv), dim=-1)
+    want = [reference_logprobs(model, p)[-1] for p in prompts]
+    want.insert(2, reference_logprobs(model, other)[-1])
+    assert got.shape[0] == 5
+    assert (got - torch.stack(want)).abs().max().item() < TOLERANCE
+
+
 def test_the_sliding_window_layers_are_read_as_a_window(tmp_path: Path) -> None:
     """The Qwen3 checkpoint's last two layers attend to a window of 6: reading them as full
     attention gives other log-probabilities (so the comparisons above do check the window)."""
