@@ -67,15 +67,12 @@ class PrefixLookup:
         if state.load_failed:
             return 0
         state.update_keys(self.block_size, self.bpc)
-        tpc, d = self.tpc, self.directory
+        tpc = self.tpc
         start = num_local // tpc
         end = (state.req.num_tokens - 1) // tpc
         for gs in state.groups:
-            present = start
-            end = min(end, len(gs.keys))
-            while present < end and gs.keys[present] in d:
-                present += 1
-            end = present
+            present, _ = self.directory.match_prefix(gs.keys[start:end], count=False)
+            end = start + present
         return max(0, end * tpc - num_local)
 
     def take_delays(self) -> tuple[list[float], list[float]]:

@@ -157,12 +157,8 @@ class Decoder:
                     "down": Linear(get(f"{p}mlp.down_proj.weight")),
                 }
             )
-        self._qkv_split = (
-            self.num_heads * spec.head_dim,
-            self.num_kv_heads * spec.head_dim,
-            self.num_kv_heads * spec.head_dim,
-        )
-        self._mlp_rows = spec.intermediate_size // tp_size
+        self._qkv_split = (q_rows, kv_rows, kv_rows)
+        self._mlp_rows = mlp_rows
         inv_freq = inverse_frequencies(spec.rope, spec.head_dim)
         if "rope_freqs.weight" in weights:  # a GGUF file's precomputed scaling (llama3)
             factors = weights["rope_freqs.weight"]
@@ -263,13 +259,11 @@ class Decoder:
         """The single-token chunks of a step in KV group ``group`` as one batch: each one's
         blocks padded to the longest (with block 0, masked out) and which positions of them
         it sees (its prefix, or the sliding window of it)."""
-        window = self.group_windows[group]
         bs = self.block_size
         tables: list[list[int]] = []
         spans: list[tuple[int, int]] = []  # (first position read, positions read)
         for c in chunks:
-            end = c.start + 1
-            lo = 0 if window is None else max(0, c.start - window + 1)
+            lo, end = self._read_range(c, group)
             tables.append(list(c.block_tables[group][lo // bs : cdiv(end, bs)]))
             spans.append((lo % bs, end - lo))
         width = max(len(t) for t in tables)
@@ -285,14 +279,20 @@ class Decoder:
             mask[:, None, None, :],
         )
 
+    def _read_range(self, chunk: SequenceChunk, group: int) -> tuple[int, int]:
+        """The positions ``[lo, end)`` a chunk's attention reads in KV group ``group``: its
+        whole prefix, or the sliding window its first query sees."""
+        window = self.group_windows[group]
+        end = chunk.start + len(chunk.tokens)
+        return (0 if window is None else max(0, chunk.start - window + 1)), end
+
     def _reads(self, chunk: SequenceChunk, group: int) -> Read:
         """What a chunk's attention in KV group ``group`` reads: the whole prefix, or a sliding
         window of it, as the blocks that hold it, and the mask over those positions (None:
         every position is visible to every query, as for a decode token; ``causal``: the plain
         causal mask of a whole prompt)."""
         window = self.group_windows[group]
-        end = chunk.start + len(chunk.tokens)
-        lo = 0 if window is None else max(0, chunk.start - window + 1)
+        lo, end = self._read_range(chunk, group)
         bs = self.block_size
         table = chunk.block_tables[group]
         blocks = torch.tensor(table[lo // bs : cdiv(end, bs)], dtype=torch.long, device=self.device)

@@ -141,13 +141,14 @@ class Directory:
         self._hits += 1
         return HIT
 
-    def match_prefix(self, keys: Sequence[int]) -> tuple[int, int]:
+    def match_prefix(self, keys: Sequence[int], *, count: bool = True) -> tuple[int, int]:
         """Look keys up in order until the first MISS. The scan goes on past keys still being
         written, so one call tells a caller the whole reachable prefix.
 
         Returns ``(present, pending)``: how many leading keys are present, and how many of those
         are still being written (the caller must wait for them before loading). Each key examined
-        counts as one ``lookup``."""
+        counts as one ``lookup`` (towards the hit rates and the frequency filter) unless
+        ``count`` is false: a peek that decides nothing about loading or storing."""
         slot, writing = self._slot, self._writing
         present = pending = 0
         if writing:
@@ -162,6 +163,8 @@ class Directory:
                 if key not in slot:
                     break
                 present += 1
+        if not count:
+            return present, pending
         examined = present + (present < len(keys))
         self._lookups += examined
         self._hits += present - pending
