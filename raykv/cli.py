@@ -220,12 +220,21 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
     _check_output("--json", args.json)
     if args.engine == "ray":
-        from raykv.cluster.bench import format_fanout_table, run_fanout_bench
+        from raykv.cluster.bench import (
+            format_fanout_table,
+            format_model_share_table,
+            run_fanout_bench,
+            run_model_share,
+        )
 
         cfg = load_config(args.config, args.set or ())
         _check_device(cfg, "ray", None)
         result = run_fanout_bench(cfg, args.tp, steps=min(args.steps, 400), repeat=args.repeat)
         console.print(format_fanout_table(result), highlight=False)
+        if args.model != "none":
+            model_cfg = load_config(args.config, [*(args.set or ()), f"model.path={args.model}"])
+            result["model_step"] = run_model_share(model_cfg, args.model_tp)
+            console.print(format_model_share_table(result["model_step"]), highlight=False)
     else:
         from raykv.bench.step import format_step_table, run_step_bench
 
@@ -577,6 +586,18 @@ def build_parser() -> argparse.ArgumentParser:
         "rank actors vs a bare Ray round trip",
     )
     st.add_argument("--tp", type=_int_list, default=[2, 4], help="with --engine ray: TP sizes")
+    st.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="with --engine ray: the real model whose decode step is timed both ways (a preset "
+        "or a path; none: skip it)",
+    )
+    st.add_argument(
+        "--model-tp",
+        type=_int_list,
+        default=[1],
+        help="with --engine ray: TP sizes of the real model's run (dividing its KV heads)",
+    )
     st.add_argument("--config", help="with --engine ray: the config whose plans are replayed")
     st.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
     st.add_argument("--json", help="write the results to this JSON file")
@@ -630,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="inject a fault (repeatable): kill-worker:rate=P | kill-worker:step=N:rank=R | "
         "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P | "
-        "kill-scheduler:step=N, each with an optional :seed=S, a rank's with an optional "
+        "corrupt-cpu:rate=P | stall-worker:step=N:rank=R:seconds=S | kill-scheduler:step=N, "
+        "each with an optional :seed=S, a rank's with an optional "
         ":incarnation=I (only that instance of the rank; R: a rank below "
         "parallel.tensor_parallel_size)",
     )

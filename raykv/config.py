@@ -236,6 +236,14 @@ class ParallelConfig(_Strict):
     step_timeout_s: float = Field(
         default=120.0, gt=0, description="A rank that does not answer a step this long is dead."
     )
+    control_plane: Literal["auto", "graph", "calls"] = Field(
+        default="auto",
+        description="How the scheduler actor reaches the rank actors each step. graph: one "
+        "execution of a Ray Compiled Graph (shared-memory channels, whose readers spin: a core "
+        "each while they wait); calls: one Ray actor call per rank (also the fallback where a "
+        "graph cannot be compiled); auto: graph for cuda ranks, calls for cpu ranks, whose "
+        "model the spinning would slow down.",
+    )
     collective_timeout_s: float = Field(
         default=60.0,
         gt=0,
@@ -264,6 +272,13 @@ class EngineConfig(_Strict):
         gt=0,
         description="shortest-prefill: steps a request may be passed over before it is admitted "
         "first, in arrival order.",
+    )
+    short_prefill_alone: int = Field(
+        default=0,
+        ge=0,
+        description="A step whose prompt work gives a first token and computes at most this many "
+        "tokens (a prompt the caches served) runs without the decodes, which go next step; "
+        "never two steps in a row, never while requests are left waiting (0: never).",
     )
     max_deferred_steps: int = Field(
         default=64,

@@ -13,6 +13,9 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
                                  its store landed, with probability P (``offload.verify``
                                  catches it at load time: the load fails, the chunk leaves the
                                  tier, the request recomputes)
+- ``stall-worker:step=N:rank=R:seconds=S``  rank R hangs S seconds in step N, as a rank stuck
+                                 in a copy or a collective would (its first incarnation; on Ray
+                                 it is dead once ``parallel.step_timeout_s`` passes)
 - ``kill-scheduler:step=N``      the scheduler actor dies at step N (Ray engine; its replacement
                                  lives)
 
@@ -31,6 +34,7 @@ duplicated and late reports). The production classes carry no fault hooks of the
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +53,7 @@ KINDS = (
     "dup-acks",
     "fail-copy",
     "corrupt-cpu",
+    "stall-worker",
     "kill-scheduler",
 )
 _PARAMS = {
@@ -58,6 +63,7 @@ _PARAMS = {
     "dup-acks": {"rate", "seed", "rank", "incarnation"},
     "fail-copy": {"rate", "seed", "rank", "incarnation"},
     "corrupt-cpu": {"rate", "seed", "rank", "incarnation"},
+    "stall-worker": {"step", "rank", "seconds", "seed"},
     "kill-scheduler": {"step", "seed"},  # seed: accepted like everywhere, nothing is drawn
 }
 
@@ -75,6 +81,7 @@ class Fault:
     steps: int = 0
     seed: int = 0
     incarnation: int | None = None  # only this instance of the rank (0: before any restart)
+    seconds: float = 0.0  # stall-worker: how long the rank hangs
 
     def applies_to(self, rank: int, incarnation: int = 0) -> bool:
         return (
@@ -101,7 +108,7 @@ def parse_fault(text: str) -> Fault:
             allowed = ", ".join(sorted(_PARAMS[kind]))
             raise FaultSpecError(f"fault {text!r}: bad parameter {part!r} (takes {allowed})")
         try:
-            values[key] = float(raw) if key == "rate" else int(raw)
+            values[key] = float(raw) if key in ("rate", "seconds") else int(raw)
         except ValueError:
             raise FaultSpecError(f"fault {text!r}: {key}={raw!r} is not a number") from None
     rate = float(values.get("rate", 1.0 if kind == "delay-acks" else 0.0))
@@ -113,11 +120,13 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: kill-worker:step=N needs rank=R")
     if kind == "delay-acks" and ("rank" not in values or "steps" not in values):
         raise FaultSpecError(f"fault {text!r}: delay-acks needs rank=R and steps=K")
+    if kind == "stall-worker" and not {"step", "rank", "seconds"} <= values.keys():
+        raise FaultSpecError(f"fault {text!r}: stall-worker needs step=N, rank=R and seconds=S")
     if kind == "kill-scheduler" and "step" not in values:
         raise FaultSpecError(f"fault {text!r}: kill-scheduler needs step=N")
     if kind in ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu") and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
-    for key in ("rank", "step", "steps", "incarnation"):
+    for key in ("rank", "step", "steps", "incarnation", "seconds"):
         if key in values and int(values[key]) < 0:
             raise FaultSpecError(f"fault {text!r}: {key} must be >= 0")
     return Fault(
@@ -128,6 +137,7 @@ def parse_fault(text: str) -> Fault:
         steps=int(values.get("steps", 0)),
         seed=int(values.get("seed", 0)),
         incarnation=int(values["incarnation"]) if "incarnation" in values else None,
+        seconds=float(values.get("seconds", 0.0)),
     )
 
 
@@ -163,6 +173,12 @@ class RankFaults:
             elif self._rng(i).random() < f.rate:
                 return True
         return False
+
+    def stall_at(self, step: int) -> float:
+        """Seconds this rank hangs in ``step`` (its first incarnation only)."""
+        if self.incarnation != 0:
+            return 0.0
+        return sum(f.seconds for _, f in self._mine("stall-worker") if f.step == step)
 
     def ack_delay(self) -> int:
         """Steps to hold the report of one completion back (0: report it now)."""
@@ -250,9 +266,10 @@ class _Held:
 
 
 class FaultyRank:
-    """A rank that dies (``kill-worker``) and whose reports are late (``delay-acks``), lost
-    (``drop-acks``) or delivered twice (``dup-acks``). The rank itself ran the step: a lost
-    report is a lost message, so the scheduler's re-ack request still finds the job reported."""
+    """A rank that dies (``kill-worker``) or hangs (``stall-worker``), and whose reports are
+    late (``delay-acks``), lost (``drop-acks``) or delivered twice (``dup-acks``). The rank
+    itself ran the step: a lost report is a lost message, so the scheduler's re-ack request
+    still finds the job reported."""
 
     def __init__(self, inner: Rank, faults: RankFaults) -> None:
         self.inner = inner
@@ -263,6 +280,9 @@ class FaultyRank:
         f = self.faults
         if f.dies_at(plan.step):
             raise RankDied(f"rank {f.rank} killed at step {plan.step} (injected fault)")
+        stall = f.stall_at(plan.step)
+        if stall:
+            time.sleep(stall)
         report = self.inner.execute(plan)
         t = report.transfers
         completed, failed = self._release(plan, t.completed, t.failed)

@@ -97,6 +97,7 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         f"offload.load_in_step={rng.choice(['true', 'false'])}",
         f"engine.schedule_policy={rng.choice(['fcfs', 'shortest-prefill'])}",
         f"engine.max_bypass_steps={rng.choice([1, 4, 16])}",
+        f"engine.short_prefill_alone={rng.choice([0, 16, 64])}",
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
         f"engine.max_deferred_steps={rng.choice([8, 64])}",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from raykv.config import load_config
@@ -50,6 +52,7 @@ BASE = [
         ("fail-copy:rate=0.1:seed=9", "fail-copy"),
         ("corrupt-cpu:rate=0.5", "corrupt-cpu"),
         ("kill-scheduler:step=40", "kill-scheduler"),
+        ("stall-worker:step=3:rank=1:seconds=2.5", "stall-worker"),
     ],
 )
 def test_good_specs(spec: str, kind: str) -> None:
@@ -71,6 +74,8 @@ def test_good_specs(spec: str, kind: str) -> None:
         ("dup-acks:rate", "bad parameter 'rate'"),
         ("kill-scheduler", "needs step=N"),
         ("kill-scheduler:step=3:rank=0", "bad parameter 'rank=0'"),
+        ("stall-worker:step=3:rank=0", "needs step=N, rank=R and seconds=S"),
+        ("stall-worker:step=3:rank=0:seconds=-1", "seconds must be >= 0"),
     ],
 )
 def test_bad_specs_quote_the_spec(spec: str, message: str) -> None:
@@ -272,6 +277,19 @@ def test_a_faulty_rank_dies_at_its_step() -> None:
     rank.execute(StepPlan(1))
     with pytest.raises(RankDied, match="step 2"):
         rank.execute(StepPlan(2))
+
+
+def test_a_stalled_rank_hangs_in_its_step_only_and_only_in_its_first_incarnation() -> None:
+    fault = parse_fault("stall-worker:step=2:rank=0:seconds=0.3")
+    rank = FaultyRank(_Rank(), RankFaults(0, [fault]))
+    took = []
+    for step in (1, 2, 3):
+        started = time.perf_counter()
+        rank.execute(StepPlan(step))
+        took.append(time.perf_counter() - started)
+    assert took[1] >= 0.3 and took[0] < 0.3 and took[2] < 0.3
+    assert RankFaults(0, [fault], incarnation=1).stall_at(2) == 0.0
+    assert RankFaults(1, [fault]).stall_at(2) == 0.0
 
 
 def test_a_failed_copy_holds_no_block_and_is_reported_failed_by_the_next_poll() -> None:

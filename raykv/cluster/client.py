@@ -410,8 +410,7 @@ class RaykvClient:
         # an actor already gone must not keep the rest alive; ranks the scheduler replaced are
         # its own actors and go with it
         with contextlib.suppress(Exception):
-            if self._serving:
-                ray.get(self.server.stop.remote(), timeout=60)
+            ray.get(self.server.shutdown.remote(), timeout=60)  # its loop, its graph
             self.workers = ray.get(self.server.workers.remote(), timeout=60)
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         for actor in [self.server, *self.workers]:

@@ -1,9 +1,9 @@
 """The engine actor: ``EngineServer``, the scheduler.
 
 It wraps the one-process engine's objects unchanged: an ``EngineCore`` (engine, connector
-scheduler half, directory) whose worker group (:class:`raykv.cluster.worker_group.RayWorkerGroup`)
-fans each step's plan out to the rank actors, one call per rank per step, and gathers the
-replies.
+scheduler half, directory) whose worker group fans each step's plan out to the rank actors and
+gathers the replies: through a Ray Compiled Graph (:mod:`raykv.cluster.compiled_group`, the
+default) or one call per rank per step (:class:`raykv.cluster.worker_group.RayWorkerGroup`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import ray
 from raykv.cluster.rank_actor import (
     READY_TIMEOUT_S,
     RankInfo,
-    needs_tp_group,
     spawn_rank_worker,
 )
-from raykv.cluster.worker_group import RayWorkerGroup
+from raykv.cluster.worker_group import make_worker_group
 from raykv.config import RaykvConfig
 from raykv.core.request import REJECTED, Request
 from raykv.core.step import TokenLogprobs
@@ -68,9 +67,7 @@ class EngineServer:
         self._placement = placement
         self._incarnation = incarnation
         self._faults = [parse_fault(f) for f in self.cfg.faults]
-        self.group = RayWorkerGroup(
-            workers, self.cfg.parallel.step_timeout_s, self._spawn, needs_tp_group(self.cfg)
-        )
+        self.group = make_worker_group(self.cfg, workers, self._spawn)
         self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         self.driver = Driver(self.engine, check_invariants=check_invariants)
         self.metrics = EngineMetrics(self.engine)
@@ -110,6 +107,7 @@ class EngineServer:
         with self._lock:
             report = self.driver.report()
         report.engine = "ray"
+        report.control_plane = self.group.control_plane
         return report
 
     # ---- serving ----------------------------------------------------------------------------
@@ -170,6 +168,12 @@ class EngineServer:
             self._wake.notify_all()
         if self._loop is not None:
             self._loop.join(timeout=30)
+
+    def shutdown(self) -> None:
+        """Before the ranks are shut down: the compiled graph, if any, is torn down."""
+        self.stop()
+        with self._lock:
+            self.group.shutdown()
 
     def reset_prefix_cache(self) -> None:
         with self._lock:

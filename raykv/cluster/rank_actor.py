@@ -77,6 +77,7 @@ class RankWorker:
         par = self.cfg.parallel
         if par.device == "cpu":  # TP ranks on one node share its cores instead of each taking all
             torch.set_num_threads(rank_threads(par.cpu_threads_per_rank, par.tensor_parallel_size))
+        self._last_reply: tuple[int, bytes] | None = None  # (step, pickled report)
         self._rendezvous: Rendezvous | None = None
         self._group: TPGroup | None = None
         in_group = needs_tp_group(self.cfg)
@@ -126,14 +127,26 @@ class RankWorker:
 
     def execute_blob(self, blob: bytes) -> bytes:
         """``execute`` over pickled bytes: the scheduler pickles a step's plan once for every
-        rank, which costs a fraction of Ray serializing the dataclasses anew for each call."""
+        rank, which costs a fraction of Ray serializing the dataclasses anew for each call.
+        The same method is the compiled graph's node (``parallel.control_plane: graph``)."""
+        plan: StepPlan = pickle.loads(blob)
         try:
-            report = self.worker.execute(pickle.loads(blob))
+            report = self.worker.execute(plan)
         except RankDied:
             # an injected death is a real one: the process goes, memory and all; so does a rank
             # whose TP group broke (a peer died mid-collective)
             os._exit(1)
-        return pickle.dumps(report, protocol=5)
+        reply = pickle.dumps(report, protocol=5)
+        self._last_reply = (plan.step, reply)
+        return reply
+
+    def reply_to(self, step: int) -> bytes | None:
+        """This rank's reply to ``step`` if it has finished it (None: not yet, or never got
+        it): how the compiled graph's failure path tells a survivor from a silent rank, and
+        keeps the survivors' acks. Answers on the actor's main thread while the graph's thread
+        computes."""
+        last = self._last_reply
+        return last[1] if last is not None and last[0] == step else None
 
     def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
         return self.worker.verify_cpu_tier(items)

@@ -188,3 +188,4 @@ class StepReport:
     transfers: TransferReport = field(default_factory=TransferReport)
     samples: list[int] = field(default_factory=list)  # per sampling batch entry: this rank's part
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # a real model's, if asked
+    busy_s: float = 0.0  # wall seconds the rank spent on the step: its copies and its model

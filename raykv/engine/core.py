@@ -9,6 +9,7 @@ land instead of spinning.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -65,6 +66,10 @@ class EngineTotals:
     finished: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # wall seconds of the steps here (plan, fan-out, update), and of the slowest rank's own
+    # work in each (its copies and model): the difference is the control plane and scheduler
+    step_seconds: float = 0.0
+    ranks_busy_seconds: float = 0.0
 
 
 class EngineCore:
@@ -128,6 +133,7 @@ class EngineCore:
             self.connector,
             policy=cfg.engine.schedule_policy,
             max_bypass_steps=cfg.engine.max_bypass_steps,
+            short_prefill_alone=cfg.engine.short_prefill_alone,
         )
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
@@ -171,6 +177,7 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
+        started = time.perf_counter()
         sched, plan = self._schedule()
         try:
             reports = self.workers.execute(plan)
@@ -180,6 +187,8 @@ class EngineCore:
             self.recover(failure.dead)
             return []
         finished = self._update(sched, plan, reports)
+        self.totals.step_seconds += time.perf_counter() - started
+        self.totals.ranks_busy_seconds += max((r.busy_s for r in reports), default=0.0)
         silent = self.scheduler.silent_ranks(plan.step, self.cfg.engine.rank_timeout_steps)
         if silent:
             self.recover(silent)

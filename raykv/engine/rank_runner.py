@@ -7,6 +7,7 @@ rank in turn.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 from raykv.connector.worker import ConnectorWorker
@@ -30,10 +31,12 @@ class RankRunner:
         self.kv = kv
 
     def execute(self, plan: StepPlan) -> StepReport:
+        started = time.perf_counter()
         self.transfers.before_model(plan.step, plan.transfers)
         out = self._model_step(plan.batch)
         report = self.transfers.after_model(plan.transfers, idle=not plan.batch)
-        return StepReport(self.rank, plan.step, report, out.samples, out.logprobs)
+        busy = time.perf_counter() - started
+        return StepReport(self.rank, plan.step, report, out.samples, out.logprobs, busy)
 
     def _model_step(self, batch: list[ModelEntry]) -> ModelOutput:
         if not batch:

@@ -85,11 +85,15 @@ class RunReport:
     itl_s: dict[str, float] | None = None
     throughput: dict[str, float] = field(default_factory=dict)  # tokens per wall second
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # by where they came from
+    # per step, mean seconds: the engine's whole step and the slowest rank's own work in it
+    # (copies and model); outside_share: the rest (scheduling, the control plane) over the step
+    step_time: dict[str, float] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)  # each request's first token
     cpu_tier: CpuTierSummary | None = None
     acks: AckCounts | None = None
     rejected: list[dict[str, str]] = field(default_factory=list)
     engine: str | None = None  # "local" or "ray"
+    control_plane: str | None = None  # the ray engine's: "graph" or "calls" (the fallback)
     config: dict[str, Any] | None = None
     ranks_detail: list[dict[str, Any]] | None = None
     scheduler_restarts: int | None = None
@@ -122,6 +126,7 @@ class RunReport:
                 "gpu_cache": s.gpu_hit_tokens,
                 "cpu_tier": s.cpu_hit_tokens,
             },
+            step_time=_step_time(stats),
             requests_finished=finished,
             requests_admitted=admitted,
             prompt_tokens=stats.prompt_tokens,
@@ -170,3 +175,13 @@ class RunReport:
             if out[key] is None:
                 del out[key]
         return out
+
+
+def _step_time(stats: EngineStats) -> dict[str, float]:
+    steps = max(stats.steps, 1)
+    step, busy = stats.step_seconds / steps, stats.ranks_busy_seconds / steps
+    return {
+        "step_s": step,
+        "ranks_busy_s": busy,
+        "outside_share": 1.0 - busy / step if step > 0 else 0.0,
+    }

@@ -73,6 +73,7 @@ class Scheduler:
         *,
         policy: str = "fcfs",
         max_bypass_steps: int = 16,
+        short_prefill_alone: int = 0,
     ) -> None:
         """With a connector whose ``load_in_step`` is set, a request admitted with a CPU-tier hit
         also computes the rest of its prompt (as far as the step's budget goes) in the step that
@@ -85,11 +86,20 @@ class Scheduler:
         held behind a long prompt computed from scratch (shortest remaining work first: the
         order that minimises mean time to first token); a request that has waited
         ``max_bypass_steps`` steps goes before all of those, in arrival order, so none starves.
+
+        ``short_prefill_alone``: a step whose prompt work finishes a prompt and computes at most
+        this many tokens in all (a prompt the caches served, its last block computed beside its
+        load) leaves the running decodes to the next step, so that first token comes from a
+        short step instead of one carrying the decode batch; never two steps in a row, so a
+        decode waits at most one short step, and never while requests are left waiting, whom
+        the decodes' blocks and seats, held a step longer, would delay too (0: never).
         """
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; one of {SCHEDULE_POLICIES}")
         self.policy = policy
         self.max_bypass_steps = max_bypass_steps
+        self.short_prefill_alone = short_prefill_alone
+        self._decodes_waited = False  # the last step left the decodes out
         self._step = 0
         self.pool = pool
         self.groups = groups
@@ -162,9 +172,27 @@ class Scheduler:
             i += 1
         if not out.preempted:  # no admissions in a step that had to take blocks back
             self._admit_waiting(out, budget)
+        self._decodes_waited = self._leave_decodes(out)
         if self.connector is not None:
             out.transfers = self.connector.plan(step, out.scheduled, out.preempted)
         return out
+
+    def _leave_decodes(self, out: SchedulerOutput) -> bool:
+        """Take the decodes out of a step whose prompt work is short and gives a first token
+        (``short_prefill_alone``); whether it did. A decode left out keeps the block it may
+        have been given for its next position and is scheduled again next step."""
+        if self.short_prefill_alone <= 0 or self._decodes_waited or self.waiting:
+            # with requests left waiting, a decode held back holds its blocks and seat a step
+            # longer, and each of them waits that step too: not worth one first token
+            return False
+        decodes = [s for s in out.scheduled if not s.loading and s.start >= s.req.num_prompt]
+        prompts = [s for s in out.scheduled if s.loading or s.start < s.req.num_prompt]
+        if not decodes or not any(s.start + s.num_tokens == s.req.num_tokens for s in prompts):
+            return False
+        if sum(s.num_tokens for s in prompts) > self.short_prefill_alone:
+            return False
+        out.scheduled = prompts
+        return True
 
     def _admission_order(self) -> None:
         """Reorder the head of the waiting queue as the policy says (``__init__``)."""

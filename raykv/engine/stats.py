@@ -29,6 +29,8 @@ class EngineStats:
     finished: int
     prompt_tokens: int
     generated_tokens: int
+    step_seconds: float  # the engine's steps, and the slowest rank's own work in them
+    ranks_busy_seconds: float
     scheduler: SchedulerStats
     transfer: TransferStats  # summed over ranks
     per_rank: list[TransferStats] = field(default_factory=list)
@@ -50,6 +52,8 @@ def snapshot(engine: EngineCore) -> EngineStats:
         finished=t.finished,
         prompt_tokens=t.prompt_tokens,
         generated_tokens=t.generated_tokens,
+        step_seconds=t.step_seconds,
+        ranks_busy_seconds=t.ranks_busy_seconds,
         scheduler=replace(engine.scheduler.stats),
         transfer=replace(t.transfer),
         per_rank=[replace(r) for r in t.per_rank],

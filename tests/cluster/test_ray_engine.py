@@ -125,13 +125,18 @@ def test_serving_streams_outputs_and_kv_events(ray_session) -> None:
 
 
 def test_fanout_bench_reports_ratio_and_plan_sizes(ray_session) -> None:
-    from raykv.cluster.bench import run_fanout_bench
+    from raykv.cluster.bench import format_fanout_table, run_fanout_bench
 
     cfg = load_config(None, SMALL)
     result = run_fanout_bench(cfg, [2], steps=20, repeat=1)
-    row = result["tensor_parallel"]["2"]
-    assert row["steps"] == 20 and row["fanout_us"] > 0 and row["bare_us"] > 0
-    assert row["plan_bytes"]["max"] >= row["plan_bytes"]["median"] > 0
+    (row,) = result["results"]
+    assert row["tp"] == 2 and row["steps"] == 20
+    for way in ("graph_us", "plain_us", "bare_graph_us", "bare_plain_us"):
+        assert row[way] > 0
+    assert row["graph_over_bare"] == row["graph_us"] / row["bare_graph_us"]
+    assert row["graph_over_plain"] == row["graph_us"] / row["plain_us"]
+    assert row["plan_bytes_max"] >= row["plan_bytes_median"] > 0
+    assert "graph/plain" in format_fanout_table(result)
     import ray
 
     assert ray.is_initialized()  # the bench used the session's Ray and left it running

@@ -63,6 +63,7 @@ def scenarios(draw):
         f"offload.load_in_step={draw(st.sampled_from(['true', 'false']))}",
         f"engine.schedule_policy={draw(st.sampled_from(['fcfs', 'shortest-prefill']))}",
         f"engine.max_bypass_steps={draw(st.sampled_from([1, 4, 16]))}",
+        f"engine.short_prefill_alone={draw(st.sampled_from([0, 16, 64]))}",
         f"engine.max_num_seqs={draw(st.sampled_from([1, 3, 6]))}",
         f"engine.max_num_batched_tokens={draw(st.sampled_from([8, 16, 48]))}",
         f"engine.keep_finished={'true' if keep_finished else 'false'}",
