@@ -21,12 +21,10 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from raykv.cluster.rank_actor import RankInfo
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.core.step import StepPlan, StepReport
 from raykv.engine.core import RankFailed
@@ -43,15 +41,9 @@ REPLY_ASK_S = 10.0
 class CompiledWorkerGroup(RayWorkerGroup):
     """The ranks behind one compiled graph: ``execute`` runs it once per step."""
 
-    def __init__(
-        self,
-        workers: list[Any],
-        step_timeout_s: float | None = None,
-        spawn: Callable[[int, int, RankInfo], Any] | None = None,
-        tp_group: bool = False,
-    ) -> None:
-        super().__init__(workers, step_timeout_s, spawn, tp_group)
-        self._graph: Any = None
+    _graph: Any = None
+
+    def _on_ranks_ready(self) -> None:
         self._compile()
 
     def _compile(self) -> None:

@@ -53,6 +53,10 @@ class RayWorkerGroup:
         )
         if tp_group:
             self._form_group()
+        self._on_ranks_ready()
+
+    def _on_ranks_ready(self) -> None:
+        """Called once the ranks are up (a compiled group compiles its graph here)."""
 
     def _form_group(self) -> None:
         address = ray.get(self.workers[0].open_rendezvous.remote(), timeout=READY_TIMEOUT_S)
