@@ -258,10 +258,13 @@ class ParallelConfig(_Strict):
     )
 
 
+SchedulePolicy = Literal["fcfs", "shortest-prefill"]  # the engine scheduler's admission orders
+
+
 class EngineConfig(_Strict):
     max_num_seqs: int = Field(default=32, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
-    schedule_policy: Literal["fcfs", "shortest-prefill"] = Field(
+    schedule_policy: SchedulePolicy = Field(
         default="fcfs",
         description="Order of admission. fcfs: arrival order. shortest-prefill: the waiting "
         "request with the fewest prompt tokens left to compute after the GPU prefix cache and "

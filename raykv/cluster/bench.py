@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raykv.cluster.compiled_group import CompiledWorkerGroup
+from raykv.cluster.compiled_group import CompiledWorkerGroup, compile_fanout
 from raykv.cluster.runtime import connect
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.config import RaykvConfig
@@ -121,14 +121,6 @@ def run_fanout_bench(
     }
 
 
-def _bare_graph(ranks: list[Any]) -> Any:
-    from ray.dag import InputNode, MultiOutputNode
-
-    with InputNode() as payload:
-        dag = MultiOutputNode([r.echo.bind(payload) for r in ranks])
-    return dag.experimental_compile(_submit_timeout=60, _max_inflight_executions=1)
-
-
 def _graph_round_trip(graph: Any) -> Callable[[bytes], object]:
     return lambda payload: [ref.get(timeout=60) for ref in graph.execute(payload)]
 
@@ -171,7 +163,7 @@ def _time_tp(tp: int, plans: list[StepPlan], sizes: list[int], repeat: int) -> d
             graph.execute(plans[0])  # the first execution sets the channels up
             keep("graph_us", _median_us(graph.execute, plans))
             graph.shutdown()
-            bare = _bare_graph(ranks)
+            bare = compile_fanout(ranks, "echo", 60)
             _graph_round_trip(bare)(payloads[0])  # the first execution sets the channels up
             keep("bare_graph_us", _median_us(_graph_round_trip(bare), payloads))
             bare.teardown()

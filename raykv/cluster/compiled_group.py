@@ -11,8 +11,8 @@ raises); a rank that does not answer within ``parallel.step_timeout_s`` times th
 way every rank is asked, by a plain call, for its reply to that step: a rank that has it is alive
 and its reply counts (its acks are not lost), a dead one raises, and one that still has nothing
 is silent, treated as dead. Those go to the engine in ``RankFailed`` as before; ``restart`` kills
-them, tears the graph down (the survivors leave it, and may join the next), replaces them and
-compiles the graph again for the new set of ranks. Every wait is bounded.
+them, then the graph is torn down (the survivors leave it, and may join the next), they are
+replaced and the graph is compiled again for the new set of ranks. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -43,25 +43,23 @@ class CompiledWorkerGroup(RayWorkerGroup):
 
     _graph: Any = None
 
+    @property
+    def _timeout(self) -> float:
+        """The step timeout as the graph takes it (-1: none)."""
+        return self.step_timeout_s if self.step_timeout_s is not None else -1
+
     def _on_ranks_ready(self) -> None:
-        self._compile()
-
-    def _compile(self) -> None:
-        """Compile the graph for the ranks now serving; where that fails (a Ray without
-        compiled graphs, say) the group goes on with plain calls, and says so."""
+        """Compile the graph for the ranks now serving (first, and after each restart); where
+        that fails (a Ray without compiled graphs, say) the group goes on with plain calls,
+        and says so."""
         try:
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as plan:
-                dag = MultiOutputNode([w.execute_blob.bind(plan) for w in self.workers])
-            timeout = self.step_timeout_s if self.step_timeout_s is not None else -1
-            # one step in flight: the engine needs a step's reports before it plans the next
-            self._graph = dag.experimental_compile(
-                _submit_timeout=timeout, _max_inflight_executions=1
-            )
+            self._graph = compile_fanout(self.workers, "execute_blob", self._timeout)
         except Exception as exc:
             log.warning("cannot compile the step graph (%s); using plain calls", exc)
             self._graph = None
+
+    def _on_ranks_gone(self) -> None:
+        self._teardown()
 
     @property
     def control_plane(self) -> str:
@@ -73,7 +71,7 @@ class CompiledWorkerGroup(RayWorkerGroup):
         if self._graph is None:
             return super().execute(plan)
         blob = pickle.dumps(plan, protocol=5)
-        timeout = self.step_timeout_s if self.step_timeout_s is not None else -1
+        timeout = self._timeout
         started = time.monotonic()
         try:
             refs = self._graph.execute(blob)  # one per rank
@@ -119,9 +117,9 @@ class CompiledWorkerGroup(RayWorkerGroup):
                 try:
                     blob = ray.get(ref)
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError):
-                    blob = None
                     dead.add(rank)
                     pending.discard(rank)
+                    continue
                 if blob is not None:
                     replies[rank] = pickle.loads(blob)
                     pending.discard(rank)
@@ -132,20 +130,6 @@ class CompiledWorkerGroup(RayWorkerGroup):
         dead |= pending  # silent past the step timeout: treated as dead, and replaced
         return [replies[r] for r in sorted(replies)], sorted(dead)
 
-    def restart(self, ranks: list[int]) -> bool:
-        """Kill the ranks (all of them for a TP group) before the graph is torn down, so that
-        no teardown waits on a rank stuck in a step; then replace them and compile anew."""
-        if self.spawn is None:
-            return super().restart(ranks)  # refuses, and leaves the graph as it is
-        doomed = list(range(self.num_ranks)) if self.tp_group else ranks
-        for rank in doomed:
-            with contextlib.suppress(Exception):
-                ray.kill(self.workers[rank], no_restart=True)
-        self._teardown()
-        intact = super().restart(ranks)
-        self._compile()
-        return intact
-
     def _teardown(self) -> None:
         if self._graph is not None:
             with contextlib.suppress(Exception):
@@ -155,3 +139,14 @@ class CompiledWorkerGroup(RayWorkerGroup):
     def shutdown(self) -> None:
         """Leave the graph: the ranks answer plain calls only from then on."""
         self._teardown()
+
+
+def compile_fanout(workers: list[Any], method: str, timeout: float) -> Any:
+    """A compiled graph whose one input goes to ``method`` of every worker and whose outputs
+    are their results, one per worker; one execution in flight (the engine needs a step's
+    reports before it plans the next)."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as payload:
+        dag = MultiOutputNode([getattr(w, method).bind(payload) for w in workers])
+    return dag.experimental_compile(_submit_timeout=timeout, _max_inflight_executions=1)

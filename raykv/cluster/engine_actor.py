@@ -2,8 +2,9 @@
 
 It wraps the one-process engine's objects unchanged: an ``EngineCore`` (engine, connector
 scheduler half, directory) whose worker group fans each step's plan out to the rank actors and
-gathers the replies: through a Ray Compiled Graph (:mod:`raykv.cluster.compiled_group`, the
-default) or one call per rank per step (:class:`raykv.cluster.worker_group.RayWorkerGroup`).
+gathers the replies: through a Ray Compiled Graph (:mod:`raykv.cluster.compiled_group`, by
+default for CUDA ranks) or one call per rank per step
+(:class:`raykv.cluster.worker_group.RayWorkerGroup`, by default for CPU ranks).
 """
 
 from __future__ import annotations

@@ -55,8 +55,14 @@ class RayWorkerGroup:
             self._form_group()
         self._on_ranks_ready()
 
+    def _on_ranks_gone(self) -> None:
+        """Called once ``restart`` has killed the ranks it replaces, before their successors
+        come up (a compiled group tears its graph down here: with the stuck ranks already
+        killed, the teardown waits on none of them)."""
+
     def _on_ranks_ready(self) -> None:
-        """Called once the ranks are up (a compiled group compiles its graph here)."""
+        """Called once the ranks are up, first and after each restart (a compiled group
+        compiles its graph here)."""
 
     def _form_group(self) -> None:
         address = ray.get(self.workers[0].open_rendezvous.remote(), timeout=READY_TIMEOUT_S)
@@ -99,6 +105,7 @@ class RayWorkerGroup:
         for rank in ranks:
             with contextlib.suppress(Exception):
                 ray.kill(self.workers[rank], no_restart=True)
+        self._on_ranks_gone()
         for rank in ranks:  # all at once: a TP group's ranks come up together
             self.incarnations[rank] += 1
             self.workers[rank] = self.spawn(rank, self.incarnations[rank], self.infos[rank])
@@ -107,6 +114,7 @@ class RayWorkerGroup:
             self.infos[rank] = info
         if self.tp_group:
             self._form_group()
+        self._on_ranks_ready()
         return all(info.attached for info in infos)
 
     @property

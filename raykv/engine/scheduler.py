@@ -15,7 +15,9 @@ from collections import deque
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import get_args
 
+from raykv.config import SchedulePolicy
 from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
 from raykv.core.block_pool import BlockPool
 from raykv.core.kv_cache import KVCacheManager
@@ -23,7 +25,7 @@ from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request, RequestStatus
 from raykv.core.step import StepReport, TransferPlan
 
-SCHEDULE_POLICIES = ("fcfs", "shortest-prefill")
+SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 REORDER_WINDOW = 64  # waiting requests the shortest-prefill policy orders each step
 
 
