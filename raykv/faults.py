@@ -127,7 +127,7 @@ def parse_fault(text: str) -> Fault:
     if kind in ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu") and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
     for key in ("rank", "step", "steps", "incarnation", "seconds"):
-        if key in values and int(values[key]) < 0:
+        if key in values and values[key] < 0:
             raise FaultSpecError(f"fault {text!r}: {key} must be >= 0")
     return Fault(
         kind,

@@ -76,6 +76,7 @@ def test_good_specs(spec: str, kind: str) -> None:
         ("kill-scheduler:step=3:rank=0", "bad parameter 'rank=0'"),
         ("stall-worker:step=3:rank=0", "needs step=N, rank=R and seconds=S"),
         ("stall-worker:step=3:rank=0:seconds=-1", "seconds must be >= 0"),
+        ("stall-worker:step=3:rank=0:seconds=-0.5", "seconds must be >= 0"),
     ],
 )
 def test_bad_specs_quote_the_spec(spec: str, message: str) -> None:
