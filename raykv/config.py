@@ -283,6 +283,11 @@ class EngineConfig(_Strict):
         "tokens (a prompt the caches served) runs without the decodes, which go next step; "
         "never two steps in a row, never while requests are left waiting (0: never).",
     )
+    async_scheduling: bool = Field(
+        default=False,
+        description="Plan each step while the ranks run the one before (its decodes' input "
+        "tokens written in once that one answers); acks count a step later.",
+    )
     max_deferred_steps: int = Field(
         default=64,
         ge=0,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Fuzz the one-process engine: random configurations, workloads, copy and ack delays, and
-faults, with every invariant checked after every step.
+faults, with every invariant checked after every step, one step at a time or planned ahead
+(async scheduling).
 
 Each episode draws (seeded) 1-4 ranks, one to three KV groups (full attention, sliding windows
 of different sizes), tiny GPU pools and CPU tiers that force block reuse, preemption and
@@ -30,7 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from raykv.config import RaykvConfig, load_config
+from raykv.config import load_config
 from raykv.core.arith import cdiv
 from raykv.core.request import Request, RequestStatus
 from raykv.engine.core import EngineCore
@@ -98,6 +99,8 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         f"engine.schedule_policy={rng.choice(['fcfs', 'shortest-prefill'])}",
         f"engine.max_bypass_steps={rng.choice([1, 4, 16])}",
         f"engine.short_prefill_alone={rng.choice([0, 16, 64])}",
+        # plan each step before the one before has answered (the reference run never does)
+        f"engine.async_scheduling={rng.choice(['true', 'false'])}",
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
         f"engine.max_deferred_steps={rng.choice([8, 64])}",
@@ -215,8 +218,9 @@ def compare(outputs: dict, aborted: set[int], reference: dict) -> None:
             assert tokens == reference[index], f"request {index}: tokens differ from no-offload"
 
 
-def reference_outputs(cfg: RaykvConfig, specs: list[RequestSpec]) -> dict:
-    """The tokens of a run without offloading and without chaos."""
+def reference_outputs(sets: list[str], specs: list[RequestSpec]) -> dict:
+    """The tokens of a run without offloading, without chaos, one step at a time."""
+    cfg = load_config(None, [*sets, "engine.async_scheduling=false"])
     with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
         engine = EngineCore(cfg, workers, offload=False)
         reference, _, _ = drive(engine, specs, Chaos())
@@ -243,7 +247,7 @@ def run_episode(
         outputs, aborted, seen = drive(engine, specs, chaos)
         check_drained(engine, workers, seen)
         steps = engine.totals.steps
-    compare(outputs, aborted, reference_outputs(cfg, specs))
+    compare(outputs, aborted, reference_outputs(sets, specs))
     return steps
 
 

@@ -5,17 +5,16 @@ the same actors with a payload of the same size.
 The plans are real: recorded from a run of the one-process engine with the same configuration
 (their sizes are reported too). Timed, per step, in blocks of every recorded plan, the four
 interleaved round after round: the engine's fan-out exactly as the scheduler actor does it
-(``CompiledWorkerGroup.execute`` / ``RayWorkerGroup.execute``: the plan pickled once, sent,
-the replies gathered and unpickled), with ranks that return a report without executing the plan,
+(``CompiledWorkerGroup.execute`` / ``RayWorkerGroup.execute``: the plan encoded once, sent,
+the replies gathered and decoded), with ranks that return a report without executing the plan,
 so only the transport is measured; a bare compiled graph whose node returns nothing, fed a
-``bytes`` payload of the plan's pickled size; and N plain calls carrying that payload. An actor
+``bytes`` payload of the plan's encoded size; and N plain calls carrying that payload. An actor
 takes part in one compiled graph at a time, so each round compiles the engine's graph, times
 it, tears it down, and does the same with the bare one (compiling is not timed).
 """
 
 from __future__ import annotations
 
-import pickle
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raykv.cluster import wire
 from raykv.cluster.compiled_group import CompiledWorkerGroup, compile_fanout
 from raykv.cluster.runtime import connect
 from raykv.cluster.worker_group import RayWorkerGroup
@@ -48,7 +48,7 @@ class _Rank:
         return StepReport(self.rank, plan.step, samples=samples)
 
     def execute_blob(self, blob: bytes) -> bytes:
-        return pickle.dumps(self.execute(pickle.loads(blob)), protocol=5)
+        return wire.encode(self.execute(wire.decode_plan(blob)))
 
     def reply_to(self, step: int) -> bytes | None:
         return None
@@ -101,7 +101,7 @@ def run_fanout_bench(
                     update={"model": cfg.model.model_copy(update={"num_kv_heads": 4 * tp})}
                 )
             plans = record_plans(tp_cfg, steps)
-            sizes = [len(pickle.dumps(p, protocol=5)) for p in plans]
+            sizes = [len(wire.encode(p)) for p in plans]
             row = {"tp": tp, **_time_tp(tp, plans, sizes, repeat)}
             row["graph_over_bare"] = row["graph_us"] / row["bare_graph_us"]
             row["graph_over_plain"] = row["graph_us"] / row["plain_us"]
@@ -213,9 +213,11 @@ def run_model_share(
     address: str | None = None,
 ) -> list[dict[str, Any]]:
     """A real model's decode steps on the Ray engine, through the graph and through plain
-    calls: ``batch`` requests of 4 prompt tokens decoding ``max_tokens`` tokens each (so every
-    step but the first is a decode batch of ``batch``); per step, the engine's wall time and the
-    slowest rank's own work (copies and model), and the share of the step outside it."""
+    calls, each one step at a time and planned ahead (``engine.async_scheduling``): ``batch``
+    requests of 4 prompt tokens decoding ``max_tokens`` tokens each (so every step but the
+    first is a decode batch of ``batch``); per step, the engine's wall time and the slowest
+    rank's own work (copies and model), the share of the step outside it, and the tokens per
+    second of stepping (startup excluded)."""
     from raykv.cluster.client import RaykvClient
     from raykv.model.checkpoint import configure
     from raykv.workload.requests import RequestSpec
@@ -223,52 +225,72 @@ def run_model_share(
     rows = []
     for tp in tps:
         for plane in ("graph", "calls"):
-            run_cfg = cfg.model_copy(
-                update={
-                    "parallel": cfg.parallel.model_copy(
-                        update={"tensor_parallel_size": tp, "control_plane": plane}
-                    ),
-                    "engine": cfg.engine.model_copy(
-                        update={"max_num_seqs": max(batch, cfg.engine.max_num_seqs)}
-                    ),
-                }
-            )
-            run_cfg, _, _ = configure(run_cfg)
-            vocab = run_cfg.model.vocab_size
-            specs = [
-                RequestSpec(
-                    f"decode-{i}", tuple((7 * i + k) % vocab for k in range(4)), max_tokens, 0
+            for ahead in (False, True):
+                run_cfg = cfg.model_copy(
+                    update={
+                        "parallel": cfg.parallel.model_copy(
+                            update={"tensor_parallel_size": tp, "control_plane": plane}
+                        ),
+                        "engine": cfg.engine.model_copy(
+                            update={
+                                "max_num_seqs": max(batch, cfg.engine.max_num_seqs),
+                                "async_scheduling": ahead,
+                            }
+                        ),
+                    }
                 )
-                for i in range(batch)
-            ]
-            with RaykvClient.start(run_cfg, address=address, offload=False) as client:
-                report = client.run(specs, timeout_s=1800)
-            t = report["step_time"]
-            rows.append(
-                {
-                    "tp": tp,
-                    "control_plane": report["control_plane"],
-                    "batch": batch,
-                    "steps": report["steps"],
-                    "step_ms": t["step_s"] * 1e3,
-                    "ranks_busy_ms": t["ranks_busy_s"] * 1e3,
-                    "outside_share": t["outside_share"],
-                }
-            )
+                run_cfg, _, _ = configure(run_cfg)
+                vocab = run_cfg.model.vocab_size
+                specs = [
+                    RequestSpec(
+                        f"decode-{i}", tuple((7 * i + k) % vocab for k in range(4)), max_tokens, 0
+                    )
+                    for i in range(batch)
+                ]
+                with RaykvClient.start(run_cfg, address=address, offload=False) as client:
+                    report = client.run(specs, timeout_s=1800)
+                t = report["step_time"]
+                stepping_s = t["step_s"] * report["steps"]
+                rows.append(
+                    {
+                        "tp": tp,
+                        "control_plane": report["control_plane"],
+                        "async_scheduling": ahead,
+                        "batch": batch,
+                        "steps": report["steps"],
+                        "step_ms": t["step_s"] * 1e3,
+                        "ranks_busy_ms": t["ranks_busy_s"] * 1e3,
+                        "outside_share": t["outside_share"],
+                        "tokens_per_s": report["generated_tokens"] / stepping_s,
+                        "output_digest": report["output_digest"],
+                    }
+                )
+    for row in rows:  # planned ahead against one step at a time, same TP and plane
+        base = next(
+            r
+            for r in rows
+            if (r["tp"], r["control_plane"], r["async_scheduling"])
+            == (row["tp"], row["control_plane"], False)
+        )
+        row["tokens_per_s_over_sync"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["same_tokens_as_sync"] = row["output_digest"] == base["output_digest"]
     return rows
 
 
 def format_model_share_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "a real model's decode step: the engine's wall time, the slowest rank's own work "
-        "(copies and model), and the share outside it (scheduling and the control plane)",
-        f"{'tp':>3} {'plane':>6} {'batch':>6} {'steps':>6} {'step ms':>8} {'ranks ms':>9} "
-        f"{'outside':>8}",
+        "(copies and model), the share outside it (scheduling and the control plane), and "
+        "tokens/s one step at a time and planned ahead (async)",
+        f"{'tp':>3} {'plane':>6} {'async':>6} {'batch':>6} {'steps':>6} {'step ms':>8} "
+        f"{'ranks ms':>9} {'outside':>8} {'tok/s':>7} {'vs sync':>8}",
     ]
     for r in rows:
         lines.append(
-            f"{r['tp']:>3} {r['control_plane']:>6} {r['batch']:>6} {r['steps']:>6} "
-            f"{r['step_ms']:>8.2f} {r['ranks_busy_ms']:>9.2f} {r['outside_share']:>8.1%}"
+            f"{r['tp']:>3} {r['control_plane']:>6} {'yes' if r['async_scheduling'] else 'no':>6} "
+            f"{r['batch']:>6} {r['steps']:>6} {r['step_ms']:>8.2f} {r['ranks_busy_ms']:>9.2f} "
+            f"{r['outside_share']:>8.1%} {r['tokens_per_s']:>7.1f} "
+            f"{r['tokens_per_s_over_sync']:>8.2f}"
         )
     return "\n".join(lines)
 

@@ -1,33 +1,35 @@
 """The per-step fan-out on a Ray Compiled Graph (``parallel.control_plane: graph``).
 
-One graph, compiled once for the ranks now serving: its input is a step's pickled plan, its
-outputs the ranks' pickled reports. Executing it writes the plan once into a shared-memory
-channel every rank actor reads, and each rank writes its report into a channel of its own: no
-task submission, no object store, no scheduling per step. Measured on 2 cores, a step's round
-trip costs a fraction of one plain actor call per rank (``raykv bench step --engine ray``).
+One graph, compiled once for the ranks now serving: its input is a step's encoded plan, its
+outputs the ranks' encoded reports (``cluster/wire.py``). Executing it writes the plan once into
+a shared-memory channel every rank actor reads, and each rank writes its report into a channel
+of its own: no task submission, no object store, no scheduling per step. Measured on 2 cores, a
+step's round trip costs a fraction of one plain actor call per rank (``raykv bench step --engine
+ray``).
 
 Failures keep the plain path's meaning. A rank that dies ends the graph (Ray tears it down and
-raises); a rank that does not answer within ``parallel.step_timeout_s`` times the get out. Either
-way every rank is asked, by a plain call, for its reply to that step: a rank that has it is alive
-and its reply counts (its acks are not lost), a dead one raises, and one that still has nothing
-is silent, treated as dead. Those go to the engine in ``RankFailed`` as before; ``restart`` kills
-them, then the graph is torn down (the survivors leave it, and may join the next), they are
-replaced and the graph is compiled again for the new set of ranks. Every wait is bounded.
+raises); a rank that does not answer within ``parallel.step_timeout_s`` times the get out.
+Either way every rank is asked, by a plain call, for its reply to that step: a rank that has it
+is alive and its reply counts (its acks are not lost), a dead one raises, and one that still has
+nothing is silent, treated as dead. Those go to the engine in ``RankFailed`` as before;
+``restart`` kills them, then the graph is torn down (the survivors leave it, and may join the
+next), they are replaced and the graph is compiled again for the new set of ranks. Every wait is
+bounded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 
+from raykv.cluster import wire
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.core.step import StepPlan, StepReport
-from raykv.engine.core import RankFailed
+from raykv.engine.core import RankFailed, StepHandle
 
 log = logging.getLogger(__name__)
 # Ray narrates every teardown at INFO (four lines per run, more per restart): keep its warnings
@@ -36,6 +38,13 @@ logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)
 # The failure path asks each rank for its reply by plain call; an actor that does not answer the
 # question itself within this long is silent (its process is stuck, not just its step).
 REPLY_ASK_S = 10.0
+
+# what a rank's death or silence looks like from the graph's side
+_RANK_FAILURES = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.RayChannelError,
+    ray.exceptions.GetTimeoutError,
+)
 
 
 class CompiledWorkerGroup(RayWorkerGroup):
@@ -65,32 +74,39 @@ class CompiledWorkerGroup(RayWorkerGroup):
     def control_plane(self) -> str:
         return "graph" if self._graph is not None else "calls"
 
-    def execute(self, plan: StepPlan) -> list[StepReport]:
-        """One execution of the graph; a rank that died or stayed silent past the step timeout
-        is reported in ``RankFailed`` with the others' replies."""
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """One execution of the graph; the handle's ``result`` gathers the replies, a rank that
+        died or stayed silent past the step timeout reported in ``RankFailed`` with the
+        others'."""
         if self._graph is None:
-            return super().execute(plan)
-        blob = pickle.dumps(plan, protocol=5)
-        timeout = self._timeout
+            return super().submit(plan)
+        blob = wire.encode(plan)
         started = time.monotonic()
         try:
-            refs = self._graph.execute(blob)  # one per rank
+            return _GraphStep(self, plan.step, started, self._graph.execute(blob))  # one per rank
+        except Exception as exc:  # the graph failed before the step ran: the result says how
+            return _GraphStep(self, plan.step, started, [], exc)
+
+    def _gather_graph(self, step: int, started: float, refs: list[Any]) -> list[StepReport]:
+        timeout = self._timeout
+        try:
             replies = [ref.get(timeout=self._left(started, timeout)) for ref in refs]
         except ray.exceptions.RayTaskError:
             raise  # the step itself raised on a rank: a bug, as with plain calls, not a death
-        except (
-            ray.exceptions.RayActorError,
-            ray.exceptions.RayChannelError,
-            ray.exceptions.GetTimeoutError,
-        ) as exc:
-            # a death, a timeout (RayChannelTimeoutError), or the graph shut down by one
-            log.warning("step %d through the compiled graph failed: %s", plan.step, exc)
-            left = None if timeout < 0 else self._left(started, timeout)
-            reports, dead = self._ask_replies(plan.step, left)
-            if not dead:  # every rank answered: the failure was not a rank's
-                raise
-            raise RankFailed(dead, reports) from exc
-        return [pickle.loads(r) for r in replies]
+        except _RANK_FAILURES as exc:
+            self._failed(step, started, exc)
+        return [wire.decode_report(r) for r in replies]
+
+    def _failed(self, step: int, started: float, exc: Exception) -> NoReturn:
+        """A death, a timeout (RayChannelTimeoutError), or the graph shut down by one: which
+        ranks failed, from their own answers."""
+        log.warning("step %d through the compiled graph failed: %s", step, exc)
+        timeout = self._timeout
+        left = None if timeout < 0 else self._left(started, timeout)
+        reports, dead = self._ask_replies(step, left)
+        if not dead:  # every rank answered: the failure was not a rank's
+            raise exc
+        raise RankFailed(dead, reports) from exc
 
     @staticmethod
     def _left(started: float, timeout: float) -> float:
@@ -121,7 +137,7 @@ class CompiledWorkerGroup(RayWorkerGroup):
                     pending.discard(rank)
                     continue
                 if blob is not None:
-                    replies[rank] = pickle.loads(blob)
+                    replies[rank] = wire.decode_report(blob)
                     pending.discard(rank)
             if pending and time.monotonic() >= deadline:
                 break
@@ -139,6 +155,29 @@ class CompiledWorkerGroup(RayWorkerGroup):
     def shutdown(self) -> None:
         """Leave the graph: the ranks answer plain calls only from then on."""
         self._teardown()
+
+
+class _GraphStep:
+    """A step sent through the graph: one reference per rank (or the error sending raised)."""
+
+    def __init__(
+        self,
+        group: CompiledWorkerGroup,
+        step: int,
+        started: float,
+        refs: list[Any],
+        error: Exception | None = None,
+    ) -> None:
+        self._group, self._step, self._started = group, step, started
+        self._refs, self._error = refs, error
+
+    def result(self) -> list[StepReport]:
+        if self._error is None:
+            return self._group._gather_graph(self._step, self._started, self._refs)
+        error = self._error
+        if isinstance(error, _RANK_FAILURES) and not isinstance(error, ray.exceptions.RayTaskError):
+            self._group._failed(self._step, self._started, error)
+        raise error
 
 
 def compile_fanout(workers: list[Any], method: str, timeout: float) -> Any:

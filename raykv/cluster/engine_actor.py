@@ -69,7 +69,13 @@ class EngineServer:
         self._incarnation = incarnation
         self._faults = [parse_fault(f) for f in self.cfg.faults]
         self.group = make_worker_group(self.cfg, workers, self._spawn)
-        self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
+        try:
+            self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
+        except BaseException:
+            # a failed creation leaves no graph behind: its ranks would wait in it, and the
+            # actor's process with them
+            self.group.shutdown()
+            raise
         self.driver = Driver(self.engine, check_invariants=check_invariants)
         self.metrics = EngineMetrics(self.engine)
         self._lock = threading.RLock()

@@ -11,13 +11,13 @@ whose collective fails exits, like any dead rank.
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raykv.cluster import wire
 from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
 from raykv.faults import RankDied
@@ -77,7 +77,7 @@ class RankWorker:
         par = self.cfg.parallel
         if par.device == "cpu":  # TP ranks on one node share its cores instead of each taking all
             torch.set_num_threads(rank_threads(par.cpu_threads_per_rank, par.tensor_parallel_size))
-        self._last_reply: tuple[int, bytes] | None = None  # (step, pickled report)
+        self._last_reply: tuple[int, bytes] | None = None  # (step, encoded report)
         self._rendezvous: Rendezvous | None = None
         self._group: TPGroup | None = None
         in_group = needs_tp_group(self.cfg)
@@ -126,17 +126,18 @@ class RankWorker:
         return self.worker.execute(plan)
 
     def execute_blob(self, blob: bytes) -> bytes:
-        """``execute`` over pickled bytes: the scheduler pickles a step's plan once for every
-        rank, which costs a fraction of Ray serializing the dataclasses anew for each call.
-        The same method is the compiled graph's node (``parallel.control_plane: graph``)."""
-        plan: StepPlan = pickle.loads(blob)
+        """``execute`` over encoded bytes (``cluster/wire.py``): the scheduler encodes a step's
+        plan once for every rank, which costs a fraction of Ray serializing the dataclasses anew
+        for each call. The same method is the compiled graph's node
+        (``parallel.control_plane: graph``)."""
+        plan = wire.decode_plan(blob)
         try:
             report = self.worker.execute(plan)
         except RankDied:
             # an injected death is a real one: the process goes, memory and all; so does a rank
             # whose TP group broke (a peer died mid-collective)
             os._exit(1)
-        reply = pickle.dumps(report, protocol=5)
+        reply = wire.encode(report)
         self._last_reply = (plan.step, reply)
         return reply
 

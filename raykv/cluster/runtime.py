@@ -1,9 +1,12 @@
-"""Starting or joining Ray."""
+"""Starting or joining Ray, and leaving nothing behind of an instance raykv started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 NAMESPACE = "raykv"
@@ -18,12 +21,61 @@ class RayHandle:
     # where this node's Prometheus exporter answers (Ray's metrics agent; on loopback for an
     # embedded instance); None when Ray does not say
     metrics_url: str | None = None
+    raylet_pid: int | None = None  # an embedded instance's raylet (its channels' semaphores)
 
     def shutdown(self) -> None:
         import ray
 
         if self.started and ray.is_initialized():
             ray.shutdown()
+            if self.raylet_pid is not None:
+                remove_channel_semaphores(self.raylet_pid)
+
+
+# Ray's compiled-graph channels each open two POSIX semaphores, named after the process that
+# set the channel up (the raylet, whose object store holds it): /dev/shm/sem.hdr<pid>-* and
+# sem.obj<pid>-*. Only that process's clean exit unlinks them, and ray.shutdown kills it, so
+# every embedded instance that ran a graph would leave them behind, a few per channel.
+SEMAPHORE_DIR = Path("/dev/shm")
+RAYLET_EXIT_S = 10.0
+
+
+def remove_channel_semaphores(pid: int, directory: Path = SEMAPHORE_DIR) -> int:
+    """Once process ``pid`` has exited (waiting up to ``RAYLET_EXIT_S``), remove the channel
+    semaphores named after it; returns how many. Nothing while it lives: they may be in use."""
+    deadline = time.monotonic() + RAYLET_EXIT_S
+    while _alive(pid):
+        if time.monotonic() >= deadline:
+            return 0
+        time.sleep(0.05)
+    removed = 0
+    for prefix in ("sem.hdr", "sem.obj"):
+        for path in directory.glob(f"{prefix}{pid}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def _raylet_pid() -> int | None:
+    """This driver's raylet, when this process started it (Ray keeps no public handle)."""
+    try:
+        from ray._private import ray_constants, worker
+
+        node = worker._global_node
+        return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    except Exception:
+        return None
 
 
 def connect(
@@ -50,4 +102,6 @@ def connect(
     info = ctx.address_info
     port = info.get("metrics_export_port")
     url = f"http://{LOOPBACK}:{port}/metrics" if port else None
-    return RayHandle(info.get("gcs_address", LOOPBACK), started=True, metrics_url=url)
+    return RayHandle(
+        info.get("gcs_address", LOOPBACK), started=True, metrics_url=url, raylet_pid=_raylet_pid()
+    )

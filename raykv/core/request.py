@@ -38,9 +38,10 @@ _FINISHED = {
 class Request:
     """One request: its tokens, how far its KV is computed, and its blocks per KV group.
 
-    ``num_computed`` counts positions whose KV exists in the request's blocks. ``tokens`` is the
-    prompt followed by the generated tokens; the newest generated token has no KV until the next
-    step computes it.
+    ``num_computed`` counts positions whose KV exists in the request's blocks, or is being
+    computed by a step in flight (async scheduling counts a step's tokens when it plans it).
+    ``tokens`` is the prompt followed by the generated tokens; the newest generated token has no
+    KV until the next step computes it.
     """
 
     req_id: str
@@ -60,6 +61,9 @@ class Request:
     num_cpu_hit_tokens: int = 0
     load_job: int | None = None
     load_tokens: int = 0  # tokens the load in flight brings after num_computed
+    # tokens steps in flight are sampling for it, not yet in ``tokens`` (async scheduling plans
+    # a step before the one before it has answered; 0 otherwise)
+    num_pending: int = 0
     sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, if asked
     arrival_s: float | None = None  # wall clock when handed to the engine (``engine/latency``)

@@ -3,6 +3,10 @@
 For every scheduled request: the KV its new tokens write in each group (positions, tokens, the
 blocks they land in and those blocks' parent hashes: the synthetic model's KV is a function of
 them), and, when its prompt is all in, the blocks the model reads to sample the next token.
+
+With async scheduling a decode is planned before the step sampling its input token has
+answered: that token is ``PENDING_TOKEN`` here, and the engine writes the real one in
+(``fill_pending``) before the plan leaves.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from raykv.core.block_pool import NULL_BLOCK
 from raykv.core.hashing import parent_hash
 from raykv.core.kv_cache import KVCacheManager
 from raykv.core.step import ModelEntry, WriteSpan
+
+PENDING_TOKEN = -1  # a token a step in flight is sampling; never sent to a rank
 
 
 def model_batch(scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> list[ModelEntry]:
@@ -28,6 +34,7 @@ def model_batch(scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> li
         hashes = req.update_hashes(bs)
         first_b, last_b = start // bs, (end - 1) // bs
         tokens = req.tokens[start:end]
+        tokens += [PENDING_TOKEN] * (n - len(tokens))
         writes = []
         for g, table in enumerate(req.block_tables):
             blocks = table[first_b : last_b + 1]
@@ -35,7 +42,29 @@ def model_batch(scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> li
             parents = [parent_hash(hashes, b) for b in range(first_b, last_b + 1)]
             writes.append(WriteSpan(g, start, tokens, blocks, parents))
         # the prompt is all in: this step samples a token
-        read = kv.sampled_blocks(req, end) if end == req.num_tokens else []
+        read = kv.sampled_blocks(req, end) if end == req.num_tokens + req.num_pending else []
         tables = [list(table[: last_b + 1]) for table in req.block_tables]
         batch.append(ModelEntry(i, writes, read, end, tables, req.sampling))
     return batch
+
+
+def pending_entries(scheduled: Sequence[ScheduledRequest]) -> list[int]:
+    """The batch indices whose tokens include one a step in flight is still sampling."""
+    return [
+        i for i, item in enumerate(scheduled) if item.start + item.num_tokens > item.req.num_tokens
+    ]
+
+
+def fill_pending(
+    batch: list[ModelEntry], scheduled: Sequence[ScheduledRequest], indices: Sequence[int]
+) -> None:
+    """Write the tokens the step before has now sampled into these entries (every group's span
+    shares the entry's token list)."""
+    for i in indices:
+        entry, req = batch[i], scheduled[i].req
+        start = entry.start
+        tokens = req.tokens[start : start + len(entry.tokens)]
+        if len(tokens) != len(entry.tokens):
+            raise RuntimeError(f"{req.req_id}: the token at {start + len(tokens)} never came")
+        for span in entry.writes:
+            span.tokens = tokens

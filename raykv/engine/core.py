@@ -25,9 +25,10 @@ from raykv.core.step import (
     BlockContent,
     StepPlan,
     StepReport,
+    TokenLogprobs,
     TransferStats,
 )
-from raykv.engine.batch import model_batch
+from raykv.engine.batch import fill_pending, model_batch, pending_entries
 from raykv.engine.latency import LatencyBook
 from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler, SchedulerOutput
@@ -43,14 +44,58 @@ class RankFailed(RuntimeError):
         self.reports = reports
 
 
+class StepHandle(Protocol):
+    """A step sent to the ranks: ``result`` waits for their replies (``RankFailed`` as
+    ``execute`` raises it)."""
+
+    def result(self) -> list[StepReport]: ...
+
+
+@dataclass(slots=True)
+class DoneStep:
+    """A step that already ran (or failed) where it was sent."""
+
+    reports: list[StepReport] = field(default_factory=list)
+    failure: RankFailed | None = None
+
+    def result(self) -> list[StepReport]:
+        if self.failure is not None:
+            raise self.failure
+        return self.reports
+
+
+def run_now(execute: Callable[[StepPlan], list[StepReport]], plan: StepPlan) -> DoneStep:
+    """Run a step at once, its failure kept for ``result``."""
+    try:
+        return DoneStep(execute(plan))
+    except RankFailed as failure:
+        return DoneStep(failure=failure)
+
+
 class Workers(Protocol):
     num_ranks: int
 
     def execute(self, plan: StepPlan) -> list[StepReport]: ...
 
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """Send the plan and return without waiting for the replies."""
+        ...
+
     def restart(self, ranks: list[int]) -> bool:
         """Replace the ranks; True when each new one found its CPU-pool shard intact."""
         ...
+
+
+@dataclass(slots=True)
+class PlannedStep:
+    """A step planned, and once sent its handle; ``pending``: its entries whose tokens wait
+    for the step before's samples, ``sampling``: its entries that sample."""
+
+    sched: SchedulerOutput
+    plan: StepPlan
+    pending: list[int]
+    sampling: frozenset[int]
+    handle: StepHandle | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +115,9 @@ class EngineTotals:
     # work in each (its copies and model): the difference is the control plane and scheduler
     step_seconds: float = 0.0
     ranks_busy_seconds: float = 0.0
+    # async scheduling: tokens sampled for requests that had ended (EOS in the step before,
+    # unknown when this one was planned) or were aborted while the step ran
+    discarded_samples: int = 0
 
 
 class EngineCore:
@@ -135,6 +183,10 @@ class EngineCore:
             max_bypass_steps=cfg.engine.max_bypass_steps,
             short_prefill_alone=cfg.engine.short_prefill_alone,
         )
+        # async scheduling: the next step is planned while the ranks run this one, its
+        # decodes' input tokens written in once this one answers (``engine/batch.py``)
+        self.async_scheduling = cfg.engine.async_scheduling
+        self._in_flight: PlannedStep | None = None
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.latency = LatencyBook()
@@ -171,14 +223,23 @@ class EngineCore:
         self._done(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or self.scheduler.has_pending_transfers()
+        return (
+            self._in_flight is not None
+            or self.scheduler.has_unfinished()
+            or self.scheduler.has_pending_transfers()
+        )
 
     # ---- one step -------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it. With async scheduling the
+        step that runs is the one planned (and sent) by the call before, and the next is
+        planned while it runs."""
+        if self.async_scheduling:
+            return self._step_ahead()
         started = time.perf_counter()
-        sched, plan = self._schedule()
+        planned = self._schedule()
+        sched, plan = planned.sched, planned.plan
         try:
             reports = self.workers.execute(plan)
         except RankFailed as failure:
@@ -187,42 +248,98 @@ class EngineCore:
             self.recover(failure.dead)
             return []
         finished = self._update(sched, plan, reports)
-        self.totals.step_seconds += time.perf_counter() - started
-        self.totals.ranks_busy_seconds += max((r.busy_s for r in reports), default=0.0)
+        self._timed(started, reports)
         silent = self.scheduler.silent_ranks(plan.step, self.cfg.engine.rank_timeout_steps)
         if silent:
             self.recover(silent)
         return finished
 
-    def _schedule(self) -> tuple[SchedulerOutput, StepPlan]:
+    def _step_ahead(self) -> list[Request]:
+        """Async scheduling's step. The next step is planned before this one's replies are in,
+        as if every token this one computes were computed (``Scheduler.commit``): it sees this
+        step's acks one step late (a landed load runs a step later), and a request that samples
+        its end here may compute one wasted token there. It is sent only after this one has
+        answered and been absorbed, its pending tokens filled in, so the ranks never hold two
+        steps and a failure loses just the unsent plan (recovery starts over anyway)."""
+        started = time.perf_counter()
+        current = self._in_flight or self._send(self._schedule())
+        self._in_flight = None
+        busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_transfers()
+        ahead = self._schedule() if busy else None
+        assert current.handle is not None
+        try:
+            reports = current.handle.result()
+        except RankFailed as failure:
+            self._absorb(failure.reports)
+            self.recover(failure.dead)
+            return []
+        finished = self._update(current.sched, current.plan, reports, current.sampling)
+        self._timed(started, reports)
+        step = current.plan.step
+        silent = self.scheduler.silent_ranks(step, self.cfg.engine.rank_timeout_steps)
+        if silent:
+            self.recover(silent)
+        elif ahead is not None:
+            fill_pending(ahead.plan.batch, ahead.sched.scheduled, ahead.pending)
+            self._in_flight = self._send(ahead)
+        return finished
+
+    def _send(self, planned: PlannedStep) -> PlannedStep:
+        planned.handle = self.workers.submit(planned.plan)
+        return planned
+
+    def _timed(self, started: float, reports: list[StepReport]) -> None:
+        self.totals.step_seconds += time.perf_counter() - started
+        self.totals.ranks_busy_seconds += max((r.busy_s for r in reports), default=0.0)
+
+    def _schedule(self) -> PlannedStep:
         sched = self.scheduler.schedule(self.totals.steps)
         batch = model_batch(sched.scheduled, self.scheduler.kv)
         plan = StepPlan(sched.step, sched.transfers, batch)
         self.totals.steps += 1
         if not sched.scheduled:
             self.totals.idle_steps += 1
-        return sched, plan
+        sampling = frozenset(i for i, entry in enumerate(batch) if entry.read_blocks)
+        planned = PlannedStep(sched, plan, pending_entries(sched.scheduled), sampling)
+        if self.async_scheduling:
+            self.scheduler.commit(sched, sampling)
+        return planned
 
     def _update(
-        self, sched: SchedulerOutput, plan: StepPlan, reports: list[StepReport]
+        self,
+        sched: SchedulerOutput,
+        plan: StepPlan,
+        reports: list[StepReport],
+        committed: frozenset[int] | None = None,
     ) -> list[Request]:
+        """The step's replies into the books; ``committed``: the step was counted when planned
+        (async scheduling), these entries sampling."""
         self._absorb(reports)
         void = self.scheduler.settle(sched, reports)
         m = self.cfg.model
+        logprobs: dict[int, TokenLogprobs] = {}
         if m.path is not None:
             sampled, logprobs = real_model_tokens(plan.batch, reports, self.stop_token_ids)
-            for i, found in logprobs.items():
-                if i not in void:
-                    sched.scheduled[i].req.logprobs.append(found)
         else:
             sampled = sample_batch(plan.batch, reports, m.vocab_size, m.eos_every)
-        for i in void:
+        # tokens that do not count: a load that did not land beside them, or (a step planned
+        # ahead) a request that ended or was aborted while the step ran
+        ended = {i for i in sampled if sched.scheduled[i].req.finished}
+        self.totals.discarded_samples += len(ended)
+        lost = set(void) | ended
+        for i in lost:
             sampled.pop(i, None)
+        for i, found in logprobs.items():
+            if i not in lost:
+                sched.scheduled[i].req.logprobs.append(found)
         self.totals.generated_tokens += len(sampled)
         now = self.latency.clock()
         for i in sampled:
             self.latency.sampled(sched.scheduled[i].req, now)
-        finished = self.scheduler.advance(sched, sampled, void)
+        if committed is None:
+            finished = self.scheduler.advance(sched, sampled, void)
+        else:
+            finished = self.scheduler.resolve(sched, committed, sampled, void)
         for req in finished:
             self._done(req)
         return finished

@@ -161,7 +161,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            if req.num_pending and len(req.output) + req.num_pending >= req.max_tokens:
+                i += 1  # the step in flight samples its last token: it ends when that answers
+                continue
+            n = min(req.num_tokens + req.num_pending - req.num_computed, budget)
             while not self.kv.grow(req, req.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -228,6 +231,10 @@ class Scheduler:
             if len(self.running) + len(self.loading) >= self.max_num_seqs:
                 break
             req = self.waiting.popleft()
+            if req.num_pending:
+                # preempted while a step in flight samples for it: it waits for that token
+                skipped.append(req)
+                continue
             num_local, local = self.kv.local_hit(req)
             ext = 0
             if self.connector is not None:
@@ -341,6 +348,60 @@ class Scheduler:
             finished.append(req)
         return finished
 
+    def commit(self, out: SchedulerOutput, sampling: AbstractSet[int]) -> None:
+        """Async scheduling: count a planned step's tokens as computed now, so the next step
+        can be planned while this one runs; ``sampling``: the batch indices that sample, each a
+        token pending for its request until ``resolve``. Loads computing in their own step are
+        left to ``resolve``: their tokens count only once every rank has acked the load."""
+        for i, item in enumerate(out.scheduled):
+            if item.loading:
+                continue
+            req = item.req
+            start = req.num_computed
+            req.num_computed += item.num_tokens
+            self._note_computed(req, start, req.num_computed)
+            if i in sampling:
+                req.num_pending += 1
+
+    def resolve(
+        self,
+        out: SchedulerOutput,
+        sampling: AbstractSet[int],
+        sampled: dict[int, tuple[int, bool]],
+        void: AbstractSet[int] = frozenset(),
+    ) -> list[Request]:
+        """Async scheduling's ``advance`` for a step ``commit`` counted when it was planned: its
+        sampled tokens join their requests (also one preempted since, whose token is as good as
+        in a synchronous run), loads computing in their step count their tokens now, and the
+        requests that ended are returned. A request aborted meanwhile takes nothing."""
+        finished: list[Request] = []
+        for i, item in enumerate(out.scheduled):
+            req = item.req
+            if item.loading:
+                if i in void:
+                    continue
+                start = req.num_computed
+                req.num_computed += item.num_tokens
+                self._note_computed(req, start, req.num_computed)
+            elif i in sampling:
+                req.num_pending -= 1
+            if req.finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.kv.publish(req)
+            if i not in sampled:
+                continue
+            token, eos = sampled[i]
+            req.tokens.append(token)
+            if eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif len(req.output) >= req.max_tokens:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+            else:
+                continue
+            finished.append(req)
+        return finished
+
     def process_reports(self, reports: list[StepReport]) -> None:
         """Count the ranks' acks; the loads that ended let their requests run, or start over."""
         if self.connector is None:
@@ -410,8 +471,11 @@ class Scheduler:
         gives its blocks back and waits to recompute from scratch."""
         if self.connector is not None:
             self.connector.reset(keep_tier=keep_tier)
+        for req in self.waiting:
+            req.num_pending = 0  # preempted while a lost step sampled for it
         moved: list[Request] = []
         for req in [*self.running, *self.loading]:
+            req.num_pending = 0  # the steps in flight are lost: their tokens are recomputed
             self.kv.free(req)
             if req.status is RequestStatus.FINISHED_ABORTED:
                 continue  # its load was what kept it

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from raykv.config import RaykvConfig
 from raykv.connector.worker import ConnectorWorker
 from raykv.core.step import BlockContent, StepPlan, StepReport
-from raykv.engine.core import RankFailed
+from raykv.engine.core import RankFailed, StepHandle, run_now
 from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
 from raykv.transfer.layout import KVLayout
@@ -144,6 +145,16 @@ class LocalWorker:
             remove_generations(self.shared.path)
 
 
+class _ThreadStep:
+    """A step running on the group's step thread."""
+
+    def __init__(self, future: Future[list[StepReport]]) -> None:
+        self._future = future
+
+    def result(self) -> list[StepReport]:
+        return self._future.result()
+
+
 class LocalWorkerGroup:
     """Every rank in this process; ``execute`` runs a plan on each and gathers the reports."""
 
@@ -168,6 +179,13 @@ class LocalWorkerGroup:
             # also when a test drops the group without shutdown, or the interpreter exits
             weakref.finalize(self, self.pool_files.remove)
         self.workers = [self._make(rank) for rank in range(cfg.parallel.tensor_parallel_size)]
+        # async scheduling with copy threads: the ranks run a step on a thread of their own
+        # while the engine plans the next (the model and copies release the GIL)
+        self._step_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="raykv-step")
+            if threaded and cfg.engine.async_scheduling
+            else None
+        )
 
     def _make(self, rank: int) -> LocalWorker:
         return LocalWorker(
@@ -197,6 +215,12 @@ class LocalWorkerGroup:
             raise RankFailed(dead, reports)
         return reports
 
+    def submit(self, plan: StepPlan) -> StepHandle:
+        """Run the plan on the step thread (async scheduling), else at once."""
+        if self._step_thread is None:
+            return run_now(self.execute, plan)
+        return _ThreadStep(self._step_thread.submit(self.execute, plan))
+
     def restart(self, ranks: list[int]) -> bool:
         """Replace dead ranks with fresh ones (empty KV shard). Returns whether every new rank
         found its predecessor's CPU-pool shard (shared memory); otherwise the shard is empty."""
@@ -218,6 +242,8 @@ class LocalWorkerGroup:
             fn(w)
 
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown()
         for w in self.workers:
             w.shutdown()
         if self.pool_files is not None:

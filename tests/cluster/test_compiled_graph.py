@@ -5,12 +5,12 @@ goes on with plain calls. Real rank actors, real graphs."""
 
 from __future__ import annotations
 
-import pickle
 import time
 
 import pytest
 import ray
 
+from raykv.cluster import wire
 from raykv.cluster.client import RaykvClient
 from raykv.cluster.compiled_group import CompiledWorkerGroup
 from raykv.config import load_config
@@ -40,6 +40,21 @@ def test_both_control_planes_give_the_one_process_engines_tokens(ray_session, pl
 
 
 @pytest.mark.parametrize("plane", ["graph", "calls"])
+def test_planning_ahead_on_rank_actors_survives_a_death_with_the_same_tokens(
+    ray_session, plane
+) -> None:
+    # engine.async_scheduling: each step planned while the rank actors run the one before;
+    # rank 1 dies in step 10, with the step after it already planned (and lost)
+    faults = 'faults=["kill-worker:step=10:rank=1"]'
+    sets = [*SETS, f"parallel.control_plane={plane}", "engine.async_scheduling=true", faults]
+    report = _run(sets)
+    assert report["control_plane"] == plane
+    assert report["rank_restarts"] == 1
+    assert report["requests_finished"] == 40 and report["integrity"]["mismatches"] == 0
+    assert report["output_digest"] == local_digest(SETS, True)
+
+
+@pytest.mark.parametrize("plane", ["graph", "calls"])
 def test_a_rank_that_hangs_past_the_step_timeout_is_replaced(ray_session, plane) -> None:
     # rank 1 sleeps 60 s in step 12; at a 4 s step timeout it is dead long before it wakes
     faults = 'faults=["stall-worker:step=12:rank=1:seconds=60"]'
@@ -61,10 +76,10 @@ class _Echo:
         self.last: tuple[int, bytes] | None = None
 
     def execute_blob(self, blob: bytes) -> bytes:
-        plan: StepPlan = pickle.loads(blob)
+        plan: StepPlan = wire.decode_plan(blob)
         if plan.step == 3 and self.rank == 1:
             time.sleep(30)  # hangs past the group's 2 s step timeout
-        reply = pickle.dumps(StepReport(self.rank, plan.step), protocol=5)
+        reply = wire.encode(StepReport(self.rank, plan.step))
         self.last = (plan.step, reply)
         return reply
 

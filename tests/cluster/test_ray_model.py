@@ -150,15 +150,26 @@ def test_the_main_job_chats_on_ray_each_answer_feeding_the_next_turn(
     assert report["ttft_s"]["p50"] > 0 and len(report["samples"]) == 6
 
 
-def test_the_model_step_bench_times_both_control_planes(ray_session, tmp_path: Path) -> None:
+def test_the_model_step_bench_times_both_control_planes_with_and_without_async(
+    ray_session, tmp_path: Path
+) -> None:
     from raykv.cluster.bench import format_model_share_table, run_model_share
 
     path, _ = checkpoint(tmp_path / "ckpt", "llama-llama3-untied")
     sets = [f"model.path={path}", "cache.block_size=4", "cache.num_gpu_blocks=40"]
     rows = run_model_share(load_config(None, sets), [2], batch=4, max_tokens=6)
-    assert [(r["tp"], r["control_plane"]) for r in rows] == [(2, "graph"), (2, "calls")]
+    assert [(r["tp"], r["control_plane"], r["async_scheduling"]) for r in rows] == [
+        (2, "graph", False),
+        (2, "graph", True),
+        (2, "calls", False),
+        (2, "calls", True),
+    ]
     for r in rows:
         assert r["batch"] == 4 and r["steps"] >= 6  # a prefill step, then the decodes
         assert 0 < r["ranks_busy_ms"] < r["step_ms"]
         assert r["outside_share"] == pytest.approx(1 - r["ranks_busy_ms"] / r["step_ms"])
+        assert r["tokens_per_s"] > 0
+        # a real model's TP ranks planned ahead: the same tokens as one step at a time
+        assert r["same_tokens_as_sync"]
+    assert [r["tokens_per_s_over_sync"] for r in rows][::2] == [1.0, 1.0]
     assert "outside" in format_model_share_table(rows)

@@ -64,6 +64,7 @@ def scenarios(draw):
         f"engine.schedule_policy={draw(st.sampled_from(['fcfs', 'shortest-prefill']))}",
         f"engine.max_bypass_steps={draw(st.sampled_from([1, 4, 16]))}",
         f"engine.short_prefill_alone={draw(st.sampled_from([0, 16, 64]))}",
+        f"engine.async_scheduling={draw(st.sampled_from(['true', 'false']))}",
         f"engine.max_num_seqs={draw(st.sampled_from([1, 3, 6]))}",
         f"engine.max_num_batched_tokens={draw(st.sampled_from([8, 16, 48]))}",
         f"engine.keep_finished={'true' if keep_finished else 'false'}",
@@ -124,4 +125,4 @@ def test_random_runs_keep_every_invariant_and_match_the_run_without_offload(scen
         engine = EngineCore(cfg, workers, verify=True)
         outputs, aborted, seen = fuzz.drive(engine, specs, chaos)
         fuzz.check_drained(engine, workers, seen)
-    fuzz.compare(outputs, aborted, fuzz.reference_outputs(cfg, specs))
+    fuzz.compare(outputs, aborted, fuzz.reference_outputs(sets, specs))

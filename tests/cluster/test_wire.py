@@ -1,0 +1,57 @@
+"""The step message on the wire (``cluster/wire.py``): every plan of a real run, with the
+synthetic model's expected block contents and checksummed loads, and reports with a real
+model's logprobs, come back equal to what was sent."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from raykv.cluster import wire
+from raykv.cluster.bench import record_plans
+from raykv.config import load_config
+from raykv.core.step import (
+    SamplingSpec,
+    StepReport,
+    TokenLogprobs,
+    TransferReport,
+    TransferStats,
+)
+
+
+def test_every_plan_of_a_run_with_loads_stores_and_checks_comes_back_equal() -> None:
+    cfg = load_config(
+        "configs/synthetic.yaml",
+        ["offload.verify=true", "workload.num_requests=40"],
+    )
+    plans = record_plans(cfg, 400)
+    assert any(p.transfers.loads and p.transfers.loads[0].expect for p in plans)
+    assert any(p.transfers.stores for p in plans)
+    for plan in plans:
+        assert wire.decode_plan(wire.encode(plan)) == plan
+
+
+def test_a_plan_with_sampling_settings_comes_back_equal() -> None:
+    plan = record_plans(load_config(None, ["workload.num_requests=4"]), 3)[-1]
+    plan.batch[0].sampling = SamplingSpec(temperature=0.7, top_p=0.9, top_k=5, seed=3, logprobs=2)
+    back = wire.decode_plan(wire.encode(plan))
+    assert back == plan and back.batch[0].sampling == plan.batch[0].sampling
+
+
+def test_a_report_with_logprobs_acks_and_stats_comes_back_equal() -> None:
+    report = StepReport(
+        rank=1,
+        step=17,
+        transfers=TransferReport([3, 4], [5], TransferStats(store_jobs=2, store_seconds=0.25), [5]),
+        samples=[101, 0, 2**61 - 2],
+        logprobs=[TokenLogprobs(-0.5, {101: -0.5, 7: -1.25}), None, TokenLogprobs(-3.0)],
+        busy_s=0.0125,
+    )
+    back = wire.decode_report(wire.encode(report))
+    assert back == report
+    assert back.logprobs[0] is not None and back.logprobs[0].top == {101: -0.5, 7: -1.25}
+
+
+def test_bytes_that_are_not_a_report_are_refused() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_report(wire.encode(record_plans(load_config(None, []), 1)[0]))
