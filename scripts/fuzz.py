@@ -17,7 +17,8 @@ CPU tier whose every readable chunk holds the right bytes on every rank, and the
 run without offloading and without the client's mischief (an aborted request: a prefix of
 them).
 
-Usage: python scripts/fuzz.py --steps 1000000 [--seed S]   (CI runs a short version)
+Usage: python scripts/fuzz.py --steps 1000000 [--seed S] [--jobs N] [--async-scheduling on]
+(CI runs a short version)
 Exit status 1, with the seed and episode to replay, on the first violation.
 """
 
@@ -251,7 +252,17 @@ def run_episode(
     return steps
 
 
-def worker(seed: int, first: int, stride: int, quota: int, quiet: bool) -> tuple[int, int, str]:
+def force_async(sets: list[str], mode: str) -> list[str]:
+    """The episode's settings with async scheduling as ``mode`` says (``mixed``: as drawn)."""
+    if mode == "mixed":
+        return sets
+    key = "engine.async_scheduling="
+    return [f"{key}{'true' if mode == 'on' else 'false'}" if s.startswith(key) else s for s in sets]
+
+
+def worker(
+    seed: int, first: int, stride: int, quota: int, quiet: bool, mode: str = "mixed"
+) -> tuple[int, int, str]:
     """Run episodes first, first + stride, ... until ``quota`` steps: (episodes, steps, error)."""
     start = time.perf_counter()
     total = episodes = 0
@@ -259,6 +270,7 @@ def worker(seed: int, first: int, stride: int, quota: int, quiet: bool) -> tuple
     while total < quota:
         rng = random.Random(f"{seed}/{ep}")
         sets, workload, max_delay, chaos, threaded = episode(rng)
+        sets = force_async(sets, mode)
         try:
             total += run_episode(sets, dict(workload), max_delay, ep, chaos, threaded)
         except Exception:
@@ -288,23 +300,34 @@ def main() -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--episode", type=int, help="replay only this episode (from a FAIL line)")
     ap.add_argument("--jobs", type=int, default=1, help="processes running episodes in parallel")
+    ap.add_argument(
+        "--async-scheduling",
+        choices=["mixed", "on", "off"],
+        default="mixed",
+        help="plan steps ahead in every episode (on), none (off), or as each episode draws",
+    )
     args = ap.parse_args()
     start = time.perf_counter()
     if args.episode is not None:
         sets, workload, max_delay, chaos, threaded = episode(
             random.Random(f"{args.seed}/{args.episode}")
         )
+        sets = force_async(sets, args.async_scheduling)
         steps = run_episode(sets, dict(workload), max_delay, args.episode, chaos, threaded)
         print(f"ok: episode {args.episode}, {steps} steps")
         return 0
     jobs = max(1, args.jobs)
     quota = cdiv(args.steps, jobs)
     if jobs == 1:
-        results = [worker(args.seed, 0, 1, quota, args.quiet)]
+        results = [worker(args.seed, 0, 1, quota, args.quiet, args.async_scheduling)]
     else:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             results = pool.starmap(
-                worker, [(args.seed, k, jobs, quota, args.quiet) for k in range(jobs)]
+                worker,
+                [
+                    (args.seed, k, jobs, quota, args.quiet, args.async_scheduling)
+                    for k in range(jobs)
+                ],
             )
     episodes = sum(r[0] for r in results)
     total = sum(r[1] for r in results)

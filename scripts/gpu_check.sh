@@ -14,7 +14,7 @@ DIR="${1:-${OUT:-gpu-results}}"
 mkdir -p "$DIR"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-if ! "$PY" -c "import pydantic, yaml, rich" 2>/dev/null && [ -d .whl ]; then
+if ! "$PY" -c "import pydantic, msgspec, yaml, rich" 2>/dev/null && [ -d .whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/raykv-site .whl/*.whl && export PYTHONPATH="/tmp/raykv-site:${PYTHONPATH:-}"
 fi

@@ -26,6 +26,12 @@ def test_fuzz_short() -> None:
     assert "0 violations" in out and out.startswith("ok:")
 
 
+def test_fuzz_short_with_every_step_planned_ahead() -> None:
+    argv = ["--steps", "3000", "--seed", "5", "--quiet", "--async-scheduling", "on"]
+    out = run(str(SCRIPTS / "fuzz.py"), *argv)
+    assert "0 violations" in out and out.startswith("ok:")
+
+
 def test_soak_short() -> None:
     out = run(str(SCRIPTS / "soak.py"), "--requests", "300", "--sample-every", "50", "--quiet")
     assert out.startswith("ok: 300 requests")

@@ -2,17 +2,18 @@
 back. Each has a transfer part (the connector's: jobs to flush, load and store; their acks) and
 a model part (the batch to compute; the sampled results).
 
-Plain data: ints and lists, cheap to build, to pickle for Ray, and to check in tests. Ranks see
-job ids, GPU block ids and CPU slots; they never see requests' fence bookkeeping.
+Plain data: ints and lists in msgspec records (slotted like ``dataclass(slots=True)``), cheap to
+build, to check in tests, and to encode for Ray as MessagePack arrays (``cluster/wire.py``).
+Ranks see job ids, GPU block ids and CPU slots; they never see requests' fence bookkeeping.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
+from msgspec import field
 
 
-@dataclass(slots=True)
-class BlockCopy:
+class BlockCopy(msgspec.Struct, array_like=True):
     """The blocks one transfer job moves, as parallel lists (one entry per GPU block).
 
     ``sub_blocks[i]`` is the position of ``gpu_blocks[i]`` inside the chunk stored in
@@ -28,8 +29,7 @@ class BlockCopy:
         return len(self.gpu_blocks)
 
 
-@dataclass(slots=True)
-class BlockContent:
+class BlockContent(msgspec.Struct, array_like=True):
     """What a GPU block must hold: its KV group, the chained hash of the blocks before it, and
     its tokens. The synthetic model's KV is a function of exactly this (plus layer and rank)."""
 
@@ -38,8 +38,7 @@ class BlockContent:
     tokens: tuple[int, ...]
 
 
-@dataclass(slots=True)
-class TransferSpec:
+class TransferSpec(msgspec.Struct, array_like=True):
     """One job: one request's transfer in one direction for one step, on every rank."""
 
     job_id: int
@@ -55,8 +54,7 @@ class TransferSpec:
     same_step: bool = False
 
 
-@dataclass(slots=True)
-class WriteSpan:
+class WriteSpan(msgspec.Struct, array_like=True):
     """KV the model writes this step for one request in one KV group: tokens at positions
     ``start .. start+len(tokens)-1`` go to ``blocks`` (one entry per block the span touches, in
     order) whose parent hashes are ``parent_hashes``."""
@@ -68,8 +66,7 @@ class WriteSpan:
     parent_hashes: list[int]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
+class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
     """How a real model picks a request's tokens (the synthetic model ignores it): greedy at
     temperature 0; ``logprobs``: how many top log-probabilities to report besides the sampled
     token's (None: report none)."""
@@ -81,16 +78,14 @@ class SamplingSpec:
     logprobs: int | None = None
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True):
     """The sampled token's log-probability and the top ones (token id -> log-probability)."""
 
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class ModelOutput:
+class ModelOutput(msgspec.Struct, array_like=True):
     """What a rank's model answers for a step: per batch entry its part of the next token
     (0 for an entry that does not sample), and with a real model each sample's logprobs."""
 
@@ -98,8 +93,7 @@ class ModelOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class ModelEntry:
+class ModelEntry(msgspec.Struct, array_like=True):
     """One request in this step's model batch."""
 
     req_index: int  # the request's position in the batch reply
@@ -124,8 +118,7 @@ class ModelEntry:
         return self.writes[0].tokens
 
 
-@dataclass(slots=True)
-class TransferPlan:
+class TransferPlan(msgspec.Struct, array_like=True):
     """The transfer part of a step: jobs to finish now, jobs to report again, jobs to start
     (loads before the model step, stores after it)."""
 
@@ -136,8 +129,7 @@ class TransferPlan:
     stores: list[TransferSpec] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class StepPlan:
+class StepPlan(msgspec.Struct, array_like=True):
     """The whole plan for one step, identical for every rank."""
 
     step: int
@@ -145,8 +137,7 @@ class StepPlan:
     batch: list[ModelEntry] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class TransferStats:
+class TransferStats(msgspec.Struct, array_like=True):
     """Per rank, per step: bytes and seconds spent copying, per direction."""
 
     store_jobs: int = 0
@@ -165,12 +156,11 @@ class TransferStats:
     corrupt_detected: int = 0  # of those, rows whose bytes no longer matched
 
     def add(self, other: TransferStats) -> None:
-        for name in self.__slots__:
+        for name in self.__struct_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-@dataclass(slots=True)
-class TransferReport:
+class TransferReport(msgspec.Struct, array_like=True):
     """The transfer part of a rank's reply: jobs that ended on it since its last report."""
 
     completed: list[int] = field(default_factory=list)
@@ -179,8 +169,7 @@ class TransferReport:
     corrupt: list[int] = field(default_factory=list)  # failed loads that read corrupt bytes
 
 
-@dataclass(slots=True)
-class StepReport:
+class StepReport(msgspec.Struct, array_like=True):
     """One rank's reply to one step."""
 
     rank: int

@@ -8,9 +8,11 @@ so a later prompt can reuse an earlier one's KV from the GPU prefix cache or the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from msgspec.structs import replace
 
 from raykv.config import ConfigError, RaykvConfig
 from raykv.core.request import REJECTED, RequestStatus

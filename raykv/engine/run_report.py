@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from msgspec import structs
+
 from raykv.engine.latency import LatencyBook
 from raykv.engine.stats import EngineStats
 
@@ -162,7 +164,7 @@ class RunReport:
             steps=stats.steps,
             idle_steps=stats.idle_steps,
             wall_seconds=seconds,
-            ranks=[asdict(r) for r in stats.per_rank],
+            ranks=[structs.asdict(r) for r in stats.per_rank],
             cpu_tier=CpuTierSummary(d.capacity, d.used, d.evictions, d.policy) if d else None,
             acks=AckCounts(a.acks, a.unknown, a.stale, a.duplicate) if a else None,
         )

@@ -310,12 +310,12 @@ class Scheduler:
         that landed lets its request run). Returns the batch indices whose computed tokens do
         not count: requests that computed beside their load, where the load failed or is not
         yet acked by every rank (a late or lost ack: the request waits for it and computes those
-        tokens again)."""
-        self.process_reports(reports)
+        tokens again). Only a load that lands in these very reports counts: a request whose load
+        was cancelled while a step planned ahead ran (``reset_offload``) may already run again,
+        admitted afresh, and those tokens are not its."""
+        landed = self.process_reports(reports)
         return {
-            i
-            for i, item in enumerate(out.scheduled)
-            if item.loading and item.req.status is not RequestStatus.RUNNING
+            i for i, item in enumerate(out.scheduled) if item.loading and item.req not in landed
         }
 
     def advance(
@@ -402,18 +402,22 @@ class Scheduler:
             finished.append(req)
         return finished
 
-    def process_reports(self, reports: list[StepReport]) -> None:
-        """Count the ranks' acks; the loads that ended let their requests run, or start over."""
+    def process_reports(self, reports: list[StepReport]) -> set[Request]:
+        """Count the ranks' acks; the loads that ended let their requests run, or start over.
+        Returns the requests whose load landed and that run now."""
+        landed: set[Request] = set()
         if self.connector is None:
-            return
+            return landed
         for load in self.connector.process_reports(reports):
             req = self._finish_load(load.req, load.ok)
             if req is None or req.finished:
                 continue
             if load.ok:
                 self.kv.publish(req)
+                landed.add(req)
             else:
                 self.connector.release_blocks(req)  # it starts over, in new blocks
+        return landed
 
     def _finish_load(self, req: Request, ok: bool) -> Request | None:
         """A load ended. On success the request runs on from after the loaded tokens. On failure

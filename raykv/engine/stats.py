@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from msgspec import structs
+
 from raykv.connector.jobs import AckStats
 from raykv.connector.stats import ConnectorStats
 from raykv.core.step import TransferStats
@@ -55,8 +57,8 @@ def snapshot(engine: EngineCore) -> EngineStats:
         step_seconds=t.step_seconds,
         ranks_busy_seconds=t.ranks_busy_seconds,
         scheduler=replace(engine.scheduler.stats),
-        transfer=replace(t.transfer),
-        per_rank=[replace(r) for r in t.per_rank],
+        transfer=structs.replace(t.transfer),
+        per_rank=[structs.replace(r) for r in t.per_rank],
         connector=replace(c.stats) if c is not None else None,
         directory=c.directory.stats() if c is not None else None,
         acks=replace(c.jobs.stats) if c is not None else None,

@@ -4,9 +4,9 @@ events stream to the client."""
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 
+import msgspec
 import psutil
 import pytest
 
@@ -200,7 +200,7 @@ def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
         def after_step(_progress: dict) -> None:
             metrics.update()
             c = engine.connector
-            per_rank = [dataclasses.asdict(r) for r in engine.totals.per_rank]
+            per_rank = [msgspec.structs.asdict(r) for r in engine.totals.per_rank]
             steps.append({"ranks": per_rank, "jobs": len(c.jobs)})
 
         report = run_workload(engine, make_workload(cfg), progress=after_step)

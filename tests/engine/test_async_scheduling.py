@@ -182,3 +182,50 @@ def test_a_rank_death_while_planning_ahead_loses_only_the_unsent_plan() -> None:
     assert ahead["output_digest"] == sync["output_digest"]
     assert ahead["integrity"]["mismatches"] == 0
     assert all(r.num_pending == 0 for r in engine.requests.values())
+
+
+def _tier_served_tokens(reset_while_loading: bool) -> tuple[list[int], int]:
+    from tests.connector.harness import Runner, tokens
+
+    r = Runner(
+        block_size=4,
+        load_in_step=True,
+        max_num_seqs=2,
+        settings=("engine.async_scheduling=true",),
+    )
+    prompt = tokens(13)
+    r.offload("a", prompt)
+    # c keeps steps going, so b is admitted in a step planned ahead (and in flight between
+    # two calls of step)
+    r.add("c", tokens(6, 500), max_tokens=12)
+    r.step(2)
+    b = r.add("b", [*prompt, 99], max_tokens=4)
+    resets = 0
+    for _ in range(200):
+        if not r.engine.has_work():
+            break
+        ahead = r.engine._in_flight
+        if (
+            reset_while_loading
+            and not resets
+            and ahead is not None
+            and any(s.loading and s.req is b for s in ahead.sched.scheduled)
+        ):
+            # b's load and the rest of its prompt are on their way: empty the tier under them
+            r.engine.reset_offload()
+            resets += 1
+        r.step()
+        r.engine.check_invariants()
+    r.drained()
+    r.close()
+    return b.output, resets
+
+
+def test_a_load_cancelled_while_its_step_is_in_flight_does_not_count_for_the_readmission() -> None:
+    # the reset sends b back to waiting and it is admitted afresh (recomputing) in the step
+    # planned while the cancelled load's step runs: that step's tokens beside the cancelled
+    # load are not the new admission's
+    served, _ = _tier_served_tokens(reset_while_loading=False)
+    recomputed, resets = _tier_served_tokens(reset_while_loading=True)
+    assert resets == 1
+    assert recomputed == served and len(served) == 4
