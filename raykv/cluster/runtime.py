@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from raykv.transfer.pool_files import process_alive
+
 LOOPBACK = "127.0.0.1"
 NAMESPACE = "raykv"
 
@@ -44,7 +46,7 @@ def remove_channel_semaphores(pid: int, directory: Path = SEMAPHORE_DIR) -> int:
     """Once process ``pid`` has exited (waiting up to ``RAYLET_EXIT_S``), remove the channel
     semaphores named after it; returns how many. Nothing while it lives: they may be in use."""
     deadline = time.monotonic() + RAYLET_EXIT_S
-    while _alive(pid):
+    while process_alive(pid):
         if time.monotonic() >= deadline:
             return 0
         time.sleep(0.05)
@@ -55,16 +57,6 @@ def remove_channel_semaphores(pid: int, directory: Path = SEMAPHORE_DIR) -> int:
                 path.unlink()
                 removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
 
 
 def _raylet_pid() -> int | None:

@@ -221,6 +221,14 @@ class ConnectorScheduler:
         self.step = step + 1  # jobs created from now on (loads at admission) belong to the next
         return plan
 
+    def carry_flushes(self, plan: TransferPlan) -> None:
+        """A plan that was built but never sent (async scheduling drops the plan made ahead
+        when a rank fails): the flushes it carried go in the next plan, which is the one that
+        must finish every abandoned job before its blocks and slots are used again (its loads
+        and stores never ran: they are jobs the recovery has abandoned with the others)."""
+        for job_id in plan.flush:
+            self._flush.setdefault(job_id, "reset")
+
     def _nudge_overdue(self) -> None:
         """Jobs unacked for a while are flushed again: a rank that finished one but whose report
         was lost reports it once more; one still copying finishes it now."""

@@ -272,6 +272,7 @@ class EngineCore:
         except RankFailed as failure:
             self._absorb(failure.reports)
             self.recover(failure.dead)
+            self._drop(ahead)
             return []
         finished = self._update(current.sched, current.plan, reports, current.sampling)
         self._timed(started, reports)
@@ -279,10 +280,17 @@ class EngineCore:
         silent = self.scheduler.silent_ranks(step, self.cfg.engine.rank_timeout_steps)
         if silent:
             self.recover(silent)
+            self._drop(ahead)
         elif ahead is not None:
             fill_pending(ahead.plan.batch, ahead.sched.scheduled, ahead.pending)
             self._in_flight = self._send(ahead)
         return finished
+
+    def _drop(self, planned: PlannedStep | None) -> None:
+        """Forget a plan made ahead that will never be sent (the recovery has just reset what
+        it counted); the jobs it was to flush are flushed by the next plan instead."""
+        if planned is not None and self.connector is not None:
+            self.connector.carry_flushes(planned.plan.transfers)
 
     def _send(self, planned: PlannedStep) -> PlannedStep:
         planned.handle = self.workers.submit(planned.plan)

@@ -331,22 +331,27 @@ class Scheduler:
             if i in void:
                 continue
             req = item.req
-            start = req.num_computed
-            req.num_computed += item.num_tokens
-            self._note_computed(req, start, req.num_computed)
+            self._count_computed(req, item.num_tokens)
             self.kv.publish(req)
-            if i not in sampled:
-                continue
-            token, eos = sampled[i]
-            req.tokens.append(token)
-            if eos:
-                self.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif len(req.output) >= req.max_tokens:
-                self.finish(req, RequestStatus.FINISHED_LENGTH)
-            else:
-                continue
-            finished.append(req)
+            if i in sampled and self._take_token(req, *sampled[i]):
+                finished.append(req)
         return finished
+
+    def _count_computed(self, req: Request, num_tokens: int) -> None:
+        start = req.num_computed
+        req.num_computed += num_tokens
+        self._note_computed(req, start, req.num_computed)
+
+    def _take_token(self, req: Request, token: int, eos: bool) -> bool:
+        """The request's newly sampled token; whether it ended the request (EOS, max_tokens)."""
+        req.tokens.append(token)
+        if eos:
+            self.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif len(req.output) >= req.max_tokens:
+            self.finish(req, RequestStatus.FINISHED_LENGTH)
+        else:
+            return False
+        return True
 
     def commit(self, out: SchedulerOutput, sampling: AbstractSet[int]) -> None:
         """Async scheduling: count a planned step's tokens as computed now, so the next step
@@ -356,12 +361,9 @@ class Scheduler:
         for i, item in enumerate(out.scheduled):
             if item.loading:
                 continue
-            req = item.req
-            start = req.num_computed
-            req.num_computed += item.num_tokens
-            self._note_computed(req, start, req.num_computed)
+            self._count_computed(item.req, item.num_tokens)
             if i in sampling:
-                req.num_pending += 1
+                item.req.num_pending += 1
 
     def resolve(
         self,
@@ -380,26 +382,15 @@ class Scheduler:
             if item.loading:
                 if i in void:
                     continue
-                start = req.num_computed
-                req.num_computed += item.num_tokens
-                self._note_computed(req, start, req.num_computed)
+                self._count_computed(req, item.num_tokens)
             elif i in sampling:
                 req.num_pending -= 1
             if req.finished:
                 continue
             if req.status is RequestStatus.RUNNING:
                 self.kv.publish(req)
-            if i not in sampled:
-                continue
-            token, eos = sampled[i]
-            req.tokens.append(token)
-            if eos:
-                self.finish(req, RequestStatus.FINISHED_STOPPED)
-            elif len(req.output) >= req.max_tokens:
-                self.finish(req, RequestStatus.FINISHED_LENGTH)
-            else:
-                continue
-            finished.append(req)
+            if i in sampled and self._take_token(req, *sampled[i]):
+                finished.append(req)
         return finished
 
     def process_reports(self, reports: list[StepReport]) -> set[Request]:

@@ -91,7 +91,7 @@ def successor_path(path: str, predecessor: tuple[int, int | None], wait_s: float
     pid, ns = predecessor
     visible = ns is not None and ns == process_id()[1]
     deadline = time.monotonic() + wait_s
-    while not visible or _alive(pid):
+    while not visible or process_alive(pid):
         if not visible or time.monotonic() >= deadline:
             m = re.search(r"g(\d+)\.pool$", path)
             if m is None:
@@ -135,7 +135,7 @@ def sweep_stale(directory: str, keep_owner: str | None = None) -> list[str]:
         m = _NAME_RE.match(os.path.basename(path))
         if m is None or owner_of(path) == keep_owner:
             continue
-        if m["host"] == host and _alive(int(m["pid"])):
+        if m["host"] == host and process_alive(int(m["pid"])):
             continue  # its run is alive
         if _remove_unheld(path):
             removed.append(path)
@@ -160,7 +160,7 @@ def _remove_unheld(path: str) -> bool:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """The process exists and is not a zombie (a zombie has let go of its memory already)."""
     try:
         os.kill(pid, 0)
