@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any, NoReturn
 
 import ray
@@ -29,7 +30,7 @@ import ray
 from raykv.cluster import wire
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.core.step import StepPlan, StepReport
-from raykv.engine.core import RankFailed, StepHandle
+from raykv.engine.core import RankFailed, SentStep, StepHandle
 
 log = logging.getLogger(__name__)
 # Ray narrates every teardown at INFO (four lines per run, more per restart): keep its warnings
@@ -83,13 +84,20 @@ class CompiledWorkerGroup(RayWorkerGroup):
         blob = wire.encode(plan)
         started = time.monotonic()
         try:
-            return _GraphStep(self, plan.step, started, self._graph.execute(blob))  # one per rank
+            refs = self._graph.execute(blob)  # one per rank
         except Exception as exc:  # the graph failed before the step ran: the result says how
-            return _GraphStep(self, plan.step, started, [], exc)
+            return SentStep(partial(self._gather_graph, plan.step, started, [], exc))
+        return SentStep(partial(self._gather_graph, plan.step, started, refs))
 
-    def _gather_graph(self, step: int, started: float, refs: list[Any]) -> list[StepReport]:
+    def _gather_graph(
+        self, step: int, started: float, refs: list[Any], error: Exception | None = None
+    ) -> list[StepReport]:
+        """The ranks' replies to ``step`` (``error``: what sending it raised, judged the same
+        way as a failed get)."""
         timeout = self._timeout
         try:
+            if error is not None:
+                raise error
             replies = [ref.get(timeout=self._left(started, timeout)) for ref in refs]
         except ray.exceptions.RayTaskError:
             raise  # the step itself raised on a rank: a bug, as with plain calls, not a death
@@ -155,29 +163,6 @@ class CompiledWorkerGroup(RayWorkerGroup):
     def shutdown(self) -> None:
         """Leave the graph: the ranks answer plain calls only from then on."""
         self._teardown()
-
-
-class _GraphStep:
-    """A step sent through the graph: one reference per rank (or the error sending raised)."""
-
-    def __init__(
-        self,
-        group: CompiledWorkerGroup,
-        step: int,
-        started: float,
-        refs: list[Any],
-        error: Exception | None = None,
-    ) -> None:
-        self._group, self._step, self._started = group, step, started
-        self._refs, self._error = refs, error
-
-    def result(self) -> list[StepReport]:
-        if self._error is None:
-            return self._group._gather_graph(self._step, self._started, self._refs)
-        error = self._error
-        if isinstance(error, _RANK_FAILURES) and not isinstance(error, ray.exceptions.RayTaskError):
-            self._group._failed(self._step, self._started, error)
-        raise error
 
 
 def compile_fanout(workers: list[Any], method: str, timeout: float) -> Any:

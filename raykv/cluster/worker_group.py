@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import ray
@@ -20,7 +21,7 @@ from raykv.cluster import wire
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo, needs_tp_group
 from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
-from raykv.engine.core import RankFailed, StepHandle
+from raykv.engine.core import RankFailed, SentStep, StepHandle
 
 
 class RayWorkerGroup:
@@ -82,7 +83,7 @@ class RayWorkerGroup:
         """Send the plan to every rank; the handle's ``result`` gathers the replies."""
         blob = wire.encode(plan)
         refs = [w.execute_blob.remote(blob) for w in self.workers]
-        return _CallsStep(self, refs, time.monotonic())
+        return SentStep(partial(self._gather, refs, time.monotonic()))
 
     def _gather(self, refs: list[Any], sent: float) -> list[StepReport]:
         timeout = self.step_timeout_s
@@ -135,16 +136,6 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Nothing to release: plain calls hold nothing between steps."""
-
-
-class _CallsStep:
-    """A step sent by plain calls: one reference per rank."""
-
-    def __init__(self, group: RayWorkerGroup, refs: list[Any], sent: float) -> None:
-        self._group, self._refs, self._sent = group, refs, sent
-
-    def result(self) -> list[StepReport]:
-        return self._group._gather(self._refs, self._sent)
 
 
 def make_worker_group(

@@ -64,6 +64,17 @@ class DoneStep:
         return self.reports
 
 
+@dataclass(slots=True)
+class SentStep:
+    """A step on its way: ``gather`` waits for the replies (what a worker group's ``submit``
+    hands back when the replies come later)."""
+
+    gather: Callable[[], list[StepReport]]
+
+    def result(self) -> list[StepReport]:
+        return self.gather()
+
+
 def run_now(execute: Callable[[StepPlan], list[StepReport]], plan: StepPlan) -> DoneStep:
     """Run a step at once, its failure kept for ``result``."""
     try:
@@ -88,14 +99,14 @@ class Workers(Protocol):
 
 @dataclass(slots=True)
 class PlannedStep:
-    """A step planned, and once sent its handle; ``pending``: its entries whose tokens wait
-    for the step before's samples, ``sampling``: its entries that sample."""
+    """A step planned. Planned ahead (async scheduling): ``pending``, its entries whose tokens
+    wait for the step before's samples, and ``sampling``, its entries that sample (both empty
+    one step at a time)."""
 
     sched: SchedulerOutput
     plan: StepPlan
-    pending: list[int]
-    sampling: frozenset[int]
-    handle: StepHandle | None = None
+    pending: list[int] = field(default_factory=list)
+    sampling: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -186,7 +197,7 @@ class EngineCore:
         # async scheduling: the next step is planned while the ranks run this one, its
         # decodes' input tokens written in once this one answers (``engine/batch.py``)
         self.async_scheduling = cfg.engine.async_scheduling
-        self._in_flight: PlannedStep | None = None
+        self._in_flight: tuple[PlannedStep, StepHandle] | None = None
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.latency = LatencyBook()
@@ -262,13 +273,12 @@ class EngineCore:
         answered and been absorbed, its pending tokens filled in, so the ranks never hold two
         steps and a failure loses just the unsent plan (recovery starts over anyway)."""
         started = time.perf_counter()
-        current = self._in_flight or self._send(self._schedule())
+        current, handle = self._in_flight or self._send(self._schedule())
         self._in_flight = None
         busy = self.scheduler.has_unfinished() or self.scheduler.has_pending_transfers()
         ahead = self._schedule() if busy else None
-        assert current.handle is not None
         try:
-            reports = current.handle.result()
+            reports = handle.result()
         except RankFailed as failure:
             self._absorb(failure.reports)
             self.recover(failure.dead)
@@ -292,9 +302,8 @@ class EngineCore:
         if planned is not None and self.connector is not None:
             self.connector.carry_flushes(planned.plan.transfers)
 
-    def _send(self, planned: PlannedStep) -> PlannedStep:
-        planned.handle = self.workers.submit(planned.plan)
-        return planned
+    def _send(self, planned: PlannedStep) -> tuple[PlannedStep, StepHandle]:
+        return planned, self.workers.submit(planned.plan)
 
     def _timed(self, started: float, reports: list[StepReport]) -> None:
         self.totals.step_seconds += time.perf_counter() - started
@@ -307,10 +316,11 @@ class EngineCore:
         self.totals.steps += 1
         if not sched.scheduled:
             self.totals.idle_steps += 1
+        if not self.async_scheduling:
+            return PlannedStep(sched, plan)
         sampling = frozenset(i for i, entry in enumerate(batch) if entry.read_blocks)
         planned = PlannedStep(sched, plan, pending_entries(sched.scheduled), sampling)
-        if self.async_scheduling:
-            self.scheduler.commit(sched, sampling)
+        self.scheduler.commit(sched, sampling)
         return planned
 
     def _update(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raykv.config import RaykvConfig
@@ -145,16 +145,6 @@ class LocalWorker:
             remove_generations(self.shared.path)
 
 
-class _ThreadStep:
-    """A step running on the group's step thread."""
-
-    def __init__(self, future: Future[list[StepReport]]) -> None:
-        self._future = future
-
-    def result(self) -> list[StepReport]:
-        return self._future.result()
-
-
 class LocalWorkerGroup:
     """Every rank in this process; ``execute`` runs a plan on each and gathers the reports."""
 
@@ -219,7 +209,7 @@ class LocalWorkerGroup:
         """Run the plan on the step thread (async scheduling), else at once."""
         if self._step_thread is None:
             return run_now(self.execute, plan)
-        return _ThreadStep(self._step_thread.submit(self.execute, plan))
+        return self._step_thread.submit(self.execute, plan)  # a Future: ``result`` waits
 
     def restart(self, ranks: list[int]) -> bool:
         """Replace dead ranks with fresh ones (empty KV shard). Returns whether every new rank

@@ -204,12 +204,12 @@ def _tier_served_tokens(reset_while_loading: bool) -> tuple[list[int], int]:
     for _ in range(200):
         if not r.engine.has_work():
             break
-        ahead = r.engine._in_flight
+        in_flight = r.engine._in_flight
         if (
             reset_while_loading
             and not resets
-            and ahead is not None
-            and any(s.loading and s.req is b for s in ahead.sched.scheduled)
+            and in_flight is not None
+            and any(s.loading and s.req is b for s in in_flight[0].sched.scheduled)
         ):
             # b's load and the rest of its prompt are on their way: empty the tier under them
             r.engine.reset_offload()
