@@ -475,6 +475,37 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from raykv.serve.app import ServeOptions, Server
+
+    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
+    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
+    cfg = load_config(args.config, overrides, defaults)
+    _check_device(cfg, "ray", args.address)
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        replicas=args.replicas,
+        router=args.router,
+        # from the environment by preference: a flag shows in the process list
+        api_key=args.api_key or os.environ.get("RAYKV_API_KEY") or None,
+        insecure=args.insecure,
+    )
+    err = Console(stderr=True)
+    server = Server(cfg, options, address=args.address)  # bad options refused here, by name
+    with err.status(f"starting {options.replicas} replica(s) of {cfg.model.path}..."):
+        server.start()
+    try:
+        auth = " (API key required)" if options.api_key else ""
+        where = f"{server.url}/v1{auth}"
+        err.print(f"serving {cfg.model.path} at {where}; Ctrl-C stops", highlight=False)
+        server.wait()
+    finally:
+        with err.status("stopping..."):
+            server.stop()
+    return 0
+
+
 def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.file, args.set or ())
     console.print(f"{args.file}: ok", highlight=False)
@@ -705,6 +736,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", help="write the outputs and the run report to this JSON file")
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on Ray Serve")
+    srv.add_argument("--config", help="YAML config (default: built-in defaults)")
+    srv.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    srv.add_argument(
+        "--model",
+        help="a preset (smollm2-135m-instruct, the default), a Hugging Face directory or a "
+        ".gguf file (model.path)",
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="where to listen (default: loopback)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--replicas", type=_positive_int, default=1, help="engine replicas")
+    srv.add_argument(
+        "--router",
+        default="pow2",
+        help="how requests pick a replica: pow2 (Serve's power of two choices, the default) "
+        "or prefix (Ray Serve LLM's text prefix tree)",
+    )
+    srv.add_argument(
+        "--api-key", help="require this bearer key (better: set RAYKV_API_KEY, kept out of ps)"
+    )
+    srv.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback --host without a key"
+    )
+    srv.add_argument(
+        "--address", help="the Ray cluster to join; default: RAY_ADDRESS, else an embedded Ray"
+    )
+    srv.set_defaults(func=_cmd_serve)
 
     cfg = sub.add_parser("config", help="configuration tools").add_subparsers(
         dest="config", required=True

@@ -105,7 +105,10 @@ class OffloadConfig(_Strict):
     max_tracker_size: int = Field(
         default=64_000, gt=0, description="Keys remembered by the store_threshold filter."
     )
-    events: bool = Field(default=True, description="Emit BlockStored/BlockRemoved KV events.")
+    events: bool = Field(
+        default=True,
+        description="Emit BlockStored/BlockRemoved KV events (GPU prefix cache and CPU tier).",
+    )
     shared_pool: bool = Field(
         default=True,
         description="Keep each rank's CPU-pool shard in shared memory (a file in "

@@ -38,3 +38,14 @@ def mooncake_trace() -> Path:
     if not MOONCAKE_TRACE.exists():
         pytest.skip(f"shipped trace not found at {MOONCAKE_TRACE}")
     return MOONCAKE_TRACE
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (starting it costs seconds; actors cost more),
+    shared by the cluster and the serving tests."""
+    from raykv.cluster.runtime import connect
+
+    handle = connect(num_cpus=8)
+    yield handle
+    handle.shutdown()

@@ -387,7 +387,8 @@ class RaykvClient:
         return self._with_client_fields(ray.get(self.server.report.remote(), timeout=60))
 
     def events(self) -> list[Any]:
-        """The CPU tier's KV events since the last call (BlockStored / BlockRemoved)."""
+        """KV events since the last call (BlockStored / BlockRemoved; medium GPU for the prefix
+        cache, CPU for the CPU tier; one sequence)."""
         return ray.get(self.server.take_events.remote())
 
     def progress(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -56,9 +57,11 @@ class EngineServer:
         offload: bool | None = None,
         placement: Any = None,
         incarnation: int = 0,
+        first_bundle: int = 0,
     ) -> None:
         """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
-        fault kills only the first)."""
+        fault kills only the first). ``first_bundle``: rank 0's bundle in ``placement``
+        (replacements go where their predecessors were)."""
         from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
@@ -67,6 +70,10 @@ class EngineServer:
         self._cfg_json = cfg
         self._placement = placement
         self._incarnation = incarnation
+        self._first_bundle = first_bundle
+        # called after each step of the serving loop, under the lock (a Serve replica hands
+        # its streams their new tokens from here)
+        self.on_step: Callable[[], None] | None = None
         self._faults = [parse_fault(f) for f in self.cfg.faults]
         self.group = make_worker_group(self.cfg, workers, self._spawn)
         try:
@@ -140,6 +147,8 @@ class EngineServer:
                     if self._stop:
                         return
                     self._step()
+                    if self.on_step is not None:
+                        self.on_step()
         except Exception as exc:  # surfaced through progress(); the actor stays up to report it
             self._error = f"{type(exc).__name__}: {exc}"
 
@@ -160,10 +169,15 @@ class EngineServer:
             return out
 
     def take_events(self) -> list[Any]:
-        """KV events (BlockStored / BlockRemoved, with sequence numbers) since the last call."""
+        """KV events (BlockStored / BlockRemoved, with sequence numbers; GPU prefix cache and
+        CPU tier) since the last call."""
         with self._lock:
-            c = self.engine.connector
-            return c.directory.take_events() if c is not None else []
+            return self.engine.events.take()
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request now (see ``Driver.abort``)."""
+        with self._lock:
+            return self.driver.abort(req_id)
 
     def idle(self) -> bool:
         with self._lock:
@@ -219,5 +233,11 @@ class EngineServer:
 
     def _spawn(self, rank: int, incarnation: int, before: RankInfo) -> Any:
         return spawn_rank_worker(
-            self._cfg_json, rank, incarnation, self._placement, before.pool_path, before.process
+            self._cfg_json,
+            rank,
+            incarnation,
+            self._placement,
+            before.pool_path,
+            before.process,
+            self._first_bundle,
         )

@@ -183,14 +183,16 @@ def spawn_rank_worker(
     pg: Any,
     pool_path: str | None = None,
     predecessor: tuple[int, int | None] | None = None,
+    first_bundle: int = 0,
 ) -> Any:
-    """A ``RankWorker`` actor for ``rank`` in bundle ``rank`` of the placement group."""
+    """A ``RankWorker`` actor for ``rank`` in bundle ``first_bundle + rank`` of the placement
+    group (a Serve replica's own process takes bundle 0 of its group, its ranks the rest)."""
     cfg = RaykvConfig.model_validate(cfg_json)
     cuda = cfg.parallel.device == "cuda"
     options: dict[str, Any] = {"num_cpus": 0 if cuda else 1, "num_gpus": 1 if cuda else 0}
     if pg is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=rank
+            pg, placement_group_bundle_index=first_bundle + rank
         )
     return (
         ray.remote(RankWorker)

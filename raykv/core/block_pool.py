@@ -5,6 +5,9 @@ no KV (sliding-window positions that left the window, stale entries). Every othe
 in use (reference count > 0) or free. Free blocks wait in a queue, least recently freed first;
 a free block may still hold a cached prefix (its key stays in the cache map) and can be revived by
 a prefix hit until allocation hands it out, at which point its cached key is dropped.
+
+With an event log, publishing a key is a ``BlockStored`` and dropping one a ``BlockRemoved``
+(medium ``GPU``): what a router needs to know which prefixes this engine's GPU holds.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from raykv.core.kv_events import MEDIUM_GPU, EventLog
+
 NULL_BLOCK = 0
 
 
 class BlockPool:
     """Fixed pool of ``num_blocks`` GPU blocks (including the null block)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: EventLog | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_gpu_blocks must be at least 2 (one is the null block), got {num_blocks}"
@@ -28,6 +33,7 @@ class BlockPool:
         self._key: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # key -> block holding it
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.events = events
 
     @property
     def num_free(self) -> int:
@@ -43,6 +49,7 @@ class BlockPool:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} GPU blocks with {len(self._free)} free")
         out = []
+        dropped = []
         pop = self._free.popitem
         for _ in range(n):
             block, _ = pop(last=False)
@@ -50,8 +57,11 @@ class BlockPool:
             if key is not None:
                 del self._cached[key]
                 self._key[block] = None
+                dropped.append(key)
             self._ref[block] = 1
             out.append(block)
+        if dropped and self.events is not None:
+            self.events.removed(dropped, MEDIUM_GPU)
         return out
 
     def lookup(self, key: int) -> int | None:
@@ -84,6 +94,8 @@ class BlockPool:
             return
         self._key[block] = key
         self._cached[key] = block
+        if self.events is not None:
+            self.events.stored((key,), MEDIUM_GPU)
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]
@@ -91,8 +103,14 @@ class BlockPool:
     def cached_key(self, block: int) -> int | None:
         return self._key[block]
 
+    def cached_keys(self) -> list[int]:
+        """Every key the prefix cache holds now (a consumer of the events resyncs from it)."""
+        return list(self._cached)
+
     def reset_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents, but hit nobody)."""
+        if self.events is not None:
+            self.events.removed(self._cached, MEDIUM_GPU)
         self._cached.clear()
         self._key = [None] * self.num_blocks
 

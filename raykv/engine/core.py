@@ -19,6 +19,7 @@ from raykv.connector.scheduler import ConnectorScheduler
 from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, EventLog
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request, RequestStatus
 from raykv.core.step import (
@@ -155,7 +156,10 @@ class EngineCore:
             KVGroup(i, GroupKind(g.kind), g.window_tokens) for i, g in enumerate(cfg.cache.groups)
         ]
         self.block_size = cfg.cache.block_size
-        self.pool = BlockPool(cfg.cache.num_gpu_blocks)
+        # one KV-event stream for the GPU prefix cache and the CPU tier (a directory handed in
+        # brings its own log, which the pool then records into)
+        self.events = directory.events if directory is not None else EventLog(cfg.offload.events)
+        self.pool = BlockPool(cfg.cache.num_gpu_blocks, self.events)
         use_offload = cfg.offload.enabled if offload is None else offload
         self.connector: ConnectorScheduler | None = None
         if use_offload:
@@ -167,7 +171,7 @@ class EngineCore:
                     o.policy,
                     store_threshold=o.store_threshold,
                     max_tracker_size=o.max_tracker_size,
-                    events=o.events,
+                    events=self.events,
                 )
             self.directory = directory
             self.connector = ConnectorScheduler(
@@ -206,6 +210,18 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        self.check_request(req)
+        if req.eos_token is None:
+            req.eos_token = self.cfg.model.vocab_size - 1
+        self.scheduler.add(req)
+        self.latency.arrived(req)
+        self.requests[req.req_id] = req
+        self.totals.prompt_tokens += req.num_prompt
+
+    def check_request(self, req: Request) -> None:
+        """ValueError naming what is wrong with ``req`` if this engine would refuse it (an id
+        in use, a token id outside the vocabulary, longer than the model's context or than
+        the GPU pool can ever hold); nothing changes."""
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id!r}")
         vocab = self.cfg.model.vocab_size
@@ -218,12 +234,7 @@ class EngineCore:
                 f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
                 f"exceed the model's context of {limit}"
             )
-        if req.eos_token is None:
-            req.eos_token = vocab - 1
-        self.scheduler.add(req)
-        self.latency.arrived(req)
-        self.requests[req.req_id] = req
-        self.totals.prompt_tokens += req.num_prompt
+        self.scheduler.check_fits(req)
 
     def abort(self, req_id: str) -> None:
         """Stop a request now. A request still loading keeps its blocks until the load lands."""
@@ -397,6 +408,15 @@ class EngineCore:
         """Forget the GPU prefix cache: later requests find nothing on the GPU (blocks in use
         keep their contents; the CPU tier is untouched)."""
         self.pool.reset_cache()
+
+    def kv_state(self) -> tuple[int, dict[str, list[int]]]:
+        """What the KV events have announced so far, as a whole: (the next event's sequence
+        number, the keys each medium holds). A consumer that missed events starts again from
+        this and the events from that number on."""
+        held = {MEDIUM_GPU: self.pool.cached_keys()}
+        if self.connector is not None:
+            held[MEDIUM_CPU] = list(self.directory.readable_keys())
+        return self.events.next_seq, held
 
     def reset_offload(self) -> None:
         """Empty the CPU tier (e.g. after a model swap). Loads in flight are abandoned: their

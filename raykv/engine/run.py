@@ -183,6 +183,23 @@ class Driver:
         out, self._recent = self._recent, []
         return out
 
+    def abort(self, req_id: str) -> bool:
+        """Stop a request (its client went away, or a stop string matched): one not yet handed
+        to the engine never is; one in the engine ends now. Either way its output is in no
+        digest, and it is not handed over by ``take_finished``. False: no such request runs."""
+        for i, (_, _, index, spec) in enumerate(self._pending):
+            if spec.req_id == req_id:
+                self._pending.pop(i)
+                heapq.heapify(self._pending)
+                self._digest.skip(index)
+                return True
+        req = self.engine.requests.get(req_id)
+        if req is None or req.finished:
+            return False
+        self.engine.abort(req_id)
+        self._digest.skip(req.index)
+        return True
+
     def report(self) -> RunReport:
         seconds = time.perf_counter() - self.started
         report = RunReport.build(

@@ -118,7 +118,8 @@ class Scheduler:
 
     # ---- queue management ---------------------------------------------------------------------
 
-    def add(self, req: Request) -> None:
+    def check_fits(self, req: Request) -> None:
+        """RequestTooLarge if ``req`` could never fit the GPU pool, even alone."""
         # the last sampled token never gets KV: positions with KV top out one short
         need = self.kv.max_blocks_needed(req.num_prompt + req.max_tokens - 1)
         if need > self.pool.num_usable:
@@ -126,6 +127,9 @@ class Scheduler:
                 f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
                 f"need {need} GPU blocks; the pool has {self.pool.num_usable}"
             )
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
         req.reset_blocks(len(self.groups))
         req.status = RequestStatus.WAITING
         req.queued_step = self._step

@@ -89,7 +89,8 @@ class Directory:
         policy: a registered policy name, ``module:Class``, or a ready ``CachePolicy``.
         store_threshold: when >= 2, store only keys looked up at least this many times.
         max_tracker_size: how many keys the lookup-frequency tracker remembers.
-        events: record ``BlockStored``/``BlockRemoved`` events for ``take_events``.
+        events: record ``BlockStored``/``BlockRemoved`` events for ``take_events``; or the
+            engine's ``EventLog`` to record into, beside the GPU prefix cache's.
     """
 
     def __init__(
@@ -99,14 +100,14 @@ class Directory:
         *,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
-        events: bool = True,
+        events: bool | EventLog = True,
     ) -> None:
         self._slots = SlotAllocator(num_slots)
         self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
         self._filter = (
             FrequencyFilter(store_threshold, max_tracker_size) if store_threshold >= 2 else None
         )
-        self._events = EventLog(events)
+        self._events = events if isinstance(events, EventLog) else EventLog(events)
         self._slot: dict[int, int] = {}  # every resident key -> its slot
         self._writing: set[int] = set()
         self._readers: dict[int, int] = {}
@@ -351,6 +352,11 @@ class Directory:
     def take_events(self) -> list[KVEvent]:
         """Drain the buffered events, oldest first."""
         return self._events.take()
+
+    @property
+    def events(self) -> EventLog:
+        """The log this directory records into."""
+        return self._events
 
     def has_pending_work(self) -> bool:
         """True while any write or read is in flight."""

@@ -1,0 +1,193 @@
+"""``raykv serve``: the Serve application (the HTTP ingress and N engine replicas, each with its
+ranks in a placement group of its own), started on an embedded Ray or a joined cluster, served
+until interrupted, and torn down leaving no Ray process and no shard file behind.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from raykv.config import ConfigError, RaykvConfig
+
+APP_NAME = "raykv"
+ENGINE_DEPLOYMENT = "raykv-engine"
+INGRESS_DEPLOYMENT = "raykv-ingress"
+
+# request routers by name: Serve's default (power of two choices) and Ray Serve LLM's text
+# prefix tree, the baselines
+ROUTERS = {
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "prefix": (
+        "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+        "PrefixCacheAffinityRouter"
+    ),
+}
+
+# requests a replica takes at once: its engine batches them (Serve's default of 5 would starve
+# the batch)
+MAX_ONGOING_PER_REPLICA = 64
+MAX_ONGOING_INGRESS = 1024
+
+
+@dataclass(slots=True)
+class ServeOptions:
+    """How to serve: where to listen, how many replicas, which router, the API key."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    router: str = "pow2"
+    api_key: str | None = None
+    insecure: bool = False
+
+    def check(self) -> None:
+        """ConfigError naming the option at fault."""
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas {self.replicas}: must be at least 1")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"--router {self.router!r}: expected one of {', '.join(ROUTERS)}")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port {self.port}: not a port number")
+        if not _loopback(self.host) and not self.api_key and not self.insecure:
+            raise ConfigError(
+                f"--host {self.host}: serving beyond this machine needs --api-key KEY "
+                "(or RAYKV_API_KEY), or --insecure to serve without one"
+            )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def served_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
+    """``cfg`` with the checkpoint's geometry and the tokenizer's EOS (what every replica runs),
+    and the model's file."""
+    from raykv.model.checkpoint import configure, with_stop_tokens
+    from raykv.model.tokenizer import Tokenizer
+
+    cfg, _, path = configure(cfg)
+    tokenizer = Tokenizer.of(path)
+    if tokenizer is not None:
+        cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])
+    # a server runs for days: finished requests are forgotten (their outputs went out)
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"keep_finished": False})})
+    return cfg, str(path)
+
+
+def model_name(cfg: RaykvConfig) -> str:
+    """The name ``/v1/models`` gives: the preset's, or the checkpoint's file or directory."""
+    from pathlib import Path
+
+    path = str(cfg.model.path)
+    return Path(path).stem if ("/" in path or path.endswith(".gguf")) else path
+
+
+def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
+    """The Serve application for ``cfg`` (configured by ``served_config``) and the model's
+    file (its tokenizer's source)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from raykv.serve.ingress import ingress_deployment
+    from raykv.serve.replica import EngineReplica
+
+    tp = cfg.parallel.tensor_parallel_size
+    cuda = cfg.parallel.device == "cuda"
+    rank_bundle = {"GPU": 1.0} if cuda else {"CPU": 1.0}
+    engine = serve.deployment(EngineReplica).options(
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": 1},
+        # the replica first, then its ranks: one TP group, one node
+        placement_group_bundles=[{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(tp)],
+        placement_group_strategy="STRICT_PACK",
+        max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTERS[options.router],
+        ),
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+    )
+    ingress = ingress_deployment().options(
+        name=INGRESS_DEPLOYMENT,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=MAX_ONGOING_INGRESS,
+    )
+    return ingress.bind(
+        engine.bind(cfg.model_dump(mode="json")), model_name(cfg), model_file, options.api_key
+    )
+
+
+class Server:
+    """A running ``raykv serve``: ``start`` deploys and returns once every replica is up;
+    ``url``; ``stop`` tears it all down."""
+
+    def __init__(self, cfg: RaykvConfig, options: ServeOptions, address: str | None = None):
+        options.check()
+        self.cfg, self.model_file = served_config(cfg)
+        self.options = options
+        self.address = address
+        self._ray: Any = None
+
+    @property
+    def url(self) -> str:
+        host = self.options.host
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.options.port}"
+
+    def start(self) -> Server:
+        from ray import serve
+        from ray.serve.config import HTTPOptions
+
+        from raykv.cluster.runtime import connect
+
+        tp = self.cfg.parallel.tensor_parallel_size
+        cuda = self.cfg.parallel.device == "cuda"
+        cpus = self.options.replicas * (1 + (0 if cuda else tp)) + 1
+        gpus = self.options.replicas * tp if cuda else None
+        self._ray = connect(self.address, num_cpus=cpus, num_gpus=gpus)
+        try:
+            serve.start(http_options=HTTPOptions(host=self.options.host, port=self.options.port))
+            serve.run(
+                build_app(self.cfg, self.model_file, self.options), name=APP_NAME, route_prefix="/"
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Every replica (its ranks and shard files with it), Serve, and Ray if raykv started
+        it."""
+        import contextlib
+
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            serve.delete(APP_NAME)
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        if self._ray is not None:
+            self._ray.shutdown()
+            self._ray = None
+
+    def wait(self) -> None:
+        """Block until SIGINT or SIGTERM."""
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

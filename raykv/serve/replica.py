@@ -1,0 +1,306 @@
+"""One raykv replica under Ray Serve: an engine whose scheduler runs in the replica's process
+and whose tensor-parallel ranks are actors in the replica's placement group (bundle 0 is the
+replica itself, bundles 1..TP its ranks, all on one node).
+
+Requests come in as ``EngineRequest`` (token ids, already through the chat template) and go out
+as a stream of ``EngineUpdate``: text deltas with their token ids and logprobs, then the finish
+reason with the prompt's cached tokens. The scheduler's loop thread hands each stream its new
+tokens after every step; a stop string or a client that goes away aborts the request in the
+engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from raykv.cluster.engine_actor import EngineServer
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
+from raykv.config import RaykvConfig
+from raykv.core.request import Request, RequestStatus
+from raykv.core.step import SamplingSpec
+from raykv.model.tokenizer import Tokenizer
+from raykv.serve.text_stream import TextStream
+from raykv.transfer.pool_files import PoolFiles, sweep_stale
+from raykv.workload.requests import RequestSpec
+
+log = logging.getLogger(__name__)
+
+# the replica's own bundle; its ranks take the ones after it
+REPLICA_BUNDLE = 0
+FIRST_RANK_BUNDLE = 1
+# how often a waiting stream checks that the engine's loop is still alive
+ENGINE_CHECK_S = 1.0
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A request as the ingress hands it to a replica. ``prompt`` is the prompt as text (what
+    a text-prefix router such as Ray Serve LLM's ``PrefixCacheAffinityRouter`` reads);
+    ``max_tokens`` None: as many as the context and the GPU pool allow."""
+
+    request_id: str
+    token_ids: list[int]
+    max_tokens: int | None
+    sampling: SamplingSpec
+    stop: list[str] = field(default_factory=list)
+    prompt: str = ""
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    """One generated token with its log-probability and the top alternatives (text, logprob)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineUpdate:
+    """A piece of one request's stream. The last has ``finish_reason`` (stop, length, abort) or
+    ``error`` with its HTTP ``status``."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenInfo] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    status: int = 200
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A request being served: where its updates go and how far they got."""
+
+    request: EngineRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    delivered: int = 0  # output tokens handed to the queue
+
+
+class EngineReplica:
+    """The body of the engine deployment: one engine, many concurrent streams."""
+
+    def __init__(self, cfg_json: dict[str, Any]) -> None:
+        cfg = RaykvConfig.model_validate(cfg_json)
+        if cfg.model.path is None:
+            raise ValueError("raykv serve needs a real model (model.path)")
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.of(_model_file(cfg))
+        pg = ray.util.get_current_placement_group()
+        self._pool_files: PoolFiles | None = None
+        if cfg.offload.enabled and cfg.offload.shared_pool:
+            sweep_stale(cfg.offload.shared_pool_dir)
+            self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
+        files = self._pool_files
+        workers = [
+            spawn_rank_worker(
+                cfg_json, rank, 0, pg, files.path(rank) if files else None, None, FIRST_RANK_BUNDLE
+            )
+            for rank in range(cfg.parallel.tensor_parallel_size)
+        ]
+        self._workers = workers
+        ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
+        self.server = EngineServer(cfg_json, workers, placement=pg, first_bundle=FIRST_RANK_BUNDLE)
+        self._streams: dict[str, _Stream] = {}
+        self._refused_seen = 0  # the driver's refusals already handed to their streams
+        self._ids = itertools.count()
+        self._closed = False
+        self.server.on_step = self._pump
+        self.server.start()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineUpdate]:
+        """The request's updates as the engine produces them (a Serve streaming method)."""
+        engine_id = f"{request.request_id}#{next(self._ids)}"  # unique even if a client reuses
+        stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
+        try:
+            self._admit(engine_id, request, stream)
+        except ValueError as exc:
+            yield EngineUpdate(error=str(exc).replace(engine_id, request.request_id), status=400)
+            return
+        text = TextStream(self._decode, list(request.stop))
+        finished = False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), ENGINE_CHECK_S)
+                except asyncio.TimeoutError:
+                    if self.server._error is not None:  # the loop thread ended on an error
+                        item = f"the engine stopped: {self.server._error}"
+                    else:
+                        continue
+                if isinstance(item, str):  # refused after all, or the engine stopped
+                    finished = True
+                    yield EngineUpdate(error=item, status=503 if "stopped" in item else 400)
+                    return
+                tokens, status, cached = item
+                before = len(text.tokens)
+                update = EngineUpdate(text.push(tokens))
+                update.token_ids = text.tokens[before:]
+                if tokens.logprobs is not None:
+                    update.logprobs = tokens.logprobs[: len(update.token_ids)]
+                if text.stopped:
+                    self.server.abort(engine_id)
+                    update.finish_reason = "stop"
+                elif status is not None:
+                    update.text += text.finish()
+                    update.finish_reason = _finish_reason(status)
+                if update.finish_reason is not None:
+                    update.prompt_tokens = len(request.token_ids)
+                    update.completion_tokens = len(text.tokens)
+                    update.cached_tokens = cached
+                    finished = True
+                    yield update
+                    return
+                if update.text or update.token_ids:
+                    yield update
+        finally:
+            with self.server._lock:
+                self._streams.pop(engine_id, None)
+            if not finished:  # the client went away
+                self.server.abort(engine_id)
+
+    def _admit(self, engine_id: str, request: EngineRequest, stream: _Stream) -> None:
+        """Check the request against the engine and submit it; ValueError names what is wrong."""
+        engine = self.server.engine
+        with self.server._lock:
+            if self._closed:
+                raise ValueError("the replica is shutting down")
+            max_tokens = request.max_tokens or self._room(engine_id, request.token_ids)
+            engine.check_request(Request(engine_id, 0, list(request.token_ids), max_tokens))
+            spec = RequestSpec(engine_id, tuple(request.token_ids), max_tokens, 0, request.sampling)
+            self._streams[engine_id] = stream
+            self.server.submit([spec])
+
+    def _room(self, engine_id: str, token_ids: list[int]) -> int:
+        """The most output tokens the engine accepts after this prompt (a request without
+        ``max_tokens``); ValueError naming the limit when not even one fits."""
+        engine = self.server.engine
+        engine.check_request(Request(engine_id, 0, list(token_ids), 1))
+        lo, hi = 1, 1 << 20
+        while lo < hi:  # the largest n the engine's own checks accept
+            mid = (lo + hi + 1) // 2
+            try:
+                engine.check_request(Request(engine_id, 0, list(token_ids), mid))
+                lo = mid
+            except ValueError:
+                hi = mid - 1
+        return lo
+
+    def _decode(self, token_ids: Any) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    # ---- the engine's side (its loop thread, under its lock) ---------------------------------
+
+    def _pump(self) -> None:
+        """After each step: every stream's new tokens, and the end of those that finished or
+        were refused."""
+        driver = self.server.driver
+        streams = self._streams
+        for engine_id, stream in streams.items():
+            req = driver.engine.requests.get(engine_id)
+            if req is not None and not req.finished:
+                self._hand(stream, req, None)
+        for req in driver.take_finished():
+            stream = streams.get(req.req_id)
+            if stream is not None:
+                self._hand(stream, req, req.status.value)
+        refused = driver.rejected[self._refused_seen :]
+        self._refused_seen += len(refused)
+        for item in refused:
+            stream = streams.get(item["request"])
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item["error"])
+
+    def _hand(self, stream: _Stream, req: Request, status: str | None) -> None:
+        output = req.output
+        new = _Tokens(output[stream.delivered :])
+        if not new and status is None:
+            return
+        if req.sampling is not None and req.sampling.logprobs is not None:
+            new.logprobs = [
+                self._token_info(t, lp)
+                for t, lp in zip(new, req.logprobs[stream.delivered :], strict=False)
+            ]
+        stream.delivered = len(output)
+        # the cached prompt tokens at first admission: what OpenAI's usage reports
+        cached = req.num_gpu_hit_tokens + req.num_cpu_hit_tokens
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (new, status, cached))
+
+    def _token_info(self, token_id: int, lp: Any) -> TokenInfo:
+        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+        return TokenInfo(
+            token_id,
+            self._decode([token_id]),
+            lp.logprob,
+            [(t, self._decode([t]), v) for t, v in top],
+        )
+
+    # ---- routing and health -----------------------------------------------------------------
+
+    def ping(self) -> bool:
+        """Answers once the replica is up (its engine built, its ranks ready)."""
+        return self.server._error is None
+
+    def rank_processes(self) -> list[int]:
+        """The process ids of this replica's rank actors now serving."""
+        with self.server._lock:
+            return [info.process[0] for info in self.server.group.infos]
+
+    def kv_state(self) -> tuple[int, dict[str, list[int]]]:
+        """The KV events announced so far as a whole (``EngineCore.kv_state``)."""
+        with self.server._lock:
+            return self.server.engine.kv_state()
+
+    def __del__(self) -> None:
+        """Serve calls this when it stops the replica: the loop, the graph, the ranks and
+        their shard files go."""
+        self.close()
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.server.shutdown()
+        for worker in {*self._workers, *self.server.group.workers}:
+            with contextlib.suppress(Exception):
+                ray.get(worker.shutdown.remote(), timeout=30)
+            with contextlib.suppress(Exception):
+                ray.kill(worker)
+        if self._pool_files is not None:
+            self._pool_files.remove()
+
+
+class _Tokens(list):
+    """New token ids, with their ``TokenInfo`` when the request asked for logprobs."""
+
+    logprobs: list[TokenInfo] | None = None
+
+
+def _finish_reason(status: str) -> str:
+    if status == RequestStatus.FINISHED_STOPPED.value:
+        return "stop"
+    if status == RequestStatus.FINISHED_LENGTH.value:
+        return "length"
+    return "abort"
+
+
+def _model_file(cfg: RaykvConfig) -> Any:
+    from raykv.model.checkpoint import resolve
+
+    return resolve(cfg.model.path)
