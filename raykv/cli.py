@@ -81,12 +81,17 @@ def _check_device(cfg: RaykvConfig, engine: str, address: str | None) -> None:
 def _real_model_config(args: argparse.Namespace) -> RaykvConfig:
     """The config of a command that always runs a real model (``generate``, ``bench ttft``):
     SmolLM2 in float32 unless ``--model``, the config file or ``--set`` say otherwise."""
-    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
-    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
-    cfg = load_config(args.config, overrides, defaults)
+    cfg = _load_real_model_config(args)
     _check_real_model_engine(cfg, args.engine)
     _check_device(cfg, args.engine, getattr(args, "address", None))
     return cfg
+
+
+def _load_real_model_config(args: argparse.Namespace) -> RaykvConfig:
+    """--config, --set and --model over a real model's defaults."""
+    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
+    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
+    return load_config(args.config, overrides, defaults)
 
 
 def _check_real_model_engine(cfg: RaykvConfig, engine: str) -> None:
@@ -478,9 +483,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from raykv.serve.app import ServeOptions, Server
 
-    overrides = [*(args.set or []), *([f"model.path={args.model}"] if args.model else [])]
-    defaults = ["model.path=smollm2-135m-instruct", "model.dtype=float32"]
-    cfg = load_config(args.config, overrides, defaults)
+    cfg = _load_real_model_config(args)
     _check_device(cfg, "ray", args.address)
     options = ServeOptions(
         host=args.host,
@@ -539,6 +542,17 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
         "tensor_parallel_size > 1 needs --engine ray",
     )
     parser.add_argument("--num-requests", type=int, help="how many requests to run")
+
+
+def _add_real_model_args(parser: argparse.ArgumentParser) -> None:
+    """--config, --set and --model of a command that runs a real model."""
+    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
+    parser.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    parser.add_argument(
+        "--model",
+        help="a preset (smollm2-135m-instruct, the default), a Hugging Face directory or a "
+        ".gguf file (model.path)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -690,13 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     gen = sub.add_parser("generate", help="prompts through a real model, texts out")
-    gen.add_argument("--config", help="YAML config (default: built-in defaults)")
-    gen.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
-    gen.add_argument(
-        "--model",
-        help="a preset (smollm2-135m-instruct, the default), a Hugging Face directory or a "
-        ".gguf file (model.path)",
-    )
+    _add_real_model_args(gen)
     gen.add_argument(
         "--engine",
         choices=["local", "ray"],
@@ -738,13 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on Ray Serve")
-    srv.add_argument("--config", help="YAML config (default: built-in defaults)")
-    srv.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
-    srv.add_argument(
-        "--model",
-        help="a preset (smollm2-135m-instruct, the default), a Hugging Face directory or a "
-        ".gguf file (model.path)",
-    )
+    _add_real_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="where to listen (default: loopback)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--replicas", type=_positive_int, default=1, help="engine replicas")
