@@ -13,7 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from raykv.cluster.engine_actor import EngineServer, FinishedItem
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, rank_bundle, spawn_ranks
 from raykv.cluster.runtime import RayHandle, connect
 from raykv.config import RaykvConfig
 from raykv.core.request import REJECTED
@@ -126,7 +126,7 @@ class RaykvClient:
         tp = cfg.parallel.tensor_parallel_size
         cuda = cfg.parallel.device == "cuda"
         handle = connect(address, num_cpus=max(tp, 1) if not cuda else 1)
-        bundle = {"GPU": 1.0} if cuda else {"CPU": 1.0}
+        bundle = rank_bundle(cfg)
         pg = placement_group([dict(bundle) for _ in range(tp)], cfg.parallel.placement_strategy)
         try:
             ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
@@ -153,11 +153,7 @@ class RaykvClient:
         if cfg.offload.shared_pool and cfg.offload.enabled and o["offload"] is not False:
             sweep_stale(cfg.offload.shared_pool_dir)
             self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
-        files = self._pool_files
-        self.workers = [
-            spawn_rank_worker(cfg_json, i, 0, self._pg, files.path(i) if files else None)
-            for i in range(cfg.parallel.tensor_parallel_size)
-        ]
+        self.workers = spawn_ranks(cfg_json, self._pg, self._pool_files)
         server_cls = ray.remote(EngineServer)
         self.server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
             cfg_json,

@@ -21,7 +21,14 @@ from raykv.cluster import wire
 from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
 from raykv.faults import RankDied
-from raykv.transfer.pool_files import hold, owner_of, process_id, successor_path, sweep_stale
+from raykv.transfer.pool_files import (
+    PoolFiles,
+    hold,
+    owner_of,
+    process_id,
+    successor_path,
+    sweep_stale,
+)
 
 if TYPE_CHECKING:  # torch is imported by the rank actors only, not by the driver
     from raykv.model.tp_group import Rendezvous, RendezvousAddress, TPGroup
@@ -174,6 +181,26 @@ def needs_tp_group(cfg: RaykvConfig) -> bool:
 def rank_threads(configured: int | None, tp_size: int) -> int:
     """torch threads per CPU rank: as configured, or this node's cores shared by the ranks."""
     return configured or max(1, (os.cpu_count() or 1) // tp_size)
+
+
+def rank_bundle(cfg: RaykvConfig) -> dict[str, float]:
+    """The placement-group bundle one rank needs: a GPU on CUDA, else a CPU (what
+    ``spawn_rank_worker`` asks for)."""
+    return {"GPU": 1.0} if cfg.parallel.device == "cuda" else {"CPU": 1.0}
+
+
+def spawn_ranks(
+    cfg_json: dict[str, Any], pg: Any, pool_files: PoolFiles | None, first_bundle: int = 0
+) -> list[Any]:
+    """A fresh ``RankWorker`` for every rank (incarnation 0), each with its shard file in
+    ``pool_files`` when the CPU pool is shared."""
+    cfg = RaykvConfig.model_validate(cfg_json)
+    return [
+        spawn_rank_worker(
+            cfg_json, rank, 0, pg, pool_files.path(rank) if pool_files else None, None, first_bundle
+        )
+        for rank in range(cfg.parallel.tensor_parallel_size)
+    ]
 
 
 def spawn_rank_worker(

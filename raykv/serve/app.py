@@ -5,6 +5,7 @@ until interrupted, and torn down leaving no Ray process and no shard file behind
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import signal
 import threading
@@ -97,18 +98,17 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from raykv.cluster.rank_actor import rank_bundle
     from raykv.serve.ingress import ingress_deployment
     from raykv.serve.replica import EngineReplica
 
     tp = cfg.parallel.tensor_parallel_size
-    cuda = cfg.parallel.device == "cuda"
-    rank_bundle = {"GPU": 1.0} if cuda else {"CPU": 1.0}
     engine = serve.deployment(EngineReplica).options(
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": 1},
         # the replica first, then its ranks: one TP group, one node
-        placement_group_bundles=[{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(tp)],
+        placement_group_bundles=[{"CPU": 1.0}] + [rank_bundle(cfg) for _ in range(tp)],
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
         request_router_config=RequestRouterConfig(
@@ -123,7 +123,10 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         max_ongoing_requests=MAX_ONGOING_INGRESS,
     )
     return ingress.bind(
-        engine.bind(cfg.model_dump(mode="json")), model_name(cfg), model_file, options.api_key
+        engine.bind(cfg.model_dump(mode="json"), model_file),
+        model_name(cfg),
+        model_file,
+        options.api_key,
     )
 
 
@@ -167,8 +170,6 @@ class Server:
     def stop(self) -> None:
         """Every replica (its ranks and shard files with it), Serve, and Ray if raykv started
         it."""
-        import contextlib
-
         from ray import serve
 
         with contextlib.suppress(Exception):

@@ -9,6 +9,7 @@ No ``from __future__ import annotations`` here: FastAPI reads the endpoints' ann
 run time to inject the ``Request``, and Serve's class-based views do not resolve strings.
 """
 
+import asyncio
 import hmac
 import json
 import time
@@ -53,18 +54,14 @@ class OpenAIIngress:
 
     # ---- endpoints --------------------------------------------------------------------------
 
+    # each raises ApiError for an error answer (the app's handler turns it into OpenAI's shape)
+
     async def health(self) -> Response:
-        try:
-            await self._wait_ready()
-        except ApiError as exc:
-            return _error(exc)
+        await self._wait_ready()
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except ApiError as exc:
-            return _error(exc)
+        self._authorize(request)
         model = {
             "id": self.model_name,
             "object": "model",
@@ -74,52 +71,45 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            body = parse(CompletionRequest, await _json(request))
-            self._check_model(body.model)
-            if isinstance(body.prompt, str):
-                text, ids = body.prompt, self._encode(body.prompt)
-            else:
-                text, ids = "", list(body.prompt)
-            sampling = SamplingSpec(body.temperature, body.top_p, 0, body.seed, body.logprobs)
-            engine_request = EngineRequest(
-                _request_id("cmpl"), ids, body.max_tokens, sampling, body.stop_strings(), text
-            )
-            return await self._answer(engine_request, body, chat=False)
-        except ApiError as exc:
-            return _error(exc)
+        self._authorize(request)
+        body = parse(CompletionRequest, await _json(request))
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            text, ids = body.prompt, self._encode(body.prompt)
+        else:
+            text, ids = "", list(body.prompt)
+        sampling = SamplingSpec(body.temperature, body.top_p, 0, body.seed, body.logprobs)
+        engine_request = EngineRequest(
+            _request_id("cmpl"), ids, body.max_tokens, sampling, body.stop_strings(), text
+        )
+        return await self._answer(engine_request, body, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            body = parse(ChatCompletionRequest, await _json(request))
-            self._check_model(body.model)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            if self.tokenizer is None or not self.tokenizer.has_chat_template:
-                raise ApiError(400, "this model has no chat template: use /v1/completions")
-            ids = self.tokenizer.chat(messages)
-            sampling = SamplingSpec(
-                body.temperature, body.top_p, 0, body.seed, body.logprobs_wanted()
-            )
-            engine_request = EngineRequest(
-                _request_id("chatcmpl"),
-                ids,
-                body.output_limit(),
-                sampling,
-                body.stop_strings(),
-                "".join(m["content"] for m in messages),
-            )
-            return await self._answer(engine_request, body, chat=True)
-        except ApiError as exc:
-            return _error(exc)
+        self._authorize(request)
+        body = parse(ChatCompletionRequest, await _json(request))
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        if self.tokenizer is None or not self.tokenizer.has_chat_template:
+            raise ApiError(400, "this model has no chat template: use /v1/completions")
+        ids = self.tokenizer.chat(messages)
+        sampling = SamplingSpec(body.temperature, body.top_p, 0, body.seed, body.logprobs_wanted())
+        engine_request = EngineRequest(
+            _request_id("chatcmpl"),
+            ids,
+            body.output_limit(),
+            sampling,
+            body.stop_strings(),
+            "".join(m["content"] for m in messages),
+        )
+        return await self._answer(engine_request, body, chat=True)
 
     # ---- the answer -------------------------------------------------------------------------
 
     async def _answer(self, engine_request: EngineRequest, body: Any, chat: bool) -> Response:
         await self._wait_ready()
         updates = self.engine.options(stream=True).generate.remote(engine_request)
-        shape = _Shape(engine_request.request_id, self.model_name, chat, body)
+        logprobs = engine_request.sampling.logprobs is not None
+        shape = _Shape(engine_request.request_id, self.model_name, chat, logprobs)
         stream = _updates(updates)
         first = await _first(stream, "messages" if chat else "prompt")
         if body.stream:
@@ -160,8 +150,6 @@ class OpenAIIngress:
         Serve does)."""
         if self._ready:
             return
-        import asyncio
-
         try:
             await asyncio.wait_for(self.engine.ping.remote(), READY_WAIT_S)
         except Exception:
@@ -175,11 +163,11 @@ class OpenAIIngress:
 class _Shape:
     """One request's answer, whole or as chunks."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, body: Any) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, logprobs: bool) -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
-        self.body = body
+        self.logprobs = logprobs  # the request asked for them
         self.created = int(time.time())
         self.offset = 0  # characters of text so far (completions' text_offset)
 
@@ -188,7 +176,7 @@ class _Shape:
 
     def whole(self, pieces: list[EngineUpdate]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
-        infos = [i for p in pieces for i in p.logprobs or []] if self._logprobs() else None
+        infos = [i for p in pieces for i in p.logprobs or []] if self.logprobs else None
         last = pieces[-1]
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
         if self.chat:
@@ -230,12 +218,9 @@ class _Shape:
             choice["delta"] = {"content": update.text} if update.text else {}
         else:
             choice["text"] = update.text
-        infos = update.logprobs if self._logprobs() else None
+        infos = update.logprobs if self.logprobs else None
         choice["logprobs"] = self._logprob_shape(infos) if infos else None
         return choice
-
-    def _logprobs(self) -> bool:
-        return bool(self.body.logprobs) or (not self.chat and self.body.logprobs == 0)
 
     def _logprob_shape(self, infos: list[TokenInfo]) -> dict[str, Any]:
         if self.chat:
@@ -317,6 +302,10 @@ def _error(exc: ApiError) -> JSONResponse:
 def ingress_deployment() -> Any:
     """``OpenAIIngress`` as a Serve deployment behind a FastAPI app of its own."""
     app = FastAPI(title="raykv", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error(exc)
 
     @serve.deployment
     @serve.ingress(app)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,19 +21,16 @@ from typing import Any
 import ray
 
 from raykv.cluster.engine_actor import EngineServer
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_rank_worker
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_ranks
 from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestStatus
-from raykv.core.step import SamplingSpec
+from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.model.tokenizer import Tokenizer
 from raykv.serve.text_stream import TextStream
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
-log = logging.getLogger(__name__)
-
-# the replica's own bundle; its ranks take the ones after it
-REPLICA_BUNDLE = 0
+# the replica's own process takes bundle 0 of its placement group; its ranks the ones after it
 FIRST_RANK_BUNDLE = 1
 # how often a waiting stream checks that the engine's loop is still alive
 ENGINE_CHECK_S = 1.0
@@ -84,7 +80,6 @@ class EngineUpdate:
 class _Stream:
     """A request being served: where its updates go and how far they got."""
 
-    request: EngineRequest
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
     delivered: int = 0  # output tokens handed to the queue
@@ -93,25 +88,17 @@ class _Stream:
 class EngineReplica:
     """The body of the engine deployment: one engine, many concurrent streams."""
 
-    def __init__(self, cfg_json: dict[str, Any]) -> None:
+    def __init__(self, cfg_json: dict[str, Any], model_file: str) -> None:
+        """``cfg_json``: the served config (``serve.app.served_config``); ``model_file``: the
+        checkpoint, whose tokenizer turns token ids back into text."""
         cfg = RaykvConfig.model_validate(cfg_json)
-        if cfg.model.path is None:
-            raise ValueError("raykv serve needs a real model (model.path)")
-        self.cfg = cfg
-        self.tokenizer = Tokenizer.of(_model_file(cfg))
+        self.tokenizer = Tokenizer.of(model_file)
         pg = ray.util.get_current_placement_group()
         self._pool_files: PoolFiles | None = None
         if cfg.offload.enabled and cfg.offload.shared_pool:
             sweep_stale(cfg.offload.shared_pool_dir)
             self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
-        files = self._pool_files
-        workers = [
-            spawn_rank_worker(
-                cfg_json, rank, 0, pg, files.path(rank) if files else None, None, FIRST_RANK_BUNDLE
-            )
-            for rank in range(cfg.parallel.tensor_parallel_size)
-        ]
-        self._workers = workers
+        workers = spawn_ranks(cfg_json, pg, self._pool_files, FIRST_RANK_BUNDLE)
         ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
         self.server = EngineServer(cfg_json, workers, placement=pg, first_bundle=FIRST_RANK_BUNDLE)
         self._streams: dict[str, _Stream] = {}
@@ -126,7 +113,7 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineUpdate]:
         """The request's updates as the engine produces them (a Serve streaming method)."""
         engine_id = f"{request.request_id}#{next(self._ids)}"  # unique even if a client reuses
-        stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         try:
             self._admit(engine_id, request, stream)
         except ValueError as exc:
@@ -147,12 +134,15 @@ class EngineReplica:
                     finished = True
                     yield EngineUpdate(error=item, status=503 if "stopped" in item else 400)
                     return
-                tokens, status, cached = item
+                tokens, logprobs, status, cached = item
                 before = len(text.tokens)
                 update = EngineUpdate(text.push(tokens))
                 update.token_ids = text.tokens[before:]
-                if tokens.logprobs is not None:
-                    update.logprobs = tokens.logprobs[: len(update.token_ids)]
+                if logprobs is not None:  # text only here, off the engine's loop and lock
+                    update.logprobs = [
+                        self._token_info(t, lp)
+                        for t, lp in zip(update.token_ids, logprobs, strict=False)
+                    ]
                 if text.stopped:
                     self.server.abort(engine_id)
                     update.finish_reason = "stop"
@@ -227,21 +217,21 @@ class EngineReplica:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item["error"])
 
     def _hand(self, stream: _Stream, req: Request, status: str | None) -> None:
+        """The request's tokens since the last hand-over (with their logprobs, when it asked
+        for them), its status once it ended, and its cached prompt tokens at first admission
+        (what OpenAI's usage reports)."""
         output = req.output
-        new = _Tokens(output[stream.delivered :])
+        new = output[stream.delivered :]
         if not new and status is None:
             return
-        if req.sampling is not None and req.sampling.logprobs is not None:
-            new.logprobs = [
-                self._token_info(t, lp)
-                for t, lp in zip(new, req.logprobs[stream.delivered :], strict=False)
-            ]
+        wanted = req.sampling is not None and req.sampling.logprobs is not None
+        logprobs = req.logprobs[stream.delivered :] if wanted else None
         stream.delivered = len(output)
-        # the cached prompt tokens at first admission: what OpenAI's usage reports
         cached = req.num_gpu_hit_tokens + req.num_cpu_hit_tokens
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (new, status, cached))
+        item = (new, logprobs, status, cached)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
-    def _token_info(self, token_id: int, lp: Any) -> TokenInfo:
+    def _token_info(self, token_id: int, lp: TokenLogprobs) -> TokenInfo:
         top = sorted(lp.top.items(), key=lambda kv: -kv[1])
         return TokenInfo(
             token_id,
@@ -277,19 +267,14 @@ class EngineReplica:
         self._closed = True
         with contextlib.suppress(Exception):
             self.server.shutdown()
-        for worker in {*self._workers, *self.server.group.workers}:
-            with contextlib.suppress(Exception):
-                ray.get(worker.shutdown.remote(), timeout=30)
+        workers = self.server.group.workers  # replacements included
+        with contextlib.suppress(Exception):
+            ray.get([w.shutdown.remote() for w in workers], timeout=60)
+        for worker in workers:
             with contextlib.suppress(Exception):
                 ray.kill(worker)
         if self._pool_files is not None:
             self._pool_files.remove()
-
-
-class _Tokens(list):
-    """New token ids, with their ``TokenInfo`` when the request asked for logprobs."""
-
-    logprobs: list[TokenInfo] | None = None
 
 
 def _finish_reason(status: str) -> str:
@@ -298,9 +283,3 @@ def _finish_reason(status: str) -> str:
     if status == RequestStatus.FINISHED_LENGTH.value:
         return "length"
     return "abort"
-
-
-def _model_file(cfg: RaykvConfig) -> Any:
-    from raykv.model.checkpoint import resolve
-
-    return resolve(cfg.model.path)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 openai = pytest.importorskip("openai")
-psutil = pytest.importorskip("psutil")
 
 from raykv.config import load_config  # noqa: E402
+from raykv.transfer.pool_files import process_alive  # noqa: E402
 
 PORT = 8124
 
@@ -40,19 +40,12 @@ def test_stopping_the_server_leaves_no_rank_process_and_no_shard_file(
         assert out.usage.completion_tokens == 3
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME)
         pids = handle.rank_processes.remote().result(timeout_s=60)
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
         assert len(list(tmp_path.iterdir())) == 2  # one shard file per rank
     finally:
         server.stop()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
     assert list(tmp_path.iterdir()) == []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
