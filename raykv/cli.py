@@ -485,13 +485,14 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
 
     cfg = _load_real_model_config(args)
     _check_device(cfg, "ray", args.address)
-    options = ServeOptions(
+    options = ServeOptions.of(
+        cfg.serve,
+        # from the environment by preference: a flag shows in the process list
+        api_key=args.api_key or os.environ.get("RAYKV_API_KEY") or None,
         host=args.host,
         port=args.port,
         replicas=args.replicas,
         router=args.router,
-        # from the environment by preference: a flag shows in the process list
-        api_key=args.api_key or os.environ.get("RAYKV_API_KEY") or None,
         insecure=args.insecure,
     )
     err = Console(stderr=True)
@@ -747,14 +748,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on Ray Serve")
     _add_real_model_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="where to listen (default: loopback)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--replicas", type=_positive_int, default=1, help="engine replicas")
+    # each flag overrides the config's serve: section (serve.host etc.)
+    srv.add_argument("--host", help="where to listen (default: serve.host, loopback)")
+    srv.add_argument("--port", type=int, help="default: serve.port, 8000")
+    srv.add_argument("--replicas", type=_positive_int, help="engine replicas (serve.replicas)")
     srv.add_argument(
         "--router",
-        default="pow2",
-        help="how requests pick a replica: pow2 (Serve's power of two choices, the default) "
-        "or prefix (Ray Serve LLM's text prefix tree)",
+        help="how requests pick a replica: kv (where the prompt's KV already is; the default "
+        "with more than one replica), pow2 (Serve's power of two choices; the default with "
+        "one) or prefix (Ray Serve LLM's text prefix tree)",
     )
     srv.add_argument(
         "--api-key", help="require this bearer key (better: set RAYKV_API_KEY, kept out of ps)"

@@ -360,6 +360,48 @@ class WorkloadConfig(_Strict):
         return self
 
 
+class RouterWeightsConfig(_Strict):
+    """The KV-aware router's cost of sending a request to a replica, in prompt tokens to
+    compute: ``computed + cpu_hit_cost * loaded_from_cpu + queued_prefill + decode_cost *
+    decoding`` (a GPU hit costs nothing); see README "The KV-aware router" for how each was
+    measured."""
+
+    cpu_hit_cost: float = Field(
+        default=0.02, ge=0, description="A prompt token loaded from the CPU tier, in computed ones."
+    )
+    decode_cost: float = Field(
+        default=8.0, ge=0, description="A request decoding on the replica, in computed tokens."
+    )
+    imbalance: float = Field(
+        default=2.0,
+        ge=1,
+        description="Power of two choices instead when the cheapest replica's queue is this "
+        "many times the least busy one's",
+    )
+    imbalance_tokens: int = Field(
+        default=2048, ge=0, description="... and longer than it by this many tokens."
+    )
+
+
+class ServeConfig(_Strict):
+    """``raykv serve``: where to listen, how many replicas, how requests pick one. The API key
+    is never read from a file: ``--api-key`` or RAYKV_API_KEY."""
+
+    host: str = Field(default="127.0.0.1", description="Where to listen (loopback by default).")
+    port: int = Field(default=8000, gt=0, lt=65536)
+    replicas: int = Field(default=1, gt=0, description="Engine replicas.")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom resources each replica asks for beside its CPU (e.g. a node "
+        "type's, or a one-per-node slot to spread replicas over nodes).",
+    )
+    router: Literal["kv", "pow2", "prefix"] | None = Field(
+        default=None, description="None: kv with more than one replica, else pow2."
+    )
+    insecure: bool = Field(default=False, description="Allow a non-loopback host without a key.")
+    router_weights: RouterWeightsConfig = RouterWeightsConfig()
+
+
 class RaykvConfig(_Strict):
     """The whole configuration file."""
 
@@ -369,6 +411,7 @@ class RaykvConfig(_Strict):
     parallel: ParallelConfig = ParallelConfig()
     engine: EngineConfig = EngineConfig()
     workload: WorkloadConfig = WorkloadConfig()
+    serve: ServeConfig = ServeConfig()
     faults: list[str] = Field(
         default_factory=list, description="Fault injection specs (see raykv/faults.py)."
     )

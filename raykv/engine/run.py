@@ -133,6 +133,22 @@ class Driver:
     def has_work(self) -> bool:
         return bool(self._pending) or self.engine.has_work()
 
+    def load(self) -> tuple[int, int]:
+        """(prompt tokens still to prefill, requests decoding): submitted ones not yet in the
+        engine, waiting ones and those part-way through their prompt count their uncomputed
+        positions (prefix hits not yet known count in full; one loading from the CPU tier is
+        nearly done and counts nothing). What a router weighs a replica's queue by."""
+        scheduler = self.engine.scheduler
+        tokens = sum(len(spec.prompt) for *_, spec in self._pending)
+        tokens += sum(r.num_tokens - r.num_computed for r in scheduler.waiting)
+        decoding = 0
+        for r in scheduler.running:
+            if r.num_computed < r.num_prompt:
+                tokens += r.num_prompt - r.num_computed
+            else:
+                decoding += 1
+        return tokens, decoding
+
     def _admit_arrived(self) -> None:
         """Hand the engine what has arrived: by engine steps (``RequestSpec.arrival``) or, for
         a replay at a trace's own timestamps, by wall-clock seconds (``arrival_s``)."""

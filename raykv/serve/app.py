@@ -9,18 +9,19 @@ import contextlib
 import ipaddress
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from raykv.config import ConfigError, RaykvConfig
+from raykv.config import ConfigError, RaykvConfig, ServeConfig
 
 APP_NAME = "raykv"
 ENGINE_DEPLOYMENT = "raykv-engine"
 INGRESS_DEPLOYMENT = "raykv-ingress"
 
-# request routers by name: Serve's default (power of two choices) and Ray Serve LLM's text
-# prefix tree, the baselines
+# request routers by name: raykv's KV-aware one, and as the baselines Serve's default (power
+# of two choices) and Ray Serve LLM's text prefix tree
 ROUTERS = {
+    "kv": "raykv.serve.kv_router:KVAwareRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "prefix": (
         "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
@@ -36,20 +37,42 @@ MAX_ONGOING_INGRESS = 1024
 
 @dataclass(slots=True)
 class ServeOptions:
-    """How to serve: where to listen, how many replicas, which router, the API key."""
+    """How to serve: where to listen, how many replicas, which router (None: ``kv`` with more
+    than one replica, else ``pow2``), the API key."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     replicas: int = 1
-    router: str = "pow2"
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    router: str | None = None
     api_key: str | None = None
     insecure: bool = False
+
+    @classmethod
+    def of(cls, serve: ServeConfig, api_key: str | None = None, **flags: Any) -> ServeOptions:
+        """The config's ``serve:`` section, with the flags given (not None) over it."""
+        values = {
+            "host": serve.host,
+            "port": serve.port,
+            "replicas": serve.replicas,
+            "replica_resources": dict(serve.replica_resources),
+            "router": serve.router,
+            "insecure": serve.insecure,
+        }
+        values.update({k: v for k, v in flags.items() if v is not None and v is not False})
+        return cls(api_key=api_key, **values)
+
+    @property
+    def router_name(self) -> str:
+        if self.router is not None:
+            return self.router
+        return "kv" if self.replicas > 1 else "pow2"
 
     def check(self) -> None:
         """ConfigError naming the option at fault."""
         if self.replicas < 1:
             raise ConfigError(f"--replicas {self.replicas}: must be at least 1")
-        if self.router not in ROUTERS:
+        if self.router is not None and self.router not in ROUTERS:
             raise ConfigError(f"--router {self.router!r}: expected one of {', '.join(ROUTERS)}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port}: not a port number")
@@ -108,11 +131,13 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": 1},
         # the replica first, then its ranks: one TP group, one node
-        placement_group_bundles=[{"CPU": 1.0}] + [rank_bundle(cfg) for _ in range(tp)],
+        placement_group_bundles=[{"CPU": 1.0, **options.replica_resources}]
+        + [rank_bundle(cfg) for _ in range(tp)],
         placement_group_strategy="STRICT_PACK",
         max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
         request_router_config=RequestRouterConfig(
-            request_router_class=ROUTERS[options.router],
+            request_router_class=ROUTERS[options.router_name],
+            request_router_kwargs=router_kwargs(cfg, options.router_name),
         ),
         health_check_period_s=2,
         health_check_timeout_s=30,
@@ -128,6 +153,19 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         model_file,
         options.api_key,
     )
+
+
+def router_kwargs(cfg: RaykvConfig, router: str) -> dict[str, Any]:
+    """What the KV-aware router needs to hash prompts as the engine does, and its weights."""
+    if router != "kv":
+        return {}
+    groups = [i for i, g in enumerate(cfg.cache.groups) if g.kind == "full_attention"]
+    return {
+        "block_size": cfg.cache.block_size,
+        "blocks_per_chunk": cfg.offload.blocks_per_chunk if cfg.offload.enabled else 1,
+        "groups": groups or [0],
+        "weights": cfg.serve.router_weights.model_dump(),
+    }
 
 
 class Server:

@@ -171,8 +171,11 @@ class _Shape:
         self.created = int(time.time())
         self.offset = 0  # characters of text so far (completions' text_offset)
 
-    def _envelope(self, kind: str) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+    def _envelope(self, kind: str, update: EngineUpdate | None = None) -> dict[str, Any]:
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        if update is not None and update.replica:  # which replica answered, as OpenAI's field
+            out["system_fingerprint"] = f"raykv-{update.replica}"
+        return out
 
     def whole(self, pieces: list[EngineUpdate]) -> dict[str, Any]:
         text = "".join(p.text for p in pieces)
@@ -185,7 +188,7 @@ class _Shape:
             choice["text"] = text
         choice["logprobs"] = self._logprob_shape(infos) if infos is not None else None
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(kind), "choices": [choice], "usage": _usage(last)}
+        return {**self._envelope(kind, last), "choices": [choice], "usage": _usage(last)}
 
     async def events(
         self, first: EngineUpdate, rest: AsyncIterator[EngineUpdate], include_usage: bool
@@ -203,7 +206,8 @@ class _Shape:
                     return
                 last = update
                 if update.text or update.finish_reason is not None or update.token_ids:
-                    yield _sse({**self._envelope(kind), "choices": [self._chunk(update)]})
+                    chunk = {**self._envelope(kind, update), "choices": [self._chunk(update)]}
+                    yield _sse(chunk)
                 update = await anext(rest, None)
         except ApiError as exc:  # a replica that died mid-stream
             yield _sse(exc.body())
@@ -255,7 +259,12 @@ def _usage(last: EngineUpdate) -> dict[str, Any]:
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "total_tokens": last.prompt_tokens + last.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        # OpenAI's cached_tokens, and (raykv's own) where they came from
+        "prompt_tokens_details": {
+            "cached_tokens": last.cached_tokens,
+            "gpu_cache_tokens": last.cached_tokens - last.cpu_tier_tokens,
+            "cpu_tier_tokens": last.cpu_tier_tokens,
+        },
     }
 
 

@@ -26,6 +26,8 @@ from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestStatus
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.model.tokenizer import Tokenizer
+from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
+from raykv.serve.kv_index import Snapshot, WireEvent, to_wire
 from raykv.serve.text_stream import TextStream
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
@@ -71,9 +73,11 @@ class EngineUpdate:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt: from the GPU prefix cache, then the CPU tier
+    cpu_tier_tokens: int = 0  # of those, from the CPU tier
     error: str | None = None
     status: int = 200
+    replica: str = ""  # the Serve replica that answered
 
 
 @dataclass(slots=True)
@@ -105,8 +109,38 @@ class EngineReplica:
         self._refused_seen = 0  # the driver's refusals already handed to their streams
         self._ids = itertools.count()
         self._closed = False
+        self._feed: Any = None
+        self._pusher: FeedPusher | None = None
         self.server.on_step = self._pump
         self.server.start()
+        self.replica = ""
+        self._start_feed(pg)
+
+    def _start_feed(self, pg: Any) -> None:
+        """The replica's KV feed (``serve.kv_feed``), named for its Serve replica id, and the
+        thread that pushes to it; none outside Serve."""
+        from ray import serve
+
+        try:
+            replica_id = serve.get_replica_context().replica_id
+        except Exception:
+            return
+        self.replica = replica_id.unique_id
+        name = feed_name(replica_id.deployment_id.app_name, replica_id.unique_id)
+        self._feed = start_feed(name, ray.get_runtime_context().namespace, pg)
+        self._pusher = FeedPusher(self._feed, self._collect_kv)
+
+    def _collect_kv(self, whole: bool) -> tuple[list[WireEvent] | Snapshot, Load]:
+        """The engine's KV events since the last call (or, ``whole``, its state as a whole),
+        with its load: for the feed pusher's thread."""
+        with self.server._lock:
+            engine = self.server.engine
+            events = engine.events.take()
+            load = Load(*self.server.driver.load())
+            if not whole:
+                return to_wire(events), load
+            next_seq, held = engine.kv_state()
+            return Snapshot(next_seq, held), load
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -136,7 +170,7 @@ class EngineReplica:
                     return
                 tokens, logprobs, status, cached = item
                 before = len(text.tokens)
-                update = EngineUpdate(text.push(tokens))
+                update = EngineUpdate(text.push(tokens), replica=self.replica)
                 update.token_ids = text.tokens[before:]
                 if logprobs is not None:  # text only here, off the engine's loop and lock
                     update.logprobs = [
@@ -152,7 +186,8 @@ class EngineReplica:
                 if update.finish_reason is not None:
                     update.prompt_tokens = len(request.token_ids)
                     update.completion_tokens = len(text.tokens)
-                    update.cached_tokens = cached
+                    update.cached_tokens = sum(cached)
+                    update.cpu_tier_tokens = cached[1]
                     finished = True
                     yield update
                     return
@@ -227,7 +262,7 @@ class EngineReplica:
         wanted = req.sampling is not None and req.sampling.logprobs is not None
         logprobs = req.logprobs[stream.delivered :] if wanted else None
         stream.delivered = len(output)
-        cached = req.num_gpu_hit_tokens + req.num_cpu_hit_tokens
+        cached = (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens)
         item = (new, logprobs, status, cached)
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
@@ -245,6 +280,14 @@ class EngineReplica:
     def ping(self) -> bool:
         """Answers once the replica is up (its engine built, its ranks ready)."""
         return self.server._error is None
+
+    def info(self) -> dict[str, Any]:
+        """Where this replica runs: its Serve id, its node, its ranks' process ids."""
+        return {
+            "replica": self.replica,
+            "node": ray.get_runtime_context().get_node_id(),
+            "ranks": self.rank_processes(),
+        }
 
     def rank_processes(self) -> list[int]:
         """The process ids of this replica's rank actors now serving."""
@@ -265,6 +308,10 @@ class EngineReplica:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if self._pusher is not None:
+            self._pusher.stop()
+            with contextlib.suppress(Exception):
+                ray.kill(self._feed)
         with contextlib.suppress(Exception):
             self.server.shutdown()
         workers = self.server.group.workers  # replacements included

@@ -1,0 +1,135 @@
+"""A replica's KV feed: a small actor its replica creates and owns (it dies with the replica),
+to which the replica pushes its KV events and load every few milliseconds, and from which any
+number of routers pull what they missed.
+
+Why an actor of its own: a router cannot call a Serve replica's methods directly (every call to
+a replica is a routed request), and the replica's engine loop should not answer routers. The
+feed is named after the replica's Serve id, so a router finds it from the replica it sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from raykv.serve.kv_index import EventRing, Snapshot, WireEvent
+
+# how often a replica pushes its events and load: a router's view of it lags by about this
+PUSH_INTERVAL_S = 0.02
+RING_CAPACITY = 4096
+PUSH_TIMEOUT_S = 10.0
+
+
+def feed_name(app_name: str, replica_unique_id: str) -> str:
+    """The feed actor's name for one Serve replica."""
+    return f"raykv-kv-feed:{app_name}:{replica_unique_id}"
+
+
+@dataclass(slots=True)
+class Load:
+    """A replica's queue as a router weighs it: prompt tokens still to prefill and requests
+    decoding. ``version`` counts the feed's updates (a router counts what it routed since the
+    version it last saw)."""
+
+    prefill_tokens: int = 0
+    decoding: int = 0
+    version: int = 0
+
+
+class KVFeed:
+    """The actor's body (made an async actor by ``start_feed``): readers long-poll ``since``,
+    so an idle replica costs its routers nothing."""
+
+    def __init__(self, capacity: int = RING_CAPACITY) -> None:
+        import asyncio
+
+        self.ring = EventRing(capacity)
+        self.load = Load()
+        self._changed = asyncio.Event()
+
+    def _update(self, load: Load) -> None:
+        load.version = self.load.version + 1
+        self.load = load
+        self._changed.set()
+        self._changed.clear()  # waiters already woken stay woken
+
+    async def push(self, events: list[WireEvent], load: Load) -> bool:
+        """False: the events do not follow on; the replica must ``reset``."""
+        ok = self.ring.push(events)
+        self._update(load)
+        return ok
+
+    async def reset(self, snapshot: Snapshot, load: Load) -> None:
+        self.ring.reset(snapshot)
+        self._update(load)
+
+    async def since(
+        self, seq: int, version: int, wait_s: float
+    ) -> tuple[list[WireEvent] | Snapshot, Load]:
+        """What a reader at event ``seq`` and load ``version`` missed (events, or a snapshot),
+        with the latest load; waits up to ``wait_s`` for something new first."""
+        import asyncio
+
+        if seq == self.ring.next_seq and version == self.load.version:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+        return self.ring.since(seq), self.load
+
+
+class FeedPusher:
+    """The replica's side: a thread that, every ``PUSH_INTERVAL_S``, takes the engine's new
+    events and load (``collect``) and pushes them when anything changed; after a failed or
+    refused push it sends a whole snapshot instead."""
+
+    def __init__(
+        self,
+        feed: Any,
+        collect: Callable[[bool], tuple[list[WireEvent] | Snapshot, Load]],
+    ) -> None:
+        """``collect(whole)``: the events since the last call, or with ``whole`` the whole
+        state (dropping the events that state includes), with the current load."""
+        self.feed = feed
+        self._collect = collect
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raykv-kv-feed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        whole = True  # the feed starts from the engine's state as it is now
+        last: tuple[int, int] | None = None
+        while not self._stop.wait(PUSH_INTERVAL_S):
+            try:
+                what, load = self._collect(whole)
+                if isinstance(what, Snapshot):
+                    ray.get(self.feed.reset.remote(what, load), timeout=PUSH_TIMEOUT_S)
+                    whole = False
+                elif what or (load.prefill_tokens, load.decoding) != last:
+                    whole = not ray.get(self.feed.push.remote(what, load), timeout=PUSH_TIMEOUT_S)
+                last = (load.prefill_tokens, load.decoding)
+            except Exception:  # the feed is gone or slow: start again from a snapshot
+                if self._stop.is_set():
+                    return
+                whole = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(RuntimeError):
+            self._thread.join(timeout=PUSH_TIMEOUT_S + 1)
+
+
+def start_feed(name: str, namespace: str, placement: Any = None) -> Any:
+    """Create the named feed actor (owned by the caller, so it goes when the caller does), in
+    bundle 0 of ``placement`` when given (beside its replica)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options: dict[str, Any] = {"name": name, "namespace": namespace, "num_cpus": 0}
+    if placement is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement, placement_group_bundle_index=0
+        )
+    return ray.remote(KVFeed).options(**options).remote()

@@ -1,0 +1,176 @@
+"""What the KV-aware router knows about each replica's KV: the keys its GPU prefix cache and its
+CPU tier hold, mirrored from the replica's KV events, and how much of a prompt each could
+serve. Plain Python: the feed actor and the router both use it, and tests drive it directly.
+
+Events travel as ``WireEvent`` tuples (sequence number, stored or removed, medium, keys): cheap
+to pickle, and the same shape whether they come from the engine's log or a snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from raykv.core.hashing import block_hashes
+from raykv.core.keys import make_key
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockStored, KVEvent
+
+# (seq, stored, medium, keys): one KV event on the wire
+WireEvent = tuple[int, bool, str, tuple[int, ...]]
+
+
+def to_wire(events: Iterable[KVEvent]) -> list[WireEvent]:
+    """The engine's events as wire tuples."""
+    return [(e.seq, isinstance(e, BlockStored), e.medium, e.keys) for e in events]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A replica's whole KV state: the next event's sequence number and the keys per medium
+    (``EngineCore.kv_state``)."""
+
+    next_seq: int
+    held: dict[str, list[int]]
+
+
+@dataclass(slots=True)
+class ReplicaKV:
+    """One replica's keys per medium, kept by applying its events in sequence order.
+
+    ``apply`` refuses a batch that does not start at ``next_seq`` (a gap: events were missed,
+    so the mirror can no longer be trusted until ``load`` gives it a snapshot)."""
+
+    gpu: set[int] = field(default_factory=set)
+    cpu: set[int] = field(default_factory=set)
+    next_seq: int = 0
+    synced: bool = False  # False until the first snapshot, and again after a gap
+
+    def apply(self, events: Sequence[WireEvent]) -> bool:
+        """Apply events in order; False (nothing applied) when they do not follow on."""
+        if not self.synced:
+            return False
+        if events and events[0][0] != self.next_seq:
+            self.synced = False
+            return False
+        for seq, stored, medium, keys in events:
+            held = self.gpu if medium == MEDIUM_GPU else self.cpu
+            if stored:
+                held.update(keys)
+            else:
+                held.difference_update(keys)
+            self.next_seq = seq + 1
+        return True
+
+    def load(self, snapshot: Snapshot) -> None:
+        """Start again from a whole state."""
+        self.gpu = set(snapshot.held.get(MEDIUM_GPU, ()))
+        self.cpu = set(snapshot.held.get(MEDIUM_CPU, ()))
+        self.next_seq = snapshot.next_seq
+        self.synced = True
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.next_seq, {MEDIUM_GPU: list(self.gpu), MEDIUM_CPU: list(self.cpu)})
+
+
+class EventRing:
+    """A replica's recent events with a mirror of its whole state, so any number of readers,
+    each at its own position, get what they missed: the events since their position while the
+    ring still holds them, a snapshot otherwise."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.mirror = ReplicaKV(synced=True)
+        self._ring: deque[WireEvent] = deque(maxlen=capacity)
+
+    @property
+    def next_seq(self) -> int:
+        return self.mirror.next_seq
+
+    def push(self, events: Sequence[WireEvent]) -> bool:
+        """Record events; False when they do not follow on (the writer must ``reset``)."""
+        if not self.mirror.apply(events):
+            return False
+        self._ring.extend(events)
+        return True
+
+    def reset(self, snapshot: Snapshot) -> None:
+        self.mirror.load(snapshot)
+        self._ring.clear()
+
+    def since(self, seq: int) -> list[WireEvent] | Snapshot:
+        """The events from ``seq`` on, or a snapshot when the ring no longer holds them all (or
+        ``seq`` is not a position this stream ever had)."""
+        if not self.mirror.synced:
+            return Snapshot(-1, {})  # the writer owes a reset; readers wait for it
+        if seq == self.next_seq:
+            return []
+        first = self._ring[0][0] if self._ring else self.next_seq
+        if first <= seq < self.next_seq:
+            return list(self._ring)[seq - first :]
+        return self.mirror.snapshot()
+
+
+@dataclass(slots=True)
+class KVLayout:
+    """How the engine turns a prompt into keys: tokens per block, blocks per CPU chunk, and the
+    KV groups a hit must cover (the full-attention ones: a sliding-window group needs only its
+    window, which a full-attention hit of the same prefix implies in practice)."""
+
+    block_size: int
+    blocks_per_chunk: int
+    groups: tuple[int, ...] = (0,)
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+
+@dataclass(slots=True)
+class PromptKeys:
+    """A prompt's keys: per block (the GPU prefix cache's) and per chunk (the CPU tier's), each
+    a tuple over the layout's groups, up to the last block the engine may reuse (the last
+    token is always computed)."""
+
+    gpu: list[tuple[int, ...]]
+    cpu: list[tuple[int, ...]]
+    num_tokens: int
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], layout: KVLayout) -> PromptKeys:
+        bs, bpc = layout.block_size, layout.blocks_per_chunk
+        usable = max(0, len(token_ids) - 1)
+        hashes = block_hashes(token_ids[: (usable // bs) * bs], bs)
+        gpu = [tuple(make_key(h, g) for g in layout.groups) for h in hashes]
+        chunks = len(hashes) // bpc
+        cpu = [
+            tuple(make_key(hashes[(c + 1) * bpc - 1], g) for g in layout.groups)
+            for c in range(chunks)
+        ]
+        return cls(gpu, cpu, len(token_ids))
+
+
+@dataclass(slots=True)
+class Hit:
+    """Prompt tokens a replica could take from its GPU cache and then its CPU tier; the rest
+    are computed."""
+
+    gpu_tokens: int
+    cpu_tokens: int
+    computed_tokens: int
+
+
+def prompt_hit(keys: PromptKeys, kv: ReplicaKV, layout: KVLayout) -> Hit:
+    """The engine's own rule, from the mirror: the longest prefix of blocks in the GPU cache,
+    then the chunks of the CPU tier that follow on from the chunk where that hit ends."""
+    gpu_blocks = 0
+    for block in keys.gpu:
+        if not all(k in kv.gpu for k in block):
+            break
+        gpu_blocks += 1
+    gpu_tokens = gpu_blocks * layout.block_size
+    tpc = layout.tokens_per_chunk
+    end = start = gpu_tokens // tpc
+    while end < len(keys.cpu) and all(k in kv.cpu for k in keys.cpu[end]):
+        end += 1
+    cpu_tokens = max(0, end * tpc - gpu_tokens) if end > start else 0
+    return Hit(gpu_tokens, cpu_tokens, keys.num_tokens - gpu_tokens - cpu_tokens)

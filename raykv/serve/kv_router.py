@@ -1,0 +1,258 @@
+"""``--router kv``: a Ray Serve request router that sends each request to the replica whose KV
+already holds the most of its prompt, weighed against how busy that replica is.
+
+Each router follows every replica's KV feed (``serve.kv_feed``): one long poll per replica
+brings its events (or a snapshot after a gap) into a mirror of which keys its GPU prefix cache
+and its CPU tier hold, and its load. For a request it hashes the prompt the way the engine does
+(``serve.kv_index.PromptKeys``) and picks the replica of least cost (``RouteWeights.cost``);
+when no replica holds anything of the prompt, or the least-cost one is far busier than the
+least busy, it falls back to power of two choices. A replica that goes away is forgotten at
+once (its mirror dropped, its feed no longer followed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from raykv.config import RouterWeightsConfig
+from raykv.serve.kv_feed import PUSH_INTERVAL_S, Load, feed_name
+from raykv.serve.kv_index import Hit, KVLayout, PromptKeys, ReplicaKV, Snapshot, prompt_hit
+
+logger = logging.getLogger("ray.serve")
+
+# a long poll's wait at the feed, and how long past it a reply may take before the feed counts
+# as gone
+POLL_WAIT_S = 1.0
+POLL_GRACE_S = 10.0
+RETRY_S = 0.1
+# what a router routed counts in its view of a replica's load this long: by then the replica's
+# own count, pushed every PUSH_INTERVAL_S, has it (or it is done)
+ROUTED_SETTLE_S = 3 * PUSH_INTERVAL_S
+
+
+@dataclass(slots=True)
+class RouteWeights:
+    """The cost of sending a request to a replica, in prompt tokens to compute:
+
+    ``computed + cpu_hit_cost * from_cpu + queued_prefill + decode_cost * decoding``
+
+    A GPU hit costs nothing. When the least-cost replica's queue (``queue``) is more than
+    ``imbalance`` times the least busy one's and longer by ``imbalance_tokens``, the request
+    goes by power of two choices instead. The values come from the config's
+    ``serve.router_weights`` (``RouterWeightsConfig``, where their measurements are told)."""
+
+    cpu_hit_cost: float
+    decode_cost: float
+    imbalance: float
+    imbalance_tokens: int
+
+    def queue(self, load: Load, routed_tokens: int) -> float:
+        return load.prefill_tokens + routed_tokens + self.decode_cost * load.decoding
+
+    def cost(self, hit: Hit, queue: float) -> float:
+        return hit.computed_tokens + self.cpu_hit_cost * hit.cpu_tokens + queue
+
+
+@dataclass(slots=True)
+class _Followed:
+    """What the router knows of one replica."""
+
+    kv: ReplicaKV = field(default_factory=ReplicaKV)
+    load: Load = field(default_factory=Load)
+    routed: list[tuple[float, int]] = field(default_factory=list)  # (when, tokens to compute)
+    task: asyncio.Task[None] | None = None
+
+    def routed_tokens(self) -> int:
+        since = time.monotonic() - ROUTED_SETTLE_S
+        if self.routed and self.routed[0][0] <= since:
+            self.routed = [r for r in self.routed if r[0] > since]
+        return sum(tokens for _, tokens in self.routed)
+
+
+class KVAwareRouter(FIFOMixin, RequestRouter):
+    """The router (Serve builds one per handle; ``initialize_state`` gets the engine's
+    layout and the weights from ``RequestRouterConfig.request_router_kwargs``)."""
+
+    def initialize_state(
+        self,
+        block_size: int = 16,
+        blocks_per_chunk: int = 1,
+        groups: tuple[int, ...] = (0,),
+        weights: dict[str, float] | None = None,
+    ) -> None:
+        self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups))
+        self.weights = RouteWeights(**(weights or RouterWeightsConfig().model_dump()))
+        self.followed: dict[ReplicaID, _Followed] = {}
+        self._namespace = ray.get_runtime_context().namespace
+        # a request's keys and per-replica hits between choosing and the routed callback
+        self._chosen: dict[str, tuple[ReplicaID, int]] = {}
+        self.decisions = {"kv": 0, "pow2": 0, "no_prompt": 0}
+
+    # ---- following the replicas' feeds --------------------------------------------------------
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._event_loop.call_soon_threadsafe(self._sync_followed)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._event_loop.call_soon_threadsafe(self._sync_followed)
+
+    def _sync_followed(self) -> None:
+        """Follow every current replica's feed; forget the others at once."""
+        current = set(self._replicas)
+        for replica_id in list(self.followed):
+            if replica_id not in current:
+                gone = self.followed.pop(replica_id)
+                if gone.task is not None:
+                    gone.task.cancel()
+        for replica_id in current - set(self.followed):
+            followed = _Followed()
+            self.followed[replica_id] = followed
+            followed.task = self._event_loop.create_task(self._follow(replica_id, followed))
+
+    async def _follow(self, replica_id: ReplicaID, followed: _Followed) -> None:
+        name = feed_name(self._deployment_id.app_name, replica_id.unique_id)
+        feed = None
+        while self.followed.get(replica_id) is followed:
+            try:
+                if feed is None:
+                    feed = await asyncio.to_thread(ray.get_actor, name, self._namespace)
+                kv = followed.kv
+                seq = kv.next_seq if kv.synced else -1
+                ref = feed.since.remote(seq, followed.load.version, POLL_WAIT_S)
+                what, load = await asyncio.wait_for(ref, POLL_WAIT_S + POLL_GRACE_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # not up yet, or gone: what it held is unknown until it answers
+                feed = None
+                followed.kv = ReplicaKV()
+                await asyncio.sleep(RETRY_S)
+                continue
+            if self.followed.get(replica_id) is not followed:
+                return
+            if isinstance(what, Snapshot):
+                if what.next_seq >= 0:  # < 0: the feed itself awaits its replica's snapshot
+                    kv.load(what)
+            else:
+                kv.apply(what)  # a gap unsyncs the mirror: the next poll asks for a snapshot
+            followed.load = load
+
+    # ---- choosing ---------------------------------------------------------------------------
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        token_ids = _token_ids(pending_request)
+        if token_ids is None:
+            self.decisions["no_prompt"] += 1
+            return _pow2(candidate_replicas, self._queue_of)
+        keys = PromptKeys.of(token_ids, self.layout)
+        scored = []
+        for replica in candidate_replicas:
+            followed = self.followed.get(replica.replica_id)
+            kv = followed.kv if followed is not None else ReplicaKV()
+            hit = prompt_hit(keys, kv, self.layout)
+            queue = self._queue_of(replica)
+            scored.append((self.weights.cost(hit, queue), queue, hit, replica))
+        scored.sort(key=lambda s: (s[0], s[1], random.random()))
+        _, best_queue, best_hit, best = scored[0]
+        least_queue = min(s[1] for s in scored)
+        reused = best_hit.gpu_tokens + best_hit.cpu_tokens
+        too_busy = (
+            best_queue > self.weights.imbalance * least_queue
+            and best_queue - least_queue > self.weights.imbalance_tokens
+        )
+        if reused == 0 or too_busy:
+            self.decisions["pow2"] += 1
+            ranked = _pow2(candidate_replicas, self._queue_of)
+            chosen = ranked[0][0]
+            self._remember(pending_request, chosen, keys.num_tokens)
+            return ranked
+        self.decisions["kv"] += 1
+        self._remember(pending_request, best, best_hit.computed_tokens)
+        return [[s[3]] for s in scored]
+
+    def _queue_of(self, replica: RunningReplica) -> float:
+        followed = self.followed.get(replica.replica_id)
+        if followed is None:
+            return 0.0
+        return self.weights.queue(followed.load, followed.routed_tokens())
+
+    def _remember(
+        self, pending_request: PendingRequest | None, replica: RunningReplica, tokens: int
+    ) -> None:
+        if pending_request is not None:
+            request_id = pending_request.metadata.internal_request_id
+            self._chosen[request_id] = (replica.replica_id, tokens)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        """Count what the request will compute on the replica it went to, until the replica's
+        own load has it."""
+        chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
+        followed = self.followed.get(replica_id)
+        if followed is None:
+            return
+        tokens = chosen[1] if chosen is not None and chosen[0] == replica_id else 0
+        if tokens:
+            followed.routed.append((time.monotonic(), tokens))
+
+    def state(self) -> dict[str, Any]:
+        """What the router knows, for tests and debugging: per replica id, its mirror's sizes,
+        sequence and load; and how many requests went which way."""
+        out: dict[str, Any] = {"decisions": dict(self.decisions), "replicas": {}}
+        for replica_id, followed in self.followed.items():
+            out["replicas"][replica_id.unique_id] = {
+                "synced": followed.kv.synced,
+                "next_seq": followed.kv.next_seq,
+                "gpu_keys": len(followed.kv.gpu),
+                "cpu_keys": len(followed.kv.cpu),
+                "prefill_tokens": followed.load.prefill_tokens,
+                "decoding": followed.load.decoding,
+            }
+        return out
+
+    def __del__(self) -> None:
+        for followed in getattr(self, "followed", {}).values():
+            if followed.task is not None:
+                with contextlib.suppress(Exception):
+                    followed.task.cancel()
+
+
+def _token_ids(pending_request: PendingRequest | None) -> list[int] | None:
+    """The prompt's token ids, when the request is a raykv ``EngineRequest``."""
+    if pending_request is None or not pending_request.args:
+        return None
+    token_ids = getattr(pending_request.args[0], "token_ids", None)
+    return list(token_ids) if token_ids else None
+
+
+def _pow2(candidates: list[RunningReplica], queue_of: Any) -> list[list[RunningReplica]]:
+    """Two replicas at random, the less busy first (Serve's default, on the router's own view of
+    their queues)."""
+    if len(candidates) == 1:
+        return [[candidates[0]]]
+    pair = random.sample(candidates, 2)
+    pair.sort(key=queue_of)
+    return [[pair[0]], [pair[1]]]

@@ -1,0 +1,128 @@
+"""The KV-aware router's view of a replica: a mirror fed by the engine's events (through the
+feed's ring, as a router reads it) must predict exactly the prompt tokens the engine then takes
+from its GPU prefix cache and from its CPU tier. No Ray: a local engine, stepped by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from raykv.config import load_config
+from raykv.engine.core import EngineCore
+from raykv.engine.run import Driver
+from raykv.engine.workers import LocalWorkerGroup
+from raykv.serve.kv_index import (
+    EventRing,
+    KVLayout,
+    PromptKeys,
+    ReplicaKV,
+    Snapshot,
+    prompt_hit,
+    to_wire,
+)
+from raykv.workload.requests import RequestSpec
+
+
+def prompts(rng: random.Random) -> list[list[int]]:
+    """Conversations that grow turn by turn, interleaved, so early turns fall out of a small
+    GPU pool while the CPU tier still holds them; and prompts of no shared prefix between."""
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 900) for _ in range(n)]
+
+    conversations = [tokens(70 + 9 * i) for i in range(4)]
+    out = []
+    for _turn in range(4):
+        for c, history in enumerate(conversations):
+            history += tokens(rng.randrange(5, 40))
+            out.append(list(history))
+            if c % 2:
+                out.append(tokens(rng.randrange(20, 90)))
+    return out
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_the_mirror_predicts_the_engines_hits_on_gpu_and_cpu(blocks_per_chunk: int) -> None:
+    cfg = load_config(
+        None,
+        [
+            "cache.num_gpu_blocks=40",  # a few prompts' worth: older ones leave the GPU
+            f"offload.blocks_per_chunk={blocks_per_chunk}",
+            "offload.cpu_bytes=4000000",
+        ],
+    )
+    layout = KVLayout(cfg.cache.block_size, blocks_per_chunk)
+    ring = EventRing(capacity=2)  # tiny: a reader that falls behind gets a snapshot
+    reader = ReplicaKV()
+    seen = {"gpu": 0, "cpu": 0, "snapshots": 0}
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
+        engine = EngineCore(cfg, workers, offload=True)
+        driver = Driver(engine)
+        for i, prompt in enumerate(prompts(random.Random(3))):
+            assert ring.push(to_wire(engine.events.take()))
+            what = ring.since(reader.next_seq if reader.synced else -1)
+            if isinstance(what, Snapshot):
+                seen["snapshots"] += 1
+                reader.load(what)
+            else:
+                assert reader.apply(what)
+            assert (reader.gpu, reader.cpu) == (ring.mirror.gpu, ring.mirror.cpu)
+            _, held = engine.kv_state()
+            assert reader.gpu == set(held["GPU"]) and reader.cpu == set(held["CPU"])
+            predicted = prompt_hit(PromptKeys.of(prompt, layout), reader, layout)
+            driver.submit([RequestSpec(f"r{i}", tuple(prompt), 4, 0)])
+            while driver.has_work():  # alone to the end, every store landed
+                driver.step()
+            (req,) = driver.take_finished()
+            assert (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens) == (
+                predicted.gpu_tokens,
+                predicted.cpu_tokens,
+            ), f"prompt {i} of {len(prompt)} tokens"
+            assert predicted.computed_tokens == len(prompt) - req.num_gpu_hit_tokens - (
+                req.num_cpu_hit_tokens
+            )
+            seen["gpu"] += predicted.gpu_tokens > 0
+            seen["cpu"] += predicted.cpu_tokens > 0
+    # the run had hits of both kinds, and a reader behind the ring resynced from a snapshot
+    assert seen["gpu"] and seen["cpu"] and seen["snapshots"] > 1
+
+
+def test_a_gap_unsyncs_the_mirror_until_a_snapshot() -> None:
+    kv = ReplicaKV()
+    assert not kv.apply([(0, True, "GPU", (1,))])  # never synced: refuses
+    kv.load(Snapshot(5, {"GPU": [1, 2], "CPU": [3]}))
+    assert kv.apply([(5, True, "CPU", (4,)), (6, False, "GPU", (1,))])
+    assert (kv.gpu, kv.cpu, kv.next_seq) == ({2}, {3, 4}, 7)
+    assert not kv.apply([(8, True, "GPU", (9,))])  # 7 is missing
+    assert not kv.synced and 9 not in kv.gpu
+    assert not kv.apply([(7, True, "GPU", (9,))])  # stays refused until a snapshot
+    kv.load(Snapshot(9, {"GPU": [9]}))
+    assert kv.synced and kv.gpu == {9} and kv.cpu == set()
+
+
+def test_the_ring_gives_each_reader_what_it_missed() -> None:
+    ring = EventRing(capacity=3)
+    ring.reset(Snapshot(10, {"GPU": [1]}))
+    assert ring.push([(10, True, "GPU", (2,)), (11, True, "CPU", (7,))])
+    assert not ring.push([(13, True, "GPU", (3,))])  # a writer's gap: it must reset
+    assert isinstance(ring.since(10), Snapshot) and ring.since(10).next_seq == -1
+    ring.reset(Snapshot(12, {"GPU": [1, 2], "CPU": [7]}))
+    assert ring.push([(12, False, "GPU", (1,)), (13, True, "GPU", (4,))])
+    assert ring.since(14) == []
+    assert ring.since(13) == [(13, True, "GPU", (4,))]
+    assert ring.since(12) == [(12, False, "GPU", (1,)), (13, True, "GPU", (4,))]
+    whole = ring.since(3)  # before the ring: the whole state
+    assert isinstance(whole, Snapshot) and whole.next_seq == 14
+    assert set(whole.held["GPU"]) == {2, 4} and set(whole.held["CPU"]) == {7}
+    assert isinstance(ring.since(99), Snapshot)  # a position the stream never had
+
+
+def test_prompt_keys_stop_short_of_the_last_token_and_chain() -> None:
+    layout = KVLayout(block_size=4, blocks_per_chunk=2)
+    keys = PromptKeys.of(list(range(17)), layout)
+    assert len(keys.gpu) == 4 and len(keys.cpu) == 2  # 16 usable positions of 17
+    assert len(PromptKeys.of(list(range(16)), layout).gpu) == 3  # the 16th token is computed
+    other = PromptKeys.of([99, *range(1, 17)], layout)
+    assert not set(keys.gpu) & set(other.gpu)  # one token differs: every later key differs
+    assert keys.cpu[1] == keys.gpu[3]  # a chunk's key is its last block's

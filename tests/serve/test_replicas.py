@@ -1,0 +1,156 @@
+"""Two replicas on two Ray nodes behind the KV-aware router: each replica on a node of its own
+(a one-per-node resource places them), conversations kept where their KV is, and a replica
+killed mid-stream: its stream ends in an error (not retried: part of the answer is out), the
+other replica goes on serving at once, and Serve brings a new one up."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import ray  # noqa: E402
+
+from raykv.config import load_config  # noqa: E402
+from tests.serve.nodes import add_node, remove_node  # noqa: E402
+
+PORT = 8125
+SLOT = "raykv-test-replica-slot"
+RESTART_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def nodes(ray_session):
+    added = []
+    try:
+        for _ in range(2):
+            added.append(add_node(num_cpus=2, resources={SLOT: 1}))
+        yield added
+    finally:
+        for node in added:
+            remove_node(node)
+
+
+@pytest.fixture(scope="module")
+def server(nodes, tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    from raykv.serve.app import ServeOptions, Server
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_chat_model}",
+            "model.dtype=float32",
+            "cache.num_gpu_blocks=96",
+            f"offload.shared_pool_dir={tmp_path_factory.mktemp('shards')}",
+        ],
+    )
+    options = ServeOptions(port=PORT, replicas=2, router="kv", replica_resources={SLOT: 1})
+    srv = Server(cfg, options).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def engine_handle():
+    from ray import serve
+
+    from raykv.serve.app import APP_NAME, ENGINE_DEPLOYMENT
+
+    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+
+
+def replicas_seen(tries: int = 40) -> dict[str, str]:
+    """Replica id -> node id, from calls that go by power of two choices (no prompt)."""
+    handle = engine_handle()
+    out = {}
+    for _ in range(tries):
+        info = handle.info.remote().result(timeout_s=60)
+        out[info["replica"]] = info["node"]
+    return out
+
+
+def chat(client, messages: list[dict[str, str]], **kwargs):
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, **kwargs
+    )
+
+
+def test_the_replicas_run_on_two_nodes_of_their_own(server, nodes) -> None:
+    where = replicas_seen()
+    assert len(where) == 2
+    assert set(where.values()) == {node.node_id for node in nodes}
+
+
+def test_conversations_stay_with_the_replica_that_holds_their_kv(client) -> None:
+    conversations = [
+        [{"role": "system", "content": f"You answer as helper {i}. " * 12}] for i in range(4)
+    ]
+    served_by: dict[int, str] = {}
+    for turn in range(3):
+        for i, messages in enumerate(conversations):
+            messages.append({"role": "user", "content": f"Question {turn} for helper {i}?"})
+            answer = chat(client, messages)
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+            replica = answer.system_fingerprint
+            assert replica and replica.startswith("raykv-")
+            if turn == 0:
+                served_by[i] = replica
+                continue
+            # each later turn extends the one before: the router sends it back to that KV
+            assert replica == served_by[i], f"conversation {i} turn {turn} moved"
+            cached = answer.usage.prompt_tokens_details.cached_tokens
+            assert cached >= 16, f"conversation {i} turn {turn}: {cached} cached tokens"
+
+
+def test_a_killed_replica_ends_its_stream_in_an_error_and_the_other_serves_on(client) -> None:
+    from ray import serve
+
+    from raykv.serve.app import APP_NAME, ENGINE_DEPLOYMENT
+
+    messages = [{"role": "user", "content": "Count slowly from one to one thousand."}]
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1200, temperature=0, stream=True
+    )
+    victim = None
+    received = 0
+    with pytest.raises(openai.APIError):  # the SSE error event the ingress sends
+        for chunk in stream:
+            received += 1
+            if victim is None and chunk.system_fingerprint:
+                victim = chunk.system_fingerprint.removeprefix("raykv-")
+                kill_replica(victim)
+    assert victim is not None and received < 1200
+    # at once: another conversation is answered, by the replica that lives
+    for i in range(3):
+        answer = chat(client, [{"role": "user", "content": f"After the loss, question {i}."}])
+        assert answer.system_fingerprint != f"raykv-{victim}"
+    # and Serve replaces the dead one: two replicas again, the new one serving
+    deadline = time.monotonic() + RESTART_S
+    while True:
+        status = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT]
+        if status.replica_states.get("RUNNING", 0) == 2:
+            break
+        assert time.monotonic() < deadline, f"no replacement replica: {status}"
+        time.sleep(1)
+    while len(where := replicas_seen()) < 2:  # until this process's handle has it too
+        assert time.monotonic() < deadline, f"the new replica is not routed to: {where}"
+        time.sleep(1)
+    assert victim not in where
+
+
+def kill_replica(unique_id: str) -> None:
+    (named,) = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if unique_id in a["name"] and a["name"].startswith("SERVE_REPLICA")
+    ]
+    ray.kill(ray.get_actor(named["name"], namespace=named["namespace"]), no_restart=True)
