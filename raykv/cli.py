@@ -510,6 +510,122 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM as Ctrl-C: a KeyboardInterrupt, so cleanup in ``finally`` runs."""
+    import signal
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.serve import bench_router, format_serve_table
+    from raykv.cluster.runtime import connect
+    from raykv.report import progress_bar
+    from raykv.serve.app import ROUTERS, served_config
+    from raykv.workload.requests import make_workload
+
+    _check_output("--json", args.json)
+    routers = [r.strip() for r in args.router.split(",") if r.strip()]
+    for router in routers:
+        if router not in ROUTERS:
+            raise ConfigError(f"--router {router!r}: expected some of {', '.join(ROUTERS)}")
+    extra = [f"workload.num_requests={args.num_requests}"] if args.num_requests else []
+    kind, _, trace = args.workload.partition(":")
+    if kind == "trace":
+        if not trace or not Path(trace).is_file():
+            raise ConfigError(f"--workload {args.workload}: no trace file at {trace!r}")
+        extra += ["workload.kind=trace", f"workload.trace={trace}"]
+    elif kind == "synthetic" and not trace:
+        extra += ["workload.kind=synthetic"]
+    else:
+        raise ConfigError(f"--workload {args.workload!r}: expected synthetic or trace:FILE")
+    args.set = [*(args.set or []), *extra]
+    cfg = _load_real_model_config(args)
+    _check_device(cfg, "ray", args.address)
+    served, _ = served_config(cfg)
+    specs = make_workload(served)
+    err = Console(stderr=True)
+    tp = cfg.parallel.tensor_parallel_size
+    cuda = cfg.parallel.device == "cuda"
+    ray_handle = connect(
+        args.address,
+        num_cpus=args.replicas * (1 + (0 if cuda else tp)) + 1,
+        num_gpus=args.replicas * tp if cuda else None,
+    )
+    # after Ray's own handlers: the finally blocks then take the replicas and shard files down
+    _interrupt_on_sigterm()
+    results = []
+    try:
+        for router in routers:
+            with progress_bar(err, len(specs), f"{router}: {len(specs)} requests") as advance:
+                result = bench_router(
+                    cfg,
+                    router,
+                    args.replicas,
+                    specs,
+                    args.concurrency,
+                    args.port,
+                    on_done=lambda _: advance(1),
+                )
+            results.append(result)
+            err.print(
+                f"{router}: TTFT mean {result.ttft_s['mean']:.3f} s, "
+                f"{result.cached_tokens:,} prompt tokens cached, {result.errors} errors",
+                highlight=False,
+            )
+    finally:
+        ray_handle.shutdown()
+    title = (
+        f"raykv bench serve: {cfg.model.path}, {args.replicas} replicas, {args.workload} "
+        f"({len(specs)} requests, concurrency {args.concurrency})"
+    )
+    console.print(format_serve_table(results, title))
+    if args.json:
+        shape = {
+            "model": str(cfg.model.path),
+            "replicas": args.replicas,
+            "workload": args.workload,
+            "num_requests": len(specs),
+            "concurrency": args.concurrency,
+            "results": [r.as_dict(with_requests=args.per_request) for r in results],
+        }
+        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.route_weights import measure_route_weights
+    from raykv.bench.ttft import bench_config
+    from raykv.model.checkpoint import configure
+
+    _check_output("--json", args.json)
+    if len(args.prompt_tokens) != 2 or args.prompt_tokens[0] >= args.prompt_tokens[1]:
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens}: two lengths, shorter first")
+    cfg = _load_real_model_config(args)
+    _check_real_model_engine(cfg, "local")
+    cfg, _, _ = configure(bench_config(cfg, list(args.prompt_tokens)))
+    with Console(stderr=True).status("measuring computing, loading and decoding..."):
+        m = measure_route_weights(cfg, tuple(args.prompt_tokens), tuple(args.decoders), args.repeat)
+    console.print(
+        f"computed prompt token: {m.compute_s_per_token * 1e3:.3f} ms; loaded from the CPU "
+        f"tier: {m.load_s_per_token * 1e3:.4f} ms; decoding requests delay a prompt by "
+        + ", ".join(f"{v * 1e3:.1f} ms ({k})" for k, v in m.decode_delay_s.items()),
+        highlight=False,
+    )
+    console.print(
+        f"serve.router_weights.cpu_hit_cost={m.cpu_hit_cost:.4f} "
+        f"serve.router_weights.decode_cost={m.decode_cost:.2f}",
+        highlight=False,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(m.as_dict(), indent=2) + "\n")
+    return 0
+
+
 def _cmd_config_check(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.file, args.set or ())
     console.print(f"{args.file}: ok", highlight=False)
@@ -684,6 +800,41 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--plot", help="draw TTFT against prompt length to this PNG file")
     tt.set_defaults(func=_cmd_bench_ttft)
 
+    bs = bench.add_parser(
+        "serve", help="one workload through the HTTP API behind each request router in turn"
+    )
+    _add_real_model_args(bs)
+    bs.add_argument("--replicas", type=_positive_int, default=2, help="engine replicas")
+    bs.add_argument(
+        "--router", default="kv,pow2,prefix", help="routers to compare, comma-separated"
+    )
+    bs.add_argument(
+        "--workload",
+        default="synthetic",
+        help="synthetic (multi-turn conversations; workload.*) or trace:FILE (Mooncake JSONL)",
+    )
+    bs.add_argument("--num-requests", type=_positive_int, help="workload.num_requests")
+    bs.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight")
+    bs.add_argument("--port", type=int, default=8000, help="where the server listens")
+    bs.add_argument(
+        "--address", help="the Ray cluster to join; default: RAY_ADDRESS, else an embedded Ray"
+    )
+    bs.add_argument("--json", help="write the results to this JSON file")
+    bs.add_argument(
+        "--per-request", action="store_true", help="with --json: every request's numbers too"
+    )
+    bs.set_defaults(func=_cmd_bench_serve)
+
+    rw = bench.add_parser(
+        "route-weights", help="measure the KV-aware router's weights on the serving model"
+    )
+    _add_real_model_args(rw)
+    rw.add_argument("--prompt-tokens", type=_int_list, default=[256, 512], metavar="N,N")
+    rw.add_argument("--decoders", type=_int_list, default=[8, 16], metavar="K,K")
+    rw.add_argument("--repeat", type=_positive_int, default=3, help="fastest of R")
+    rw.add_argument("--json", help="write the measurement to this JSON file")
+    rw.set_defaults(func=_cmd_bench_route_weights)
+
     run = sub.add_parser("run", help="run a workload through the engine and report")
     _add_workload_options(run)
     run.add_argument("--no-offload", action="store_true", help="run without the CPU tier")
@@ -789,6 +940,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"raykv: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # cleanup ran on the way out
+        print("raykv: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

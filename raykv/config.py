@@ -370,7 +370,7 @@ class RouterWeightsConfig(_Strict):
         default=0.02, ge=0, description="A prompt token loaded from the CPU tier, in computed ones."
     )
     decode_cost: float = Field(
-        default=8.0, ge=0, description="A request decoding on the replica, in computed tokens."
+        default=4.0, ge=0, description="A request decoding on the replica, in computed tokens."
     )
     imbalance: float = Field(
         default=2.0,

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+# before any test module imports ray (collection order varies): an embedded Ray on loopback only
+import raykv.cluster  # noqa: F401
+
 # CI replays the same examples every run (derandomized) so a red build is reproducible; locally
 # hypothesis explores new examples each run.
 settings.register_profile(

@@ -194,6 +194,11 @@ def test_bad_acks_are_counted_and_ignored() -> None:
         ),
         (["run", "--config", "no/such.yaml"], "cannot read config"),
         (["config", "check", "no/such.yaml"], "cannot read config"),
+        (["bench", "serve", "--router", "kv,best"], "--router 'best': expected some of"),
+        (["bench", "serve", "--workload", "trace:no/such.jsonl"], "no trace file at"),
+        (["bench", "serve", "--workload", "mooncake"], "expected synthetic or trace:FILE"),
+        (["serve", "--router", "best"], "--router 'best': expected one of"),
+        (["serve", "--host", "0.0.0.0"], "needs --api-key KEY"),
     ],
 )
 def test_cli_reports_bad_input_and_exits_2(argv, message, capsys) -> None:

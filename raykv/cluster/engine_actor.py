@@ -58,10 +58,12 @@ class EngineServer:
         placement: Any = None,
         incarnation: int = 0,
         first_bundle: int = 0,
+        metric_labels: dict[str, str] | None = None,
     ) -> None:
         """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
         fault kills only the first). ``first_bundle``: rank 0's bundle in ``placement``
-        (replacements go where their predecessors were)."""
+        (replacements go where their predecessors were). ``metric_labels``: tags on every
+        metric of this engine (a Serve replica's id)."""
         from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
@@ -84,7 +86,7 @@ class EngineServer:
             self.group.shutdown()
             raise
         self.driver = Driver(self.engine, check_invariants=check_invariants)
-        self.metrics = EngineMetrics(self.engine)
+        self.metrics = EngineMetrics(self.engine, metric_labels)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._loop: threading.Thread | None = None

@@ -28,66 +28,91 @@ _LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0
 _P = "raykv_kv_offload_"
 
 
+def _makers(labels: dict[str, str]) -> tuple[Any, Any, Any]:
+    """Counter, Gauge and Histogram constructors whose metrics also carry ``labels``."""
+
+    def labelled(metric: Any) -> Any:
+        if labels:
+            metric.set_default_tags(labels)
+        return metric
+
+    def counter(name: str, doc: str, keys: tuple[str, ...] = ()) -> Counter:
+        return labelled(Counter(name, doc, (*keys, *labels)))
+
+    def gauge(name: str, doc: str, keys: tuple[str, ...] = ()) -> Gauge:
+        return labelled(Gauge(name, doc, (*keys, *labels)))
+
+    def histogram(
+        name: str, doc: str, boundaries: list[float], keys: tuple[str, ...] = ()
+    ) -> Histogram:
+        return labelled(Histogram(name, doc, boundaries, (*keys, *labels)))
+
+    return counter, gauge, histogram
+
+
 class EngineMetrics:
     """The metrics of one engine (one scheduler actor)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, labels: dict[str, str] | None = None) -> None:
+        """``labels``: tags every metric of this engine carries (a Serve replica's id, so
+        each replica's series stay apart)."""
         self.engine = engine
+        counter, gauge, histogram = _makers(labels or {})
         engine.latency.export = True
         d = ("direction",)
-        self.bytes = Counter(_P + "bytes", "Bytes copied by all ranks, by direction.", d)
-        self.seconds = Counter(
+        self.bytes = counter(_P + "bytes", "Bytes copied by all ranks, by direction.", d)
+        self.seconds = counter(
             _P + "seconds", "Seconds all ranks spent copying (summed), by direction.", d
         )
-        self.size = Histogram(
+        self.size = histogram(
             _P + "transfer_size_bytes",
             "Bytes one rank copied in one step (one observation per rank and step).",
             _SIZE_BUCKETS,
             d,
         )
-        self.time = Histogram(
+        self.time = histogram(
             _P + "transfer_time_seconds",
             "Seconds one rank spent copying in one step (one observation per rank and step).",
             _DELAY_BUCKETS,
             d,
         )
-        self.flush_seconds = Counter(
+        self.flush_seconds = counter(
             _P + "flush_seconds", "Seconds all ranks spent in flushes (summed)."
         )
-        self.flushes = Counter(_P + "flushes", "Jobs flushed, by cause.", ("cause",))
-        self.allocation_failures = Counter(
+        self.flushes = counter(_P + "flushes", "Jobs flushed, by cause.", ("cause",))
+        self.allocation_failures = counter(
             _P + "allocation_failure", "Stores the CPU tier could not make room for."
         )
-        self.jobs = Gauge(_P + "jobs_in_flight", "Transfer jobs not yet acked by every rank.")
-        self.usage = Gauge(_P + "cpu_cache_usage_perc", "CPU slots in use, by state.", ("state",))
-        self.hits = Counter(_P + "hit_tokens", "Prompt tokens found, by tier.", ("tier",))
-        self.misses = Counter(_P + "miss_tokens", "Prompt tokens computed, not found.")
-        self.lookups = Counter(_P + "lookups", "CPU-tier key lookups, by result.", ("result",))
-        self.evictions = Counter(_P + "evictions", "Chunks evicted from the CPU tier.")
-        self.acks = Counter(_P + "acks", "Rank reports, by kind.", ("kind",))
-        self.deferred = Counter(_P + "deferred_lookups", "Lookups told to wait for transfers.")
-        self.lookup_delay = Histogram(
+        self.jobs = gauge(_P + "jobs_in_flight", "Transfer jobs not yet acked by every rank.")
+        self.usage = gauge(_P + "cpu_cache_usage_perc", "CPU slots in use, by state.", ("state",))
+        self.hits = counter(_P + "hit_tokens", "Prompt tokens found, by tier.", ("tier",))
+        self.misses = counter(_P + "miss_tokens", "Prompt tokens computed, not found.")
+        self.lookups = counter(_P + "lookups", "CPU-tier key lookups, by result.", ("result",))
+        self.evictions = counter(_P + "evictions", "Chunks evicted from the CPU tier.")
+        self.acks = counter(_P + "acks", "Rank reports, by kind.", ("kind",))
+        self.deferred = counter(_P + "deferred_lookups", "Lookups told to wait for transfers.")
+        self.lookup_delay = histogram(
             _P + "lookup_sync_delay_seconds", "Seconds one lookup took.", _DELAY_BUCKETS
         )
-        self.deferred_delay = Histogram(
+        self.deferred_delay = histogram(
             _P + "lookup_async_delay_seconds",
             "Seconds from a request's first deferred lookup to the one that answered.",
             _DELAY_BUCKETS,
         )
         # request latency and prefill by source, named as vLLM names its own (``vllm:...``)
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "raykv_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first token.",
             _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "raykv_inter_token_latency_seconds",
             "Seconds between a request's consecutive tokens.",
             _LATENCY_BUCKETS,
         )
-        self.prompt_tokens = Counter("raykv_prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = Counter("raykv_generation_tokens", "Tokens generated.")
-        self.prefill = Counter(
+        self.prompt_tokens = counter("raykv_prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("raykv_generation_tokens", "Tokens generated.")
+        self.prefill = counter(
             "raykv_prefill_tokens",
             "Prefill tokens each admission needed, by source (computed, gpu_cache, cpu_tier).",
             ("source",),

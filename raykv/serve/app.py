@@ -152,6 +152,7 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         model_name(cfg),
         model_file,
         options.api_key,
+        options.router_name == "prefix",
     )
 
 

@@ -43,9 +43,17 @@ class OpenAIIngress:
     this module), while the routed subclass travels by value with its app."""
 
     def __init__(
-        self, engine: Any, model_name: str, model_file: str, api_key: str | None = None
+        self,
+        engine: Any,
+        model_name: str,
+        model_file: str,
+        api_key: str | None = None,
+        text_prompts: bool = False,
     ) -> None:
+        """``text_prompts``: give a token-id prompt its text too (the text-prefix router reads
+        nothing else)."""
         self.engine = engine
+        self._text_prompts = text_prompts
         self.model_name = model_name
         self.tokenizer = Tokenizer.of(model_file)
         self._key = api_key.encode() if api_key else None
@@ -77,7 +85,8 @@ class OpenAIIngress:
         if isinstance(body.prompt, str):
             text, ids = body.prompt, self._encode(body.prompt)
         else:
-            text, ids = "", list(body.prompt)
+            ids = list(body.prompt)
+            text = self._decode(ids) if self._text_prompts else ""
         sampling = SamplingSpec(body.temperature, body.top_p, 0, body.seed, body.logprobs)
         engine_request = EngineRequest(
             _request_id("cmpl"), ids, body.max_tokens, sampling, body.stop_strings(), text
@@ -139,6 +148,14 @@ class OpenAIIngress:
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"model {model!r} is not served here ({self.model_name})", "model")
+
+    def _decode(self, ids: list[int]) -> str:
+        try:
+            if self.tokenizer is not None:
+                return self.tokenizer.decode(ids)
+        except Exception:  # an id out of range: the engine refuses it by name later
+            pass
+        return ",".join(map(str, ids))  # the ids as text: prefixes stay prefixes
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -9,7 +9,7 @@ to pickle, and the same shape whether they come from the engine's log or a snaps
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from raykv.core.hashing import block_hashes
@@ -129,24 +129,27 @@ class KVLayout:
 class PromptKeys:
     """A prompt's keys: per block (the GPU prefix cache's) and per chunk (the CPU tier's), each
     a tuple over the layout's groups, up to the last block the engine may reuse (the last
-    token is always computed)."""
+    token is always computed); and ``published``, the keys of every full block of the prompt,
+    which the replica's GPU cache holds once the prompt is computed."""
 
     gpu: list[tuple[int, ...]]
     cpu: list[tuple[int, ...]]
     num_tokens: int
+    published: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, token_ids: Sequence[int], layout: KVLayout) -> PromptKeys:
         bs, bpc = layout.block_size, layout.blocks_per_chunk
-        usable = max(0, len(token_ids) - 1)
-        hashes = block_hashes(token_ids[: (usable // bs) * bs], bs)
-        gpu = [tuple(make_key(h, g) for g in layout.groups) for h in hashes]
-        chunks = len(hashes) // bpc
+        hashes = block_hashes(token_ids, bs)
+        usable = max(0, len(token_ids) - 1) // bs
+        gpu = [tuple(make_key(h, g) for g in layout.groups) for h in hashes[:usable]]
+        chunks = usable // bpc
         cpu = [
             tuple(make_key(hashes[(c + 1) * bpc - 1], g) for g in layout.groups)
             for c in range(chunks)
         ]
-        return cls(gpu, cpu, len(token_ids))
+        published = [make_key(h, g) for h in hashes for g in layout.groups]
+        return cls(gpu, cpu, len(token_ids), published)
 
 
 @dataclass(slots=True)
@@ -159,12 +162,16 @@ class Hit:
     computed_tokens: int
 
 
-def prompt_hit(keys: PromptKeys, kv: ReplicaKV, layout: KVLayout) -> Hit:
+def prompt_hit(
+    keys: PromptKeys, kv: ReplicaKV, layout: KVLayout, expected: Container[int] = ()
+) -> Hit:
     """The engine's own rule, from the mirror: the longest prefix of blocks in the GPU cache,
-    then the chunks of the CPU tier that follow on from the chunk where that hit ends."""
+    then the chunks of the CPU tier that follow on from the chunk where that hit ends.
+    ``expected``: GPU keys taken as held though no event announced them yet (a prompt just
+    sent to the replica)."""
     gpu_blocks = 0
     for block in keys.gpu:
-        if not all(k in kv.gpu for k in block):
+        if not all(k in kv.gpu or k in expected for k in block):
             break
         gpu_blocks += 1
     gpu_tokens = gpu_blocks * layout.block_size

@@ -22,12 +22,12 @@ from typing import Any
 
 import ray
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
     RunningReplica,
 )
+from ray.util.metrics import Counter
 
 from raykv.config import RouterWeightsConfig
 from raykv.serve.kv_feed import PUSH_INTERVAL_S, Load, feed_name
@@ -40,8 +40,12 @@ logger = logging.getLogger("ray.serve")
 POLL_WAIT_S = 1.0
 POLL_GRACE_S = 10.0
 RETRY_S = 0.1
-# what a router routed counts in its view of a replica's load this long: by then the replica's
-# own count, pushed every PUSH_INTERVAL_S, has it (or it is done)
+# a prompt just routed to a replica counts as in its GPU cache this long: its next turn (or a
+# request of the same prefix) finds it there before the replica's events say so
+EXPECTED_S = 2.0
+MAX_CHOSEN = 100_000
+# what a router routed counts in its view of a replica's load until it completes or this long:
+# by then the replica's own count, pushed every PUSH_INTERVAL_S, has it
 ROUTED_SETTLE_S = 3 * PUSH_INTERVAL_S
 
 
@@ -74,19 +78,30 @@ class _Followed:
 
     kv: ReplicaKV = field(default_factory=ReplicaKV)
     load: Load = field(default_factory=Load)
-    routed: list[tuple[float, int]] = field(default_factory=list)  # (when, tokens to compute)
+    # requests routed here, by internal id: (when, tokens to compute)
+    routed: dict[str, tuple[float, int]] = field(default_factory=dict)
+    expected: dict[int, float] = field(default_factory=dict)  # GPU key -> until when
     task: asyncio.Task[None] | None = None
+
+    def expect(self, keys: PromptKeys) -> None:
+        now = time.monotonic()
+        if self.expected and min(self.expected.values()) < now:
+            self.expected = {k: t for k, t in self.expected.items() if t >= now}
+        until = now + EXPECTED_S
+        for key in keys.published:
+            self.expected[key] = until
 
     def routed_tokens(self) -> int:
         since = time.monotonic() - ROUTED_SETTLE_S
-        if self.routed and self.routed[0][0] <= since:
-            self.routed = [r for r in self.routed if r[0] > since]
-        return sum(tokens for _, tokens in self.routed)
+        for request_id in [k for k, (when, _) in self.routed.items() if when <= since]:
+            del self.routed[request_id]
+        return sum(tokens for _, tokens in self.routed.values())
 
 
-class KVAwareRouter(FIFOMixin, RequestRouter):
+class KVAwareRouter(RequestRouter):
     """The router (Serve builds one per handle; ``initialize_state`` gets the engine's
-    layout and the weights from ``RequestRouterConfig.request_router_kwargs``)."""
+    layout and the weights from ``RequestRouterConfig.request_router_kwargs``). No FIFO mixin:
+    a replica chosen for one request's prompt must serve that request, not the queue's head."""
 
     def initialize_state(
         self,
@@ -98,10 +113,14 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups))
         self.weights = RouteWeights(**(weights or RouterWeightsConfig().model_dump()))
         self.followed: dict[ReplicaID, _Followed] = {}
-        self._namespace = ray.get_runtime_context().namespace
-        # a request's keys and per-replica hits between choosing and the routed callback
-        self._chosen: dict[str, tuple[ReplicaID, int]] = {}
-        self.decisions = {"kv": 0, "pow2": 0, "no_prompt": 0}
+        # a request's replica and tokens to compute there, from choosing to the routed callback
+        self._chosen: dict[str, tuple[ReplicaID, int, PromptKeys]] = {}
+        self.decisions = Counter(
+            "raykv_router_requests",
+            "Requests the KV-aware router placed, by how: kv (least cost), pow2 (nothing "
+            "cached anywhere, or too uneven a load), no_prompt (not a raykv request).",
+            ("way",),
+        )
 
     # ---- following the replicas' feeds --------------------------------------------------------
 
@@ -128,11 +147,12 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
 
     async def _follow(self, replica_id: ReplicaID, followed: _Followed) -> None:
         name = feed_name(self._deployment_id.app_name, replica_id.unique_id)
+        namespace = ray.get_runtime_context().namespace
         feed = None
         while self.followed.get(replica_id) is followed:
             try:
                 if feed is None:
-                    feed = await asyncio.to_thread(ray.get_actor, name, self._namespace)
+                    feed = await asyncio.to_thread(ray.get_actor, name, namespace)
                 kv = followed.kv
                 seq = kv.next_seq if kv.synced else -1
                 ref = feed.since.remote(seq, followed.load.version, POLL_WAIT_S)
@@ -164,14 +184,15 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             return []
         token_ids = _token_ids(pending_request)
         if token_ids is None:
-            self.decisions["no_prompt"] += 1
+            self.decisions.inc(tags={"way": "no_prompt"})
             return _pow2(candidate_replicas, self._queue_of)
         keys = PromptKeys.of(token_ids, self.layout)
         scored = []
         for replica in candidate_replicas:
             followed = self.followed.get(replica.replica_id)
             kv = followed.kv if followed is not None else ReplicaKV()
-            hit = prompt_hit(keys, kv, self.layout)
+            expected = followed.expected if followed is not None else ()
+            hit = prompt_hit(keys, kv, self.layout, expected)
             queue = self._queue_of(replica)
             scored.append((self.weights.cost(hit, queue), queue, hit, replica))
         scored.sort(key=lambda s: (s[0], s[1], random.random()))
@@ -183,13 +204,13 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             and best_queue - least_queue > self.weights.imbalance_tokens
         )
         if reused == 0 or too_busy:
-            self.decisions["pow2"] += 1
+            self.decisions.inc(tags={"way": "pow2"})
             ranked = _pow2(candidate_replicas, self._queue_of)
             chosen = ranked[0][0]
-            self._remember(pending_request, chosen, keys.num_tokens)
+            self._remember(pending_request, chosen, keys.num_tokens, keys)
             return ranked
-        self.decisions["kv"] += 1
-        self._remember(pending_request, best, best_hit.computed_tokens)
+        self.decisions.inc(tags={"way": "kv"})
+        self._remember(pending_request, best, best_hit.computed_tokens, keys)
         return [[s[3]] for s in scored]
 
     def _queue_of(self, replica: RunningReplica) -> float:
@@ -199,39 +220,39 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
         return self.weights.queue(followed.load, followed.routed_tokens())
 
     def _remember(
-        self, pending_request: PendingRequest | None, replica: RunningReplica, tokens: int
+        self,
+        pending_request: PendingRequest | None,
+        replica: RunningReplica,
+        tokens: int,
+        keys: PromptKeys,
     ) -> None:
         if pending_request is not None:
+            if len(self._chosen) > MAX_CHOSEN:  # routings that never completed: drop them
+                self._chosen.clear()
             request_id = pending_request.metadata.internal_request_id
-            self._chosen[request_id] = (replica.replica_id, tokens)
+            self._chosen[request_id] = (replica.replica_id, tokens, keys)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         """Count what the request will compute on the replica it went to, until the replica's
-        own load has it."""
-        chosen = self._chosen.pop(pending_request.metadata.internal_request_id, None)
+        own load has it, and expect its prompt in that replica's GPU cache."""
+        request_id = pending_request.metadata.internal_request_id
+        chosen = self._chosen.pop(request_id, None)
         followed = self.followed.get(replica_id)
-        if followed is None:
+        if followed is None or chosen is None:
             return
-        tokens = chosen[1] if chosen is not None and chosen[0] == replica_id else 0
-        if tokens:
-            followed.routed.append((time.monotonic(), tokens))
+        meant_for, tokens, keys = chosen
+        if meant_for != replica_id:  # a fallback rank took it: assume it computes it all
+            tokens = keys.num_tokens
+        followed.routed[request_id] = (time.monotonic(), tokens)
+        followed.expect(keys)
 
-    def state(self) -> dict[str, Any]:
-        """What the router knows, for tests and debugging: per replica id, its mirror's sizes,
-        sequence and load; and how many requests went which way."""
-        out: dict[str, Any] = {"decisions": dict(self.decisions), "replicas": {}}
-        for replica_id, followed in self.followed.items():
-            out["replicas"][replica_id.unique_id] = {
-                "synced": followed.kv.synced,
-                "next_seq": followed.kv.next_seq,
-                "gpu_keys": len(followed.kv.gpu),
-                "cpu_keys": len(followed.kv.cpu),
-                "prefill_tokens": followed.load.prefill_tokens,
-                "decoding": followed.load.decoding,
-            }
-        return out
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """A request done is no longer in its replica's queue (even if no load said so yet)."""
+        followed = self.followed.get(replica_id)
+        if followed is not None:
+            followed.routed.pop(internal_request_id, None)
 
     def __del__(self) -> None:
         for followed in getattr(self, "followed", {}).values():

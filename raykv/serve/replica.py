@@ -104,7 +104,11 @@ class EngineReplica:
             self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
         workers = spawn_ranks(cfg_json, pg, self._pool_files, FIRST_RANK_BUNDLE)
         ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
-        self.server = EngineServer(cfg_json, workers, placement=pg, first_bundle=FIRST_RANK_BUNDLE)
+        self.replica = _replica_id()
+        labels = {"replica": self.replica} if self.replica else None
+        self.server = EngineServer(
+            cfg_json, workers, placement=pg, first_bundle=FIRST_RANK_BUNDLE, metric_labels=labels
+        )
         self._streams: dict[str, _Stream] = {}
         self._refused_seen = 0  # the driver's refusals already handed to their streams
         self._ids = itertools.count()
@@ -113,20 +117,16 @@ class EngineReplica:
         self._pusher: FeedPusher | None = None
         self.server.on_step = self._pump
         self.server.start()
-        self.replica = ""
-        self._start_feed(pg)
+        if self.replica:
+            self._start_feed(pg)
 
     def _start_feed(self, pg: Any) -> None:
         """The replica's KV feed (``serve.kv_feed``), named for its Serve replica id, and the
-        thread that pushes to it; none outside Serve."""
+        thread that pushes to it."""
         from ray import serve
 
-        try:
-            replica_id = serve.get_replica_context().replica_id
-        except Exception:
-            return
-        self.replica = replica_id.unique_id
-        name = feed_name(replica_id.deployment_id.app_name, replica_id.unique_id)
+        app_name = serve.get_replica_context().replica_id.deployment_id.app_name
+        name = feed_name(app_name, self.replica)
         self._feed = start_feed(name, ray.get_runtime_context().namespace, pg)
         self._pusher = FeedPusher(self._feed, self._collect_kv)
 
@@ -322,6 +322,16 @@ class EngineReplica:
                 ray.kill(worker)
         if self._pool_files is not None:
             self._pool_files.remove()
+
+
+def _replica_id() -> str:
+    """This Serve replica's id; empty outside Serve."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return ""
 
 
 def _finish_reason(status: str) -> str:

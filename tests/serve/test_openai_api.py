@@ -185,3 +185,47 @@ def test_curl_streams_server_sent_events(server, client) -> None:
     )  # fmt: skip
     payload, code = unauthorized.stdout.rsplit("\n", 1)
     assert code == "401" and json.loads(payload)["error"]["type"] == "authentication_error"
+
+
+def test_each_replicas_metrics_carry_its_id(client, ray_session) -> None:
+    import re
+    import time
+    import urllib.request
+
+    answer = client.completions.create(model=model_id(client), prompt="Metrics", max_tokens=2)
+    replica = answer.system_fingerprint.removeprefix("raykv-")
+    pattern = re.compile(rf'^ray_raykv_prompt_tokens_total\{{[^}}]*replica="{replica}"[^}}]*\}} ')
+    deadline = time.monotonic() + 90  # Ray exports every ~10 s
+    while time.monotonic() < deadline:
+        body = urllib.request.urlopen(ray_session.metrics_url, timeout=10).read().decode()
+        if any(pattern.match(line) for line in body.splitlines()):
+            return
+        time.sleep(2)
+    raise AssertionError(f"no raykv_prompt_tokens series labelled replica={replica!r}")
+
+
+def test_while_serving_only_serves_own_replica_ports_are_beyond_loopback(server) -> None:
+    """Everything raykv and Ray start listens on loopback, the HTTP server too; the exception is
+    Ray Serve 2.60's inter-deployment gRPC server in each replica, bound to ``[::]:0`` in
+    Serve's own code (``serve/_private/replica.py``), behind Ray's token auth (README)."""
+    import ipaddress
+
+    psutil = pytest.importorskip("psutil")
+
+    def loopback(ip: str) -> bool:
+        addr = ipaddress.ip_address(ip)
+        mapped = getattr(addr, "ipv4_mapped", None)
+        return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+    exposed = {}
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status != psutil.CONN_LISTEN or c.pid is None or loopback(c.laddr.ip):
+            continue
+        try:
+            name = " ".join(psutil.Process(c.pid).cmdline())
+        except psutil.Error:
+            continue
+        if "ray" in name:
+            exposed[f"{c.laddr.ip}:{c.laddr.port}"] = name[:60]
+    assert exposed, "expected Serve's replica gRPC ports (if Ray fixed them, tighten this test)"
+    assert all(name.startswith("ray::ServeReplica") for name in exposed.values()), exposed

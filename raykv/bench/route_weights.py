@@ -1,0 +1,129 @@
+"""``raykv bench route-weights``: the KV-aware router's weights, measured on the engine that
+will serve (``serve.router_weights``; see ``raykv/serve/kv_router.py``).
+
+On the one-process engine with the real model, each measured as a request's TTFT (fastest of
+the repeats):
+
+- computing: fresh prompts of two lengths; the slope is the cost of a computed prompt token;
+- loading: the same prompts again once the GPU prefix cache is emptied, so the CPU tier serves
+  them; the slope is the cost of a loaded token, and ``cpu_hit_cost`` its ratio to computing;
+- decoding: the shorter fresh prompt arriving while ``k`` requests decode; what it takes
+  longer than alone, per decoding request, in computed tokens, is ``decode_cost``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from raykv.config import RaykvConfig
+
+DECODER_PROMPT_TOKENS = 32
+# enough to be still decoding when the probe's first token comes (they are aborted then)
+DECODER_MAX_TOKENS = 64
+
+
+@dataclass(slots=True)
+class RouteWeightsMeasurement:
+    """The slopes (seconds per token) and the weights they give."""
+
+    compute_s_per_token: float
+    load_s_per_token: float
+    decode_delay_s: dict[int, float]  # decoding requests -> the prompt's extra TTFT
+    cpu_hit_cost: float
+    decode_cost: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Engine:
+    """The local engine, and TTFTs of requests run on it."""
+
+    def __init__(self, cfg: RaykvConfig, seed: int) -> None:
+        from raykv.engine.core import EngineCore
+        from raykv.engine.workers import LocalWorkerGroup
+
+        self.workers = LocalWorkerGroup(cfg, cfg.cpu_slots())
+        self.engine = EngineCore(cfg, self.workers, keep_finished=False)
+        self.rng = random.Random(seed)
+        self.vocab = cfg.model.vocab_size
+        self.count = 0
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab - 1) for _ in range(n)]
+
+    def settle(self) -> None:
+        while self.engine.has_work():
+            self.engine.step()
+
+    def add(self, prompt: list[int], max_tokens: int) -> Any:
+        from raykv.core.request import Request
+
+        self.count += 1
+        req = Request(f"w{self.count}", self.count, prompt, max_tokens)
+        self.engine.add_request(req)
+        return req
+
+    def ttft(self, prompt: list[int]) -> float:
+        """The prompt's TTFT beside whatever runs now."""
+        req = self.add(prompt, 1)
+        while not req.finished:
+            self.engine.step()
+        (record,) = [r for r in self.engine.latency.requests if r.req_id == req.req_id]
+        return record.ttft_s
+
+    def close(self) -> None:
+        self.workers.shutdown()
+
+
+def measure_route_weights(
+    cfg: RaykvConfig,
+    prompt_tokens: tuple[int, int] = (256, 512),
+    decoders: tuple[int, ...] = (8, 16),
+    repeat: int = 3,
+    seed: int = 0,
+) -> RouteWeightsMeasurement:
+    """Measure on ``cfg``'s model (configured: ``model.checkpoint.configure``, room made by
+    ``bench.ttft.bench_config``)."""
+    short, long = prompt_tokens
+    engine = _Engine(cfg, seed)
+    try:
+        engine.ttft(engine.prompt(short))  # warm: the first step pays for allocations
+        computed: dict[int, float] = {}
+        loaded: dict[int, float] = {}
+        for _ in range(repeat):
+            for n in prompt_tokens:
+                engine.settle()
+                prompt = engine.prompt(n)
+                t = engine.ttft(prompt)
+                computed[n] = min(computed.get(n, t), t)
+                engine.settle()  # its stores land
+                engine.engine.reset_prefix_cache()
+                t = engine.ttft(prompt)
+                loaded[n] = min(loaded.get(n, t), t)
+        compute = (computed[long] - computed[short]) / (long - short)
+        load = max(0.0, (loaded[long] - loaded[short]) / (long - short))
+        delays: dict[int, float] = {}
+        for k in decoders:
+            best = None
+            for _ in range(repeat):
+                engine.settle()
+                prompts = [engine.prompt(DECODER_PROMPT_TOKENS) for _ in range(k)]
+                running = [engine.add(p, DECODER_MAX_TOKENS) for p in prompts]
+                while any(not r.output for r in running):  # every one past its prefill
+                    engine.engine.step()
+                t = engine.ttft(engine.prompt(short))
+                best = t if best is None else min(best, t)
+                for r in running:
+                    engine.engine.abort(r.req_id)
+            assert best is not None
+            delays[k] = max(0.0, best - computed[short])
+        per_decoder = [delays[k] / k for k in decoders if k > 0]
+        decode_cost = (sum(per_decoder) / len(per_decoder)) / compute if per_decoder else 0.0
+        return RouteWeightsMeasurement(
+            compute, load, delays, load / compute if compute > 0 else 0.0, decode_cost
+        )
+    finally:
+        engine.close()

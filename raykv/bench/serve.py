@@ -1,0 +1,261 @@
+"""``raykv bench serve``: one workload through the HTTP API, one request router after another,
+as a client sees it.
+
+For each router a fresh application is deployed (its replicas' caches empty), warmed with a
+few short requests, and the workload is sent with the official ``openai`` client: token-id
+prompts to ``/v1/completions``, streamed, ``concurrency`` at a time. A multi-turn workload's
+turn waits for the turn before it in its conversation (its prompt extends that one's), so a
+returning conversation can find its KV where the previous turn left it. TTFT is from sending
+the request to its first streamed token; the prompt tokens each replica took from its GPU cache
+and its CPU tier come from the usage the server reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from raykv.config import RaykvConfig
+from raykv.engine.latency import LatencySummary
+from raykv.workload.requests import RequestSpec
+
+# how far back a turn looks for the turn it extends (conversations open at once are fewer)
+DEPENDENCY_WINDOW = 64
+WARMUP_REQUESTS_PER_REPLICA = 2
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request as the client saw it."""
+
+    request_id: str
+    ttft_s: float | None
+    output_tokens: int
+    prompt_tokens: int
+    gpu_cache_tokens: int
+    cpu_tier_tokens: int
+    replica: str
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ServeBenchResult:
+    """One router's run: TTFT percentiles (seconds), output tokens per second of the run's wall
+    time, and where the prompt tokens came from."""
+
+    router: str
+    ttft_s: dict[str, float]
+    output_tokens_per_s: float
+    prefill_tokens: dict[str, int]
+    requests: int
+    errors: int
+    wall_s: float
+    replicas_used: int
+    requests_list: list[RequestResult] = field(default_factory=list, repr=False)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.prefill_tokens["gpu_cache"] + self.prefill_tokens["cpu_tier"]
+
+    def as_dict(self, with_requests: bool = False) -> dict[str, Any]:
+        out = asdict(self)
+        if not with_requests:
+            out.pop("requests_list")
+        return out
+
+
+def dependencies(specs: Sequence[RequestSpec]) -> list[int | None]:
+    """For each request, the earlier one within ``DEPENDENCY_WINDOW`` whose prompt is the
+    longest its own extends (the previous turn of its conversation), if any."""
+    out: list[int | None] = []
+    for i, spec in enumerate(specs):
+        dep, longest = None, 0
+        for j in range(i - 1, max(-1, i - 1 - DEPENDENCY_WINDOW), -1):
+            prior = specs[j].prompt
+            if longest < len(prior) < len(spec.prompt) and spec.prompt[: len(prior)] == prior:
+                dep, longest = j, len(prior)
+        out.append(dep)
+    return out
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 (``engine.latency``'s interpolation); zeros for no values."""
+    summary = LatencySummary.of(values)
+    if summary is None:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    return {"mean": summary.mean, "p50": summary.p50, "p90": summary.p90, "p99": summary.p99}
+
+
+def summarize(router: str, results: list[RequestResult], wall_s: float) -> ServeBenchResult:
+    ok = [r for r in results if r.error is None]
+    gpu = sum(r.gpu_cache_tokens for r in ok)
+    cpu = sum(r.cpu_tier_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    return ServeBenchResult(
+        router=router,
+        ttft_s=percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        output_tokens_per_s=sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
+        prefill_tokens={"gpu_cache": gpu, "cpu_tier": cpu, "computed": prompt - gpu - cpu},
+        requests=len(results),
+        errors=len(results) - len(ok),
+        wall_s=wall_s,
+        replicas_used=len({r.replica for r in ok}),
+        requests_list=results,
+    )
+
+
+async def _one(client: Any, model: str, spec: RequestSpec) -> RequestResult:
+    started = time.perf_counter()
+    first: float | None = None
+    output = 0
+    usage = None
+    replica = ""
+    try:
+        stream = await client.completions.create(
+            model=model,
+            prompt=list(spec.prompt),
+            max_tokens=spec.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and first is None:
+                first = time.perf_counter()
+            replica = chunk.system_fingerprint or replica
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except Exception as exc:
+        return RequestResult(spec.req_id, None, 0, len(spec.prompt), 0, 0, replica, repr(exc))
+    details = usage.prompt_tokens_details if usage is not None else None
+    extra = (details.model_extra or {}) if details is not None else {}
+    output = usage.completion_tokens if usage is not None else 0
+    return RequestResult(
+        spec.req_id,
+        None if first is None else first - started,
+        output,
+        usage.prompt_tokens if usage is not None else len(spec.prompt),
+        int(extra.get("gpu_cache_tokens", 0)),
+        int(extra.get("cpu_tier_tokens", 0)),
+        replica,
+    )
+
+
+async def drive(
+    base_url: str,
+    api_key: str,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Send every request (each after the one it extends), ``concurrency`` at a time; the
+    results in the workload's order and the wall time."""
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
+    try:
+        model = (await client.models.list()).data[0].id
+        deps = dependencies(specs)
+        done = [asyncio.Event() for _ in specs]
+        results: list[RequestResult | None] = [None] * len(specs)
+        order = iter(range(len(specs)))
+
+        async def worker() -> None:
+            for i in order:
+                dep = deps[i]
+                if dep is not None:
+                    await done[dep].wait()
+                results[i] = result = await _one(client, model, specs[i])
+                done[i].set()
+                if on_done is not None:
+                    on_done(result)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+        wall = time.perf_counter() - started
+        return [r for r in results if r is not None], wall
+    finally:
+        await client.close()
+
+
+def warmup_specs(cfg: RaykvConfig, replicas: int, seed: int = 1) -> list[RequestSpec]:
+    """Short prompts of no shared prefix: every replica's first steps (and torch's) done
+    before the clock starts."""
+    rng = random.Random(seed)
+    vocab = cfg.model.vocab_size
+    return [
+        RequestSpec(f"warmup-{i}", tuple(rng.randrange(vocab - 1) for _ in range(8)), 2, 0.0)
+        for i in range(WARMUP_REQUESTS_PER_REPLICA * replicas)
+    ]
+
+
+def bench_router(
+    cfg: RaykvConfig,
+    router: str,
+    replicas: int,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+    port: int,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> ServeBenchResult:
+    """Deploy ``replicas`` behind ``router`` on the Ray this process is connected to, run the
+    workload, tear the application down."""
+    from raykv.serve.app import ServeOptions, Server
+
+    options = ServeOptions(port=port, replicas=replicas, router=router)
+    server = Server(cfg, options).start()
+    try:
+        url = server.url + "/v1"
+        asyncio.run(drive(url, "none", warmup_specs(server.cfg, replicas), replicas))
+        results, wall = asyncio.run(drive(url, "none", specs, concurrency, on_done))
+    finally:
+        server.stop()
+    return summarize(router, results, wall)
+
+
+def format_serve_table(results: Sequence[ServeBenchResult], title: str) -> Any:
+    """A rich table, one row per router, and the ratios against pow2 when it ran."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in (
+        "router",
+        "TTFT mean",
+        "p50",
+        "p90",
+        "p99",
+        "output tok/s",
+        "from GPU caches",
+        "from CPU tiers",
+        "computed",
+        "cached vs pow2",
+        "errors",
+    ):
+        table.add_column(column, justify="left" if column == "router" else "right")
+    base = next((r for r in results if r.router == "pow2"), None)
+    for r in results:
+        ratio = ""
+        if base is not None and base.cached_tokens > 0:
+            ratio = f"{r.cached_tokens / base.cached_tokens:.2f}x"
+        t = r.ttft_s
+        table.add_row(
+            r.router,
+            f"{t['mean']:.3f} s",
+            f"{t['p50']:.3f} s",
+            f"{t['p90']:.3f} s",
+            f"{t['p99']:.3f} s",
+            f"{r.output_tokens_per_s:.1f}",
+            f"{r.prefill_tokens['gpu_cache']:,}",
+            f"{r.prefill_tokens['cpu_tier']:,}",
+            f"{r.prefill_tokens['computed']:,}",
+            ratio,
+            str(r.errors),
+        )
+    return table

@@ -1,0 +1,71 @@
+"""``raykv bench serve`` end to end on a tiny model: each router in turn behind two replicas,
+a multi-turn workload through the official client, the usage's accounting of every prompt
+token; and the KV router keeping every later turn where its earlier turns' KV is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai")
+
+from raykv.bench.serve import bench_router, dependencies
+from raykv.config import load_config
+from raykv.workload.requests import RequestSpec, synthetic_chat
+
+PORT = 8126
+
+
+def test_a_turn_waits_for_the_turn_it_extends() -> None:
+    specs = [
+        RequestSpec("a1", (1, 2, 3), 1, 0),
+        RequestSpec("b1", (7, 8), 1, 0),
+        RequestSpec("a2", (1, 2, 3, 4, 5), 1, 0),
+        RequestSpec("c1", (1, 2), 1, 0),  # a prefix of a1, not an extension of it
+        RequestSpec("a3", (1, 2, 3, 4, 5, 6), 1, 0),
+    ]
+    assert dependencies(specs) == [None, None, 0, None, 2]
+
+
+# the KV router one request at a time: then nothing but its prompt's hits decides (with more in
+# flight, a replica busy prefilling may rightly lose a short history to an idle one)
+@pytest.mark.parametrize("router,concurrency", [("kv", 1), ("pow2", 2), ("prefix", 2)])
+def test_each_router_serves_the_workload_and_accounts_for_every_prompt_token(
+    router: str, concurrency: int, ray_session, tiny_chat_model: Path, tmp_path: Path
+) -> None:
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_chat_model}",
+            "model.dtype=float32",
+            "cache.num_gpu_blocks=96",
+            f"offload.shared_pool_dir={tmp_path}",
+        ],
+    )
+    specs = synthetic_chat(
+        14,
+        vocab_size=49000,
+        system_prompts=2,
+        system_prompt_tokens=64,
+        user_tokens=16,
+        answer_tokens=8,
+        max_tokens=4,
+        mean_turns=4,
+        concurrent_conversations=3,
+    )
+    result = bench_router(cfg, router, 2, specs, concurrency=concurrency, port=PORT)
+    assert (result.requests, result.errors) == (len(specs), 0)
+    rows = result.requests_list
+    assert all(r.ttft_s is not None and r.ttft_s > 0 for r in rows)
+    assert [r.prompt_tokens for r in rows] == [len(s.prompt) for s in specs]
+    prefill = result.prefill_tokens
+    assert sum(prefill.values()) == sum(len(s.prompt) for s in specs)
+    assert prefill["computed"] > 0 and result.output_tokens_per_s > 0
+    assert result.ttft_s["p50"] <= result.ttft_s["p90"] <= result.ttft_s["p99"]
+    if router == "kv":
+        # every later turn went back to the replica holding the turns before it
+        for spec, row, dep in zip(specs, rows, dependencies(specs), strict=True):
+            if dep is not None:
+                assert row.replica == rows[dep].replica, spec.req_id
+                assert row.gpu_cache_tokens + row.cpu_tier_tokens >= 64, spec.req_id

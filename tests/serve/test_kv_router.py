@@ -1,0 +1,127 @@
+"""The KV-aware router's choices, from mirrors set by hand: Serve's replica and request objects
+are stood in for by fakes (the choice needs only their ids and the request's token ids), and
+the feed-following tasks are cancelled at once so nothing but the test changes the mirrors.
+What the real feeds deliver is tested in test_kv_index.py and, end to end, test_replicas.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+from raykv.core.step import SamplingSpec
+from raykv.serve.kv_feed import Load
+from raykv.serve.kv_index import KVLayout, PromptKeys, Snapshot
+from raykv.serve.kv_router import KVAwareRouter
+from raykv.serve.replica import EngineRequest
+
+DEPLOYMENT = DeploymentID(name="raykv-engine", app_name="router-test")
+LAYOUT = KVLayout(block_size=4, blocks_per_chunk=2)
+WEIGHTS = {"cpu_hit_cost": 0.02, "decode_cost": 8.0, "imbalance": 2.0, "imbalance_tokens": 8}
+PROMPT = list(range(100, 133))  # 33 tokens: 8 blocks, 4 chunks usable
+
+
+@dataclass
+class FakeReplica:
+    replica_id: ReplicaID
+    max_ongoing_requests: int = 64
+
+
+@dataclass
+class FakeMetadata:
+    internal_request_id: str
+
+
+@dataclass
+class FakePending:
+    args: list[Any]
+    metadata: FakeMetadata
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def pending(request_id: str, token_ids: list[int]) -> FakePending:
+    request = EngineRequest(request_id, token_ids, 4, SamplingSpec())
+    return FakePending([request], FakeMetadata(request_id))
+
+
+def hold(router: KVAwareRouter, replica: FakeReplica, gpu_blocks: int, cpu_chunks: int) -> None:
+    keys = PromptKeys.of(PROMPT, LAYOUT)
+    gpu = [k for block in keys.gpu[:gpu_blocks] for k in block]
+    cpu = [k for chunk in keys.cpu[:cpu_chunks] for k in chunk]
+    router.followed[replica.replica_id].kv.load(Snapshot(0, {"GPU": gpu, "CPU": cpu}))
+
+
+def scenario() -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(4, 2, [0], WEIGHTS)
+        a, b, c = (FakeReplica(ReplicaID(n, DEPLOYMENT)) for n in "abc")
+        router._replicas = {r.replica_id: r for r in (a, b)}  # what update_replicas sets
+        router._sync_followed()
+        for followed in router.followed.values():
+            followed.task.cancel()
+        out: dict[str, Any] = {}
+        both = [a, b]
+        out["nothing cached"] = await router.choose_replicas(both, pending("r0", PROMPT))
+        hold(router, b, gpu_blocks=3, cpu_chunks=0)
+        out["b's GPU"] = await router.choose_replicas(both, pending("r1", PROMPT))
+        hold(router, a, gpu_blocks=0, cpu_chunks=4)
+        out["a's CPU beats b's GPU"] = await router.choose_replicas(both, pending("r2", PROMPT))
+        router.followed[a.replica_id].load = Load(prefill_tokens=15)
+        out["a too busy"] = await router.choose_replicas(both, pending("r3", PROMPT))
+        out["no prompt"] = await router.choose_replicas(both, None)
+        router.followed[a.replica_id].load = Load()
+        before = router._queue_of(a)
+        await router.choose_replicas(both, pending("r4", PROMPT))  # a: its CPU tier holds it
+        router.on_request_routed(pending("r4", PROMPT), a.replica_id, None)
+        out["routed tokens"] = (before, router._queue_of(a))
+        router._replicas = {r.replica_id: r for r in (a, c)}  # b gone, c new
+        router._sync_followed()
+        out["followed"] = {rid.unique_id for rid in router.followed}
+        for followed in router.followed.values():
+            followed.task.cancel()
+        # no event yet, but a prompt just routed is expected where it went
+        router.followed[a.replica_id].kv.load(Snapshot(0, {}))
+        fresh = [a, c]
+        other = list(range(500, 530))
+        ranked = await router.choose_replicas(fresh, pending("r5", other))
+        went = ranked[-1][0]  # the fallback rank takes it
+        router.on_request_routed(pending("r5", other), went.replica_id, None)
+        router.on_request_completed(went.replica_id, "r5")  # answered: no longer queued there
+        follow_up = await router.choose_replicas(fresh, pending("r6", [*other, 7, 8, 9, 10]))
+        out["expected"] = (went.replica_id.unique_id, ids(follow_up))
+        return out
+
+    return asyncio.run(run())
+
+
+def ids(ranks: list[list[Any]]) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_the_router_weighs_hits_by_medium_against_load_and_forgets_a_replica(ray_session):
+    out = scenario()
+    # nothing anywhere: power of two choices over both
+    assert sorted(chain(*ids(out["nothing cached"]))) == ["a", "b"]
+    # b's GPU holds 12 tokens: b first, a as the fallback rank
+    assert ids(out["b's GPU"]) == [["b"], ["a"]]
+    # a's CPU tier holds 32 tokens (4 chunks of 8): worth more than b's 12 on the GPU
+    assert ids(out["a's CPU beats b's GPU"]) == [["a"], ["b"]]
+    # a, still the cheapest (1.64 + 15 against 21), has 15 tokens queued: over twice b's queue
+    # and 8 longer, so power of two choices instead, the less busy first
+    assert ids(out["a too busy"]) == [["b"], ["a"]]
+    assert sorted(chain(*ids(out["no prompt"]))) == ["a", "b"]
+    # a request routed to a counts in a's queue at once: what it computes there (1 token)
+    before, after = out["routed tokens"]
+    assert before == 0 and after == 1
+    assert out["followed"] == {"a", "c"}
+    # the follow-up of a prompt routed a moment ago goes where that one went
+    went, follow_up = out["expected"]
+    assert follow_up[0] == [went]
