@@ -576,6 +576,13 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
                 f"{result.cached_tokens:,} prompt tokens cached, {result.errors} errors",
                 highlight=False,
             )
+            failed = [r for r in result.requests_list if r.error is not None]
+            if failed:  # e.g. prompts longer than the model's context: scale a trace down
+                err.print(
+                    f"  first error ({failed[0].request_id}): {failed[0].error}",
+                    markup=False,
+                    highlight=False,
+                )
     finally:
         ray_handle.shutdown()
     title = (

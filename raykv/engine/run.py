@@ -135,12 +135,14 @@ class Driver:
 
     def load(self) -> tuple[int, int]:
         """(prompt tokens still to prefill, requests decoding): submitted ones not yet in the
-        engine, waiting ones and those part-way through their prompt count their uncomputed
-        positions (prefix hits not yet known count in full; one loading from the CPU tier is
+        engine count in full, waiting ones less what the GPU prefix cache holds of them, those
+        part-way through their prompt what is left of it (one loading from the CPU tier is
         nearly done and counts nothing). What a router weighs a replica's queue by."""
         scheduler = self.engine.scheduler
         tokens = sum(len(spec.prompt) for *_, spec in self._pending)
-        tokens += sum(r.num_tokens - r.num_computed for r in scheduler.waiting)
+        for r in scheduler.waiting:  # what the GPU prefix cache holds of it is not prefilled
+            cached = scheduler.kv.local_hit(r)[0] if r.num_computed == 0 else r.num_computed
+            tokens += r.num_tokens - cached
         decoding = 0
         for r in scheduler.running:
             if r.num_computed < r.num_prompt:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,15 +82,25 @@ class _Followed:
     # requests routed here, by internal id: (when, tokens to compute)
     routed: dict[str, tuple[float, int]] = field(default_factory=dict)
     expected: dict[int, float] = field(default_factory=dict)  # GPU key -> until when
+    _expiries: deque[tuple[float, list[int]]] = field(default_factory=deque)
     task: asyncio.Task[None] | None = None
 
     def expect(self, keys: PromptKeys) -> None:
-        now = time.monotonic()
-        if self.expected and min(self.expected.values()) < now:
-            self.expected = {k: t for k, t in self.expected.items() if t >= now}
-        until = now + EXPECTED_S
+        until = time.monotonic() + EXPECTED_S
         for key in keys.published:
             self.expected[key] = until
+        self._expiries.append((until, keys.published))
+
+    def fresh_expected(self) -> dict[int, float]:
+        """The expected keys not yet expired (oldest expectations dropped first)."""
+        now = time.monotonic()
+        expiries, expected = self._expiries, self.expected
+        while expiries and expiries[0][0] < now:
+            until, keys = expiries.popleft()
+            for key in keys:
+                if expected.get(key) == until:  # not expected again since
+                    del expected[key]
+        return expected
 
     def routed_tokens(self) -> int:
         since = time.monotonic() - ROUTED_SETTLE_S
@@ -191,7 +202,7 @@ class KVAwareRouter(RequestRouter):
         for replica in candidate_replicas:
             followed = self.followed.get(replica.replica_id)
             kv = followed.kv if followed is not None else ReplicaKV()
-            expected = followed.expected if followed is not None else ()
+            expected = followed.fresh_expected() if followed is not None else ()
             hit = prompt_hit(keys, kv, self.layout, expected)
             queue = self._queue_of(replica)
             scored.append((self.weights.cost(hit, queue), queue, hit, replica))

@@ -294,11 +294,6 @@ class EngineReplica:
         with self.server._lock:
             return [info.process[0] for info in self.server.group.infos]
 
-    def kv_state(self) -> tuple[int, dict[str, list[int]]]:
-        """The KV events announced so far as a whole (``EngineCore.kv_state``)."""
-        with self.server._lock:
-            return self.server.engine.kv_state()
-
     def __del__(self) -> None:
         """Serve calls this when it stops the replica: the loop, the graph, the ranks and
         their shard files go."""

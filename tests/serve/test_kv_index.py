@@ -9,6 +9,7 @@ import random
 import pytest
 
 from raykv.config import load_config
+from raykv.core.request import Request
 from raykv.engine.core import EngineCore
 from raykv.engine.run import Driver
 from raykv.engine.workers import LocalWorkerGroup
@@ -126,3 +127,19 @@ def test_prompt_keys_stop_short_of_the_last_token_and_chain() -> None:
     other = PromptKeys.of([99, *range(1, 17)], layout)
     assert not set(keys.gpu) & set(other.gpu)  # one token differs: every later key differs
     assert keys.cpu[1] == keys.gpu[3]  # a chunk's key is its last block's
+
+
+def test_a_replicas_load_counts_what_its_gpu_cache_does_not_hold() -> None:
+    cfg = load_config(None, ["cache.num_gpu_blocks=40"])
+    bs = cfg.cache.block_size
+    with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
+        engine = EngineCore(cfg, workers, offload=False)
+        driver = Driver(engine)
+        prompt = list(range(1, 4 * bs + 1))  # four full blocks
+        driver.submit([RequestSpec("first", tuple(prompt), 2, 0)])
+        assert driver.load() == (len(prompt), 0)  # submitted, not yet in the engine: in full
+        while driver.has_work():
+            driver.step()
+        follow = [*prompt, *range(500, 510)]
+        engine.add_request(Request("follow", 1, follow, 2))  # waiting: its first 4 blocks cached
+        assert driver.load() == (len(follow) - 4 * bs, 0)
