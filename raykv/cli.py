@@ -251,18 +251,22 @@ def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _run_config(args: argparse.Namespace) -> RaykvConfig:
-    overrides = list(args.set or [])
-    if args.num_requests is not None:
-        overrides.append(f"workload.num_requests={args.num_requests}")
-    if args.workload:
-        kind, _, path = args.workload.partition(":")
+def _workload_overrides(workload: str | None, num_requests: int | None) -> list[str]:
+    """``--workload synthetic|trace:FILE`` and ``--num-requests`` as config overrides."""
+    overrides = [] if num_requests is None else [f"workload.num_requests={num_requests}"]
+    if workload:
+        kind, _, path = workload.partition(":")
         if kind == "synthetic" and not path:
             overrides.append("workload.kind=synthetic")
         elif kind == "trace" and path:
             overrides += ["workload.kind=trace", f"workload.trace={path}"]
         else:
-            raise ConfigError(f"--workload {args.workload!r}: expected synthetic or trace:FILE")
+            raise ConfigError(f"--workload {workload!r}: expected synthetic or trace:FILE")
+    return overrides
+
+
+def _run_config(args: argparse.Namespace) -> RaykvConfig:
+    overrides = [*(args.set or []), *_workload_overrides(args.workload, args.num_requests)]
     if args.no_offload:
         overrides.append("offload.enabled=false")
     if args.verify:
@@ -524,7 +528,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.serve import bench_router, format_serve_table
     from raykv.cluster.runtime import connect
     from raykv.report import progress_bar
-    from raykv.serve.app import ROUTERS, served_config
+    from raykv.serve.app import ROUTERS, ray_resources, served_config
     from raykv.workload.requests import make_workload
 
     _check_output("--json", args.json)
@@ -532,29 +536,17 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     for router in routers:
         if router not in ROUTERS:
             raise ConfigError(f"--router {router!r}: expected some of {', '.join(ROUTERS)}")
-    extra = [f"workload.num_requests={args.num_requests}"] if args.num_requests else []
     kind, _, trace = args.workload.partition(":")
-    if kind == "trace":
-        if not trace or not Path(trace).is_file():
-            raise ConfigError(f"--workload {args.workload}: no trace file at {trace!r}")
-        extra += ["workload.kind=trace", f"workload.trace={trace}"]
-    elif kind == "synthetic" and not trace:
-        extra += ["workload.kind=synthetic"]
-    else:
-        raise ConfigError(f"--workload {args.workload!r}: expected synthetic or trace:FILE")
-    args.set = [*(args.set or []), *extra]
+    if kind == "trace" and not Path(trace).is_file():  # before a model loads, not after
+        raise ConfigError(f"--workload {args.workload}: no trace file at {trace!r}")
+    args.set = [*(args.set or []), *_workload_overrides(args.workload, args.num_requests)]
     cfg = _load_real_model_config(args)
     _check_device(cfg, "ray", args.address)
     served, _ = served_config(cfg)
     specs = make_workload(served)
     err = Console(stderr=True)
-    tp = cfg.parallel.tensor_parallel_size
-    cuda = cfg.parallel.device == "cuda"
-    ray_handle = connect(
-        args.address,
-        num_cpus=args.replicas * (1 + (0 if cuda else tp)) + 1,
-        num_gpus=args.replicas * tp if cuda else None,
-    )
+    cpus, gpus = ray_resources(cfg, args.replicas)
+    ray_handle = connect(args.address, num_cpus=cpus, num_gpus=gpus)
     # after Ray's own handlers: the finally blocks then take the replicas and shard files down
     _interrupt_on_sigterm()
     results = []

@@ -17,6 +17,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from raykv.bench.ttft import LocalTTFTEngine
 from raykv.config import RaykvConfig
 
 DECODER_PROMPT_TOKENS = 32
@@ -38,15 +39,12 @@ class RouteWeightsMeasurement:
         return asdict(self)
 
 
-class _Engine:
-    """The local engine, and TTFTs of requests run on it."""
+class _Engine(LocalTTFTEngine):
+    """``raykv bench ttft``'s local engine, with fresh prompts and requests that decode
+    beside a probe (``first_token`` runs a prompt alone, after every earlier request)."""
 
     def __init__(self, cfg: RaykvConfig, seed: int) -> None:
-        from raykv.engine.core import EngineCore
-        from raykv.engine.workers import LocalWorkerGroup
-
-        self.workers = LocalWorkerGroup(cfg, cfg.cpu_slots())
-        self.engine = EngineCore(cfg, self.workers, keep_finished=False)
+        super().__init__(cfg)
         self.rng = random.Random(seed)
         self.vocab = cfg.model.vocab_size
         self.count = 0
@@ -54,11 +52,7 @@ class _Engine:
     def prompt(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab - 1) for _ in range(n)]
 
-    def settle(self) -> None:
-        while self.engine.has_work():
-            self.engine.step()
-
-    def add(self, prompt: list[int], max_tokens: int) -> Any:
+    def _request(self, prompt: list[int], max_tokens: int) -> Any:
         from raykv.core.request import Request
 
         self.count += 1
@@ -66,16 +60,25 @@ class _Engine:
         self.engine.add_request(req)
         return req
 
-    def ttft(self, prompt: list[int]) -> float:
-        """The prompt's TTFT beside whatever runs now."""
-        req = self.add(prompt, 1)
-        while not req.finished:
+    def first_token_beside(self, k: int, prompt: list[int]) -> float:
+        """The prompt's TTFT while ``k`` fresh requests decode (aborted after)."""
+        while self.engine.has_work():
             self.engine.step()
-        (record,) = [r for r in self.engine.latency.requests if r.req_id == req.req_id]
+        prompts = [self.prompt(DECODER_PROMPT_TOKENS) for _ in range(k)]
+        running = [self._request(p, DECODER_MAX_TOKENS) for p in prompts]
+        while any(not r.output for r in running):  # every one past its prefill
+            self.engine.step()
+        probe = self._request(prompt, 1)
+        while not probe.finished:
+            self.engine.step()
+        for r in running:
+            self.engine.abort(r.req_id)
+        (record,) = [r for r in self.engine.latency.requests if r.req_id == probe.req_id]
         return record.ttft_s
 
-    def close(self) -> None:
-        self.workers.shutdown()
+    def ttft(self, prompt: list[int]) -> float:
+        self.count += 1
+        return self.first_token(f"w{self.count}", prompt)[0]
 
 
 def measure_route_weights(
@@ -95,30 +98,17 @@ def measure_route_weights(
         loaded: dict[int, float] = {}
         for _ in range(repeat):
             for n in prompt_tokens:
-                engine.settle()
                 prompt = engine.prompt(n)
                 t = engine.ttft(prompt)
                 computed[n] = min(computed.get(n, t), t)
-                engine.settle()  # its stores land
-                engine.engine.reset_prefix_cache()
+                engine.empty_gpu_cache()  # its stores land first: the CPU tier serves it now
                 t = engine.ttft(prompt)
                 loaded[n] = min(loaded.get(n, t), t)
         compute = (computed[long] - computed[short]) / (long - short)
         load = max(0.0, (loaded[long] - loaded[short]) / (long - short))
         delays: dict[int, float] = {}
         for k in decoders:
-            best = None
-            for _ in range(repeat):
-                engine.settle()
-                prompts = [engine.prompt(DECODER_PROMPT_TOKENS) for _ in range(k)]
-                running = [engine.add(p, DECODER_MAX_TOKENS) for p in prompts]
-                while any(not r.output for r in running):  # every one past its prefill
-                    engine.engine.step()
-                t = engine.ttft(engine.prompt(short))
-                best = t if best is None else min(best, t)
-                for r in running:
-                    engine.engine.abort(r.req_id)
-            assert best is not None
+            best = min(engine.first_token_beside(k, engine.prompt(short)) for _ in range(repeat))
             delays[k] = max(0.0, best - computed[short])
         per_decoder = [delays[k] / k for k in decoders if k > 0]
         decode_cost = (sum(per_decoder) / len(per_decoder)) / compute if per_decoder else 0.0

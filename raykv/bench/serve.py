@@ -112,7 +112,6 @@ def summarize(router: str, results: list[RequestResult], wall_s: float) -> Serve
 async def _one(client: Any, model: str, spec: RequestSpec) -> RequestResult:
     started = time.perf_counter()
     first: float | None = None
-    output = 0
     usage = None
     replica = ""
     try:
@@ -132,14 +131,16 @@ async def _one(client: Any, model: str, spec: RequestSpec) -> RequestResult:
                 usage = chunk.usage
     except Exception as exc:
         return RequestResult(spec.req_id, None, 0, len(spec.prompt), 0, 0, replica, repr(exc))
-    details = usage.prompt_tokens_details if usage is not None else None
+    ttft = None if first is None else first - started
+    if usage is None:
+        return RequestResult(spec.req_id, ttft, 0, len(spec.prompt), 0, 0, replica)
+    details = usage.prompt_tokens_details
     extra = (details.model_extra or {}) if details is not None else {}
-    output = usage.completion_tokens if usage is not None else 0
     return RequestResult(
         spec.req_id,
-        None if first is None else first - started,
-        output,
-        usage.prompt_tokens if usage is not None else len(spec.prompt),
+        ttft,
+        usage.completion_tokens,
+        usage.prompt_tokens,
         int(extra.get("gpu_cache_tokens", 0)),
         int(extra.get("cpu_tier_tokens", 0)),
         replica,
@@ -209,7 +210,8 @@ def bench_router(
     workload, tear the application down."""
     from raykv.serve.app import ServeOptions, Server
 
-    options = ServeOptions(port=port, replicas=replicas, router=router)
+    # the config's serve: section (replica resources, router weights) as raykv serve takes it
+    options = ServeOptions.of(cfg.serve, port=port, replicas=replicas, router=router)
     server = Server(cfg, options).start()
     try:
         url = server.url + "/v1"

@@ -169,6 +169,14 @@ def router_kwargs(cfg: RaykvConfig, router: str) -> dict[str, Any]:
     }
 
 
+def ray_resources(cfg: RaykvConfig, replicas: int) -> tuple[int, int | None]:
+    """CPUs and GPUs an embedded Ray needs for ``replicas``: one CPU per replica, its ranks'
+    (a CPU or a GPU each), and one for the ingress and Serve."""
+    tp = cfg.parallel.tensor_parallel_size
+    cuda = cfg.parallel.device == "cuda"
+    return replicas * (1 + (0 if cuda else tp)) + 1, (replicas * tp if cuda else None)
+
+
 class Server:
     """A running ``raykv serve``: ``start`` deploys and returns once every replica is up;
     ``url``; ``stop`` tears it all down."""
@@ -191,10 +199,7 @@ class Server:
 
         from raykv.cluster.runtime import connect
 
-        tp = self.cfg.parallel.tensor_parallel_size
-        cuda = self.cfg.parallel.device == "cuda"
-        cpus = self.options.replicas * (1 + (0 if cuda else tp)) + 1
-        gpus = self.options.replicas * tp if cuda else None
+        cpus, gpus = ray_resources(self.cfg, self.options.replicas)
         self._ray = connect(self.address, num_cpus=cpus, num_gpus=gpus)
         try:
             serve.start(http_options=HTTPOptions(host=self.options.host, port=self.options.port))

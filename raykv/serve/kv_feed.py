@@ -9,6 +9,7 @@ feed is named after the replica's Serve id, so a router finds it from the replic
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
@@ -46,8 +47,6 @@ class KVFeed:
     so an idle replica costs its routers nothing."""
 
     def __init__(self, capacity: int = RING_CAPACITY) -> None:
-        import asyncio
-
         self.ring = EventRing(capacity)
         self.load = Load()
         self._changed = asyncio.Event()
@@ -73,8 +72,6 @@ class KVFeed:
     ) -> tuple[list[WireEvent] | Snapshot, Load]:
         """What a reader at event ``seq`` and load ``version`` missed (events, or a snapshot),
         with the latest load; waits up to ``wait_s`` for something new first."""
-        import asyncio
-
         if seq == self.ring.next_seq and version == self.load.version:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), wait_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from raykv.core.hashing import block_hashes
 from raykv.core.keys import make_key
@@ -106,7 +107,7 @@ class EventRing:
             return []
         first = self._ring[0][0] if self._ring else self.next_seq
         if first <= seq < self.next_seq:
-            return list(self._ring)[seq - first :]
+            return list(islice(self._ring, seq - first, None))
         return self.mirror.snapshot()
 
 
