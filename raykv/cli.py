@@ -525,10 +525,10 @@ def _interrupt_on_sigterm() -> None:
 
 
 def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.serve import bench_router, format_serve_table
+    from raykv.bench.serve import bench_router, format_serve_table, reuse_bounds
     from raykv.cluster.runtime import connect
     from raykv.report import progress_bar
-    from raykv.serve.app import ROUTERS, ray_resources, served_config
+    from raykv.serve.app import ROUTERS, kv_layout, ray_resources, served_config
     from raykv.workload.requests import make_workload
 
     _check_output("--json", args.json)
@@ -544,6 +544,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     _check_device(cfg, "ray", args.address)
     served, _ = served_config(cfg)
     specs = make_workload(served)
+    bounds = reuse_bounds(specs, kv_layout(served), args.replicas)
     err = Console(stderr=True)
     cpus, gpus = ray_resources(cfg, args.replicas)
     ray_handle = connect(args.address, num_cpus=cpus, num_gpus=gpus)
@@ -582,6 +583,12 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
         f"({len(specs)} requests, concurrency {args.concurrency})"
     )
     console.print(format_serve_table(results, title))
+    console.print(
+        f"what the workload allows (unbounded caches, in its order): {bounds.affinity:,} prompt "
+        f"tokens reused with each request where most of its prompt is, {bounds.random:,} with "
+        f"replicas at random ({bounds.ratio:.2f}x)",
+        highlight=False,
+    )
     if args.json:
         shape = {
             "model": str(cfg.model.path),
@@ -589,6 +596,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
             "workload": args.workload,
             "num_requests": len(specs),
             "concurrency": args.concurrency,
+            "reuse_bounds": {"affinity": bounds.affinity, "random": bounds.random},
             "results": [r.as_dict(with_requests=args.per_request) for r in results],
         }
         Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")

@@ -206,6 +206,24 @@ def test_cli_reports_bad_input_and_exits_2(argv, message, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "section,flags,message",
+    [
+        # the file's host is read: beyond loopback it needs a key
+        ("serve:\n  host: 0.0.0.0\n", [], "--host 0.0.0.0: serving beyond this machine"),
+        # a flag wins over the file's key
+        ("serve:\n  router: pow2\n", ["--router", "best"], "--router 'best': expected one of"),
+        ("serve:\n  router: best\n", [], "serve.router"),
+        ("serve:\n  replicas: 0\n", [], "serve.replicas"),
+    ],
+)
+def test_serve_reads_its_config_files_serve_section(tmp_path, section, flags, message, capsys):
+    path = tmp_path / "serve.yaml"
+    path.write_text(section)
+    assert main(["serve", "--config", str(path), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 # ---- issue 10, defect 5: bad input that crashed (exit 1, a traceback) instead of naming it ----
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from raykv.config import RaykvConfig
 from raykv.engine.latency import LatencySummary
+from raykv.serve.kv_index import KVLayout, PromptKeys, ReplicaKV, prompt_hit
 from raykv.workload.requests import RequestSpec
 
 # how far back a turn looks for the turn it extends (conversations open at once are fewer)
@@ -81,6 +82,49 @@ def dependencies(specs: Sequence[RequestSpec]) -> list[int | None]:
                 dep, longest = j, len(prior)
         out.append(dep)
     return out
+
+
+@dataclass(slots=True)
+class ReuseBounds:
+    """What a workload lets any router reuse, on replicas of unbounded GPU caches taking the
+    requests in the workload's order: each request sent to a replica holding the most of its
+    prompt (``affinity``) or to one at random (``random``, the mean over several draws).
+    Against these a router's cached tokens read as a share of what was there to get: real
+    caches are bounded, and requests in flight overlap, so a run gets less than ``affinity``."""
+
+    affinity: int
+    random: int
+
+    @property
+    def ratio(self) -> float:
+        return self.affinity / self.random if self.random else 0.0
+
+
+def reuse_bounds(
+    specs: Sequence[RequestSpec], layout: KVLayout, replicas: int, draws: int = 10, seed: int = 0
+) -> ReuseBounds:
+    """``ReuseBounds`` of these requests (prompts hashed as the engine hashes them)."""
+    keys = [PromptKeys.of(spec.prompt, layout) for spec in specs]
+
+    def reused(choose: Callable[[list[int]], int]) -> int:
+        held: list[set[int]] = [set() for _ in range(replicas)]
+        total = 0
+        for prompt in keys:
+            hits = [prompt_hit(prompt, ReplicaKV(gpu=h), layout).gpu_tokens for h in held]
+            where = choose(hits)
+            total += hits[where]
+            held[where].update(prompt.published)
+        return total
+
+    rng = random.Random(seed)
+
+    def most(hits: list[int]) -> int:
+        best = max(hits)
+        return rng.choice([i for i, h in enumerate(hits) if h == best])
+
+    affinity = reused(most)
+    randomly = sum(reused(lambda hits: rng.randrange(len(hits))) for _ in range(draws))
+    return ReuseBounds(affinity, round(randomly / draws))
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:

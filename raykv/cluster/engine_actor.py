@@ -94,6 +94,17 @@ class EngineServer:
         self._error: str | None = None
         self._rejected_taken = 0  # how many of the driver's refusals take_finished handed out
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock the serving loop steps under: who holds it sees the engine between two
+        steps (a Serve replica admits requests and reads its KV state under it)."""
+        return self._lock
+
+    @property
+    def error(self) -> str | None:
+        """Why the serving loop ended, if it ended on an error; None while it serves."""
+        return self._error
+
     # ---- batch runs -----------------------------------------------------------------------
 
     def run(self, specs: list[Any]) -> RunReport:

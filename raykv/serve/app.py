@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.config import ConfigError, RaykvConfig, ServeConfig
+from raykv.serve.kv_index import KVLayout
 
 APP_NAME = "raykv"
 ENGINE_DEPLOYMENT = "raykv-engine"
@@ -156,15 +157,25 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
     )
 
 
+def kv_layout(cfg: RaykvConfig) -> KVLayout:
+    """How the engine of ``cfg`` turns a prompt into KV keys (what a router hashes)."""
+    groups = [i for i, g in enumerate(cfg.cache.groups) if g.kind == "full_attention"]
+    return KVLayout(
+        cfg.cache.block_size,
+        cfg.offload.blocks_per_chunk if cfg.offload.enabled else 1,
+        tuple(groups or [0]),
+    )
+
+
 def router_kwargs(cfg: RaykvConfig, router: str) -> dict[str, Any]:
     """What the KV-aware router needs to hash prompts as the engine does, and its weights."""
     if router != "kv":
         return {}
-    groups = [i for i, g in enumerate(cfg.cache.groups) if g.kind == "full_attention"]
+    layout = kv_layout(cfg)
     return {
-        "block_size": cfg.cache.block_size,
-        "blocks_per_chunk": cfg.offload.blocks_per_chunk if cfg.offload.enabled else 1,
-        "groups": groups or [0],
+        "block_size": layout.block_size,
+        "blocks_per_chunk": layout.blocks_per_chunk,
+        "groups": list(layout.groups),
         "weights": cfg.serve.router_weights.model_dump(),
     }
 

@@ -133,7 +133,7 @@ class EngineReplica:
     def _collect_kv(self, whole: bool) -> tuple[list[WireEvent] | Snapshot, Load]:
         """The engine's KV events since the last call (or, ``whole``, its state as a whole),
         with its load: for the feed pusher's thread."""
-        with self.server._lock:
+        with self.server.lock:
             engine = self.server.engine
             events = engine.events.take()
             load = Load(*self.server.driver.load())
@@ -160,8 +160,8 @@ class EngineReplica:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), ENGINE_CHECK_S)
                 except asyncio.TimeoutError:
-                    if self.server._error is not None:  # the loop thread ended on an error
-                        item = f"the engine stopped: {self.server._error}"
+                    if self.server.error is not None:  # the loop thread ended on an error
+                        item = f"the engine stopped: {self.server.error}"
                     else:
                         continue
                 if isinstance(item, str):  # refused after all, or the engine stopped
@@ -194,7 +194,7 @@ class EngineReplica:
                 if update.text or update.token_ids:
                     yield update
         finally:
-            with self.server._lock:
+            with self.server.lock:
                 self._streams.pop(engine_id, None)
             if not finished:  # the client went away
                 self.server.abort(engine_id)
@@ -202,7 +202,7 @@ class EngineReplica:
     def _admit(self, engine_id: str, request: EngineRequest, stream: _Stream) -> None:
         """Check the request against the engine and submit it; ValueError names what is wrong."""
         engine = self.server.engine
-        with self.server._lock:
+        with self.server.lock:
             if self._closed:
                 raise ValueError("the replica is shutting down")
             max_tokens = request.max_tokens or self._room(engine_id, request.token_ids)
@@ -279,7 +279,7 @@ class EngineReplica:
 
     def ping(self) -> bool:
         """Answers once the replica is up (its engine built, its ranks ready)."""
-        return self.server._error is None
+        return self.server.error is None
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs: its Serve id, its node, its ranks' process ids."""
@@ -291,7 +291,7 @@ class EngineReplica:
 
     def rank_processes(self) -> list[int]:
         """The process ids of this replica's rank actors now serving."""
-        with self.server._lock:
+        with self.server.lock:
             return [info.process[0] for info in self.server.group.infos]
 
     def __del__(self) -> None:

@@ -10,8 +10,10 @@ import pytest
 
 pytest.importorskip("openai")
 
-from raykv.bench.serve import bench_router, dependencies
+from raykv.bench.serve import bench_router, dependencies, reuse_bounds
 from raykv.config import load_config
+from raykv.serve.app import kv_layout
+from raykv.serve.kv_index import KVLayout
 from raykv.workload.requests import RequestSpec, synthetic_chat
 
 PORT = 8126
@@ -26,6 +28,32 @@ def test_a_turn_waits_for_the_turn_it_extends() -> None:
         RequestSpec("a3", (1, 2, 3, 4, 5, 6), 1, 0),
     ]
     assert dependencies(specs) == [None, None, 0, None, 2]
+
+
+def _conversations(turns: int, per_turn: int = 32) -> list[RequestSpec]:
+    """Two conversations taking turns, each turn its history plus ``per_turn`` new tokens."""
+    specs = []
+    for turn in range(1, turns + 1):
+        for start in (1000, 2000):
+            prompt = tuple(range(start, start + turn * per_turn))
+            specs.append(RequestSpec(f"c{start}-{turn}", prompt, 1, 0))
+    return specs
+
+
+def test_reuse_bounds_count_each_history_where_it_was_left() -> None:
+    layout = KVLayout(block_size=16, blocks_per_chunk=1)
+    specs = _conversations(turns=4)
+    bounds = reuse_bounds(specs, layout, replicas=2, draws=20)
+    # affinity: every later turn finds its whole previous prompt (32, 64, 96 tokens)
+    assert bounds.affinity == 2 * (32 + 64 + 96)
+    # at random a turn finds only what the last turn sent to its replica left there
+    assert 0 < bounds.random < bounds.affinity
+    # one replica: there is nowhere else to go
+    single = reuse_bounds(specs, layout, replicas=1, draws=3)
+    assert single.random == single.affinity == bounds.affinity
+    # the last token is always computed: a prompt sent again reuses all but its last block
+    again = [specs[0], RequestSpec("again", specs[0].prompt, 1, 0)]
+    assert reuse_bounds(again, layout, replicas=1).affinity == 16
 
 
 # the KV router one request at a time: then nothing but its prompt's hits decides (with more in
@@ -69,3 +97,6 @@ def test_each_router_serves_the_workload_and_accounts_for_every_prompt_token(
             if dep is not None:
                 assert row.replica == rows[dep].replica, spec.req_id
                 assert row.gpu_cache_tokens + row.cpu_tier_tokens >= 64, spec.req_id
+        # one at a time and nothing evicted: all the workload allows
+        bounds = reuse_bounds(specs, kv_layout(cfg), replicas=2)
+        assert result.cached_tokens >= bounds.affinity > bounds.random
