@@ -22,8 +22,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._onednn = (
             weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
+            and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _bf16_ok()))
         )
         if self._onednn:
             weight = weight.to_mkldnn()
@@ -36,3 +36,12 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias)
         return out.to_dense()
+
+
+def _bf16_ok() -> bool:
+    """Whether oneDNN computes bfloat16 on this CPU (it needs AVX-512 BF16 or AVX-NE-CONVERT;
+    without them its inner product refuses, and ``F.linear`` serves instead)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
