@@ -217,7 +217,9 @@ def test_cli_reports_bad_input_and_exits_2(argv, message, capsys) -> None:
         ("serve:\n  replicas: 0\n", [], "serve.replicas"),
     ],
 )
-def test_serve_reads_its_config_files_serve_section(tmp_path, section, flags, message, capsys):
+def test_serve_reads_its_config_files_serve_section(
+    tmp_path, section, flags, message, capsys
+) -> None:
     path = tmp_path / "serve.yaml"
     path.write_text(section)
     assert main(["serve", "--config", str(path), *flags]) == 2

@@ -10,6 +10,8 @@ no worse for long prompts. Numerics stay float32 (or bfloat16) as before.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,7 @@ class Linear:
         return out.to_dense()
 
 
+@functools.cache
 def _bf16_ok() -> bool:
     """Whether oneDNN computes bfloat16 on this CPU (it needs AVX-512 BF16 or AVX-NE-CONVERT;
     without them its inner product refuses, and ``F.linear`` serves instead)."""
