@@ -168,7 +168,8 @@ def kv_layout(cfg: RaykvConfig) -> KVLayout:
 
 
 def router_kwargs(cfg: RaykvConfig, router: str) -> dict[str, Any]:
-    """What the KV-aware router needs to hash prompts as the engine does, and its weights."""
+    """What the KV-aware router needs to hash prompts as the engine does, its weights, and
+    the engine's step token budget."""
     if router != "kv":
         return {}
     layout = kv_layout(cfg)
@@ -177,6 +178,7 @@ def router_kwargs(cfg: RaykvConfig, router: str) -> dict[str, Any]:
         "blocks_per_chunk": layout.blocks_per_chunk,
         "groups": list(layout.groups),
         "weights": cfg.serve.router_weights.model_dump(),
+        "step_tokens": cfg.engine.max_num_batched_tokens,
     }
 
 

@@ -54,23 +54,38 @@ ROUTED_SETTLE_S = 3 * PUSH_INTERVAL_S
 class RouteWeights:
     """The cost of sending a request to a replica, in prompt tokens to compute:
 
-    ``computed + cpu_hit_cost * from_cpu + queued_prefill + decode_cost * decoding``
+    ``computed + cpu_hit_cost * from_cpu + spilled_queue + decode_cost * decoding``
 
-    A GPU hit costs nothing. When the least-cost replica's queue (``queue``) is more than
-    ``imbalance`` times the least busy one's and longer by ``imbalance_tokens``, the request
-    goes by power of two choices instead. The values come from the config's
-    ``serve.router_weights`` (``RouterWeightsConfig``, where their measurements are told)."""
+    A GPU hit costs nothing. ``spilled_queue`` is the part of the replica's queued prefill that
+    does not fit beside this request's prompt and the decoding requests in the replica's next
+    step (``step_tokens``, the engine's ``max_num_batched_tokens``): with chunked prefill a
+    shorter queue is taken in the same step as this request and puts no step before its first
+    token. When the least-cost replica's queue (``queue``) is more than ``imbalance`` times the
+    least busy one's and longer by ``imbalance_tokens``, the request goes by power of two
+    choices instead. The weights come from the config's ``serve.router_weights``
+    (``RouterWeightsConfig``, where their measurements are told); 0 ``step_tokens`` counts the
+    whole queue."""
 
     cpu_hit_cost: float
     decode_cost: float
     imbalance: float
     imbalance_tokens: int
+    step_tokens: int = 0
 
     def queue(self, load: Load, routed_tokens: int) -> float:
+        """The replica's queued prefill and decoding, in tokens (what balancing compares)."""
         return load.prefill_tokens + routed_tokens + self.decode_cost * load.decoding
 
-    def cost(self, hit: Hit, queue: float) -> float:
-        return hit.computed_tokens + self.cpu_hit_cost * hit.cpu_tokens + queue
+    def cost(self, hit: Hit, load: Load, routed_tokens: int) -> float:
+        queued = load.prefill_tokens + routed_tokens
+        room = self.step_tokens - load.decoding - hit.computed_tokens
+        spilled = min(queued, max(0, queued - room)) if self.step_tokens else queued
+        return (
+            hit.computed_tokens
+            + self.cpu_hit_cost * hit.cpu_tokens
+            + spilled
+            + self.decode_cost * load.decoding
+        )
 
 
 @dataclass(slots=True)
@@ -120,9 +135,12 @@ class KVAwareRouter(RequestRouter):
         blocks_per_chunk: int = 1,
         groups: tuple[int, ...] = (0,),
         weights: dict[str, float] | None = None,
+        step_tokens: int = 0,
     ) -> None:
         self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups))
-        self.weights = RouteWeights(**(weights or RouterWeightsConfig().model_dump()))
+        self.weights = RouteWeights(
+            **(weights or RouterWeightsConfig().model_dump()), step_tokens=step_tokens
+        )
         self.followed: dict[ReplicaID, _Followed] = {}
         # a request's replica and tokens to compute there, from choosing to the routed callback
         self._chosen: dict[str, tuple[ReplicaID, int, PromptKeys]] = {}
@@ -200,12 +218,11 @@ class KVAwareRouter(RequestRouter):
         keys = PromptKeys.of(token_ids, self.layout)
         scored = []
         for replica in candidate_replicas:
-            followed = self.followed.get(replica.replica_id)
-            kv = followed.kv if followed is not None else ReplicaKV()
-            expected = followed.fresh_expected() if followed is not None else ()
-            hit = prompt_hit(keys, kv, self.layout, expected)
-            queue = self._queue_of(replica)
-            scored.append((self.weights.cost(hit, queue), queue, hit, replica))
+            followed = self.followed.get(replica.replica_id) or _Followed()
+            hit = prompt_hit(keys, followed.kv, self.layout, followed.fresh_expected())
+            load, routed = followed.load, followed.routed_tokens()
+            queue = self.weights.queue(load, routed)
+            scored.append((self.weights.cost(hit, load, routed), queue, hit, replica))
         scored.sort(key=lambda s: (s[0], s[1], random.random()))
         _, best_queue, best_hit, best = scored[0]
         least_queue = min(s[1] for s in scored)

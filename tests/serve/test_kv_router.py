@@ -125,3 +125,34 @@ def test_the_router_weighs_hits_by_medium_against_load_and_forgets_a_replica(ray
     # the follow-up of a prompt routed a moment ago goes where that one went
     went, follow_up = out["expected"]
     assert follow_up[0] == [went]
+
+
+def spill_scenario() -> dict[str, list[list[str]]]:
+    """a's GPU holds 12 of the prompt's 33 tokens and b's 4; a's queue varies, b's is empty."""
+
+    async def run() -> dict[str, list[list[str]]]:
+        router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(4, 2, [0], {**WEIGHTS, "imbalance_tokens": 1000}, step_tokens=64)
+        a, b = (FakeReplica(ReplicaID(n, DEPLOYMENT)) for n in "ab")
+        router._replicas = {r.replica_id: r for r in (a, b)}
+        router._sync_followed()
+        for followed in router.followed.values():
+            followed.task.cancel()
+        hold(router, a, gpu_blocks=3, cpu_chunks=0)
+        hold(router, b, gpu_blocks=1, cpu_chunks=0)
+        out = {}
+        for queued in (30, 60):
+            router.followed[a.replica_id].load = Load(prefill_tokens=queued)
+            ranked = await router.choose_replicas([a, b], pending(f"q{queued}", PROMPT))
+            out[f"a queues {queued}"] = ids(ranked)
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_queue_the_next_step_takes_beside_the_prompt_costs_nothing(ray_session):
+    out = spill_scenario()
+    # 30 queued + a's 21 to compute fit in a 64-token step: a costs 21, b 29 (nothing queued)
+    assert out["a queues 30"] == [["a"], ["b"]]
+    # 60 queued + 21 spill 17 tokens past the step: a costs 38, more than b's 29
+    assert out["a queues 60"] == [["b"], ["a"]]
