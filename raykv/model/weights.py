@@ -61,19 +61,30 @@ def load_hf_directory(path: str | Path) -> tuple[ModelSpec, Mapping[str, Any]]:
     return spec, SafetensorsWeights(files)
 
 
-def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
-    """Where the dequantized tensors of the GGUF file ``path`` are kept: named for the file's
-    place, size, modification time and its first and last MiB (a rewrite within one clock
-    tick still changes the header or the last tensors), so a changed file is dequantized
-    again; reading the whole file would cost seconds per start for a large model."""
+def gguf_identity(path: Path) -> str:
+    """A name for the GGUF file ``path`` as it is now: from the file's place, size, modification
+    time and its first and last MiB (a rewrite within one clock tick still changes the header
+    or the last tensors), so what is cached of a changed file is made again; reading the whole
+    file would cost seconds per start for a large model."""
     stat = path.stat()
     identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     with path.open("rb") as file:
         identity.update(file.read(_SAMPLE))
         file.seek(max(0, stat.st_size - _SAMPLE))
         identity.update(file.read(_SAMPLE))
-    digest = identity.hexdigest()[:16]
-    return Path(cache_dir) / "weights" / f"{path.stem}-{digest}.safetensors"
+    return identity.hexdigest()[:16]
+
+
+def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
+    """Where the dequantized tensors of the GGUF file ``path`` are kept (named by
+    ``gguf_identity``), with the model's config in the file's metadata."""
+    return Path(cache_dir) / "weights" / f"{path.stem}-{gguf_identity(path)}.safetensors"
+
+
+def _cached_config(target: Path) -> dict[str, Any] | None:
+    with safe_open(str(target), framework="pt") as file:
+        metadata = file.metadata() or {}
+    return json.loads(metadata["config"]) if "config" in metadata else None
 
 
 def load_gguf_weights(
@@ -94,9 +105,10 @@ def load_gguf_weights(
         target.parent.mkdir(parents=True, exist_ok=True)
         with _locked(target.with_suffix(".lock")):
             if not target.is_file():
-                spec, weights, _ = load_gguf(path)
+                spec, weights, config = load_gguf(path)
                 partial = target.with_suffix(f".partial-{os.getpid()}")
-                save_file(dict(weights), str(partial), metadata={"source": str(path)})
+                metadata = {"source": str(path), "config": json.dumps(config)}
+                save_file(dict(weights), str(partial), metadata=metadata)
                 os.replace(partial, target)  # whole or absent, never half written
                 return spec, weights
     except OSError as exc:
@@ -105,10 +117,14 @@ def load_gguf_weights(
         )
         spec, weights, _ = load_gguf(path)
         return spec, weights
-    from gguf import GGUFReader
+    # the config kept beside the tensors: reading it from the GGUF file again means parsing its
+    # whole vocabulary (seconds per rank for a 49k-token one)
+    config = _cached_config(target)
+    if config is None:  # a cache entry made before configs were kept in it
+        from gguf import GGUFReader
 
-    spec = ModelSpec.from_hf_config(gguf_config(GGUFReader(str(path))))
-    return spec, SafetensorsWeights([target])
+        config = gguf_config(GGUFReader(str(path)))
+    return ModelSpec.from_hf_config(config), SafetensorsWeights([target])
 
 
 @contextlib.contextmanager

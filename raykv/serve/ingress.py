@@ -49,13 +49,14 @@ class OpenAIIngress:
         model_file: str,
         api_key: str | None = None,
         text_prompts: bool = False,
+        cache_dir: str | None = None,
     ) -> None:
         """``text_prompts``: give a token-id prompt its text too (the text-prefix router reads
-        nothing else)."""
+        nothing else); ``cache_dir``: where a GGUF file's tokenizer is kept converted."""
         self.engine = engine
         self._text_prompts = text_prompts
         self.model_name = model_name
-        self.tokenizer = Tokenizer.of(model_file)
+        self.tokenizer = Tokenizer.of(model_file, cache_dir)
         self._key = api_key.encode() if api_key else None
         self._ready = False
         self.created = int(time.time())

@@ -87,12 +87,8 @@ def test_a_rank_death_restarts_the_whole_tp_group_and_the_outputs_stay_the_same(
 
 
 def test_smollm2_at_tp3_on_ray_answers_as_transformers_and_reloads_from_the_cpu_tier(
-    ray_session,
+    ray_session, smollm2_hf_tokenizer, smollm2_hf_model
 ) -> None:
-    try:
-        path = preset_path("smollm2-135m-instruct")
-    except UnsupportedModel as exc:
-        pytest.skip(str(exc))
     overrides = [
         "model.path=smollm2-135m-instruct",
         "model.dtype=float32",
@@ -107,10 +103,7 @@ def test_smollm2_at_tp3_on_ray_answers_as_transformers_and_reloads_from_the_cpu_
     with RaykvClient.start(cfg) as client:
         outputs = client.generate(prompts, 12, sequential=True, sampling=SamplingSpec())
         report = client.report()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    tokenizer, theirs = smollm2_hf_tokenizer, smollm2_hf_model
     ids = outputs[0].prompt_token_ids
     with torch.no_grad():
         want = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)

@@ -217,6 +217,8 @@ def test_the_weights_cache_is_made_once_and_follows_the_file(
             raise AssertionError("dequantized again")
 
         m.setattr(gguf.quants, "dequantize", refuse)
+        # nor read the file's metadata (its vocabulary): the config is kept in the entry
+        m.setattr(gguf, "GGUFReader", refuse)
         again_spec, again = load_gguf_weights(path, cache)
         assert again_spec == spec
         assert sorted(again) == sorted(first)
@@ -234,6 +236,20 @@ def test_the_weights_cache_is_made_once_and_follows_the_file(
     _, cached = load_gguf_weights(path, cache)  # and it is the new entry that is read back
     for name, tensor in expected.items():
         assert torch.equal(cached[name][:], tensor), name
+
+
+def test_a_cache_entry_without_its_config_reads_the_config_from_the_file(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    write_gguf(path, model, Q.Q8_0)
+    spec, _ = load_gguf_weights(path, cache)
+    entry = cached_gguf_path(path, cache)
+    save_file(load_file(entry), str(entry), metadata={"source": str(path)})  # an older entry
+    again_spec, again = load_gguf_weights(path, cache)
+    assert again_spec == spec and sorted(again) == sorted(load_file(entry))
 
 
 def test_no_cache_directory_dequantizes_into_memory_and_writes_nothing(

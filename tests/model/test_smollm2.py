@@ -13,26 +13,16 @@ pytest.importorskip("accelerate")
 
 from raykv.model.decoder import Decoder, SequenceChunk  # noqa: E402
 from raykv.model.gguf_file import load_gguf  # noqa: E402
-from raykv.model.presets import preset_path  # noqa: E402
-from raykv.model.spec import UnsupportedModel  # noqa: E402
 from raykv.model.tokenizer import Tokenizer  # noqa: E402
 
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        path = preset_path("smollm2-135m-instruct")
-    except UnsupportedModel as exc:
-        pytest.skip(str(exc))
-    spec, weights, _ = load_gguf(path)  # dequantized from Q4_1 / Q8_0
+def smollm2(smollm2_gguf, smollm2_hf_tokenizer, smollm2_hf_model):
+    spec, weights, _ = load_gguf(smollm2_gguf)  # dequantized from Q4_1 / Q8_0
     ours = Decoder(spec, weights, BLOCK)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return ours, tokenizer, theirs, path
+    return ours, smollm2_hf_tokenizer, smollm2_hf_model, smollm2_gguf
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
@@ -81,3 +71,29 @@ def test_chat_prompts_are_the_token_ids_of_transformers_chat_template(smollm2) -
     assert ours.decode(ours.encode("The capital of France is Paris.")) == (
         "The capital of France is Paris."
     )
+
+
+def test_the_tokenizer_converted_once_is_read_back_from_the_cache(
+    smollm2_gguf, smollm2_hf_tokenizer, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raykv.model.tokenizer import Tokenizer
+
+    first = Tokenizer(smollm2_gguf, tmp_path)
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    convert = transformers.AutoTokenizer.from_pretrained
+
+    def only_from_the_cache(*args: object, **kwargs: object) -> object:
+        if "gguf_file" in kwargs:  # a second start must not convert the vocabulary again
+            raise AssertionError("converted again")
+        return convert(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", only_from_the_cache)
+        again = Tokenizer(smollm2_gguf, tmp_path)
+    # what the cache gives back is the same tokenizer: text, chat template and EOS
+    text = "Count slowly from one to forty, then name the capital of France."
+    messages = [{"role": "user", "content": text}]
+    for tok in (first, again):
+        assert tok.encode(text) == smollm2_hf_tokenizer.encode(text, add_special_tokens=False)
+        assert tok.chat(messages) == chat_ids(smollm2_hf_tokenizer, text)
+        assert tok.eos_token_id == smollm2_hf_tokenizer.eos_token_id

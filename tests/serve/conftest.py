@@ -12,18 +12,11 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:
     import torch
 
-    from raykv.model.presets import preset_path
-    from raykv.model.spec import UnsupportedModel
-
-    try:
-        gguf = preset_path("smollm2-135m-instruct")
-    except UnsupportedModel as exc:
-        pytest.skip(str(exc))
     out = tmp_path_factory.mktemp("tiny-chat-model")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = smollm2_hf_tokenizer
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
