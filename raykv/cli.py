@@ -358,7 +358,7 @@ def _chat_session(cfg: RaykvConfig) -> tuple[ChatSession, RaykvConfig]:
 
     if cfg.model.path is None:
         raise ConfigError("workload.kind chat needs a real model (model.path or --model)")
-    tokenizer = Tokenizer.of(resolve(cfg.model.path), cfg.model.weights_cache_dir or None)
+    tokenizer = Tokenizer.of(resolve(cfg.model.path), cfg.model.cache_dir)
     if tokenizer is None or not tokenizer.has_chat_template:
         raise ConfigError(
             f"workload.kind chat: {cfg.model.path} has no tokenizer and chat template"

@@ -198,6 +198,11 @@ class ModelConfig(_Strict):
         "dequantization and the conversion ('' turns the cache off).",
     )
 
+    @property
+    def cache_dir(self) -> str | None:
+        """``weights_cache_dir``, None where it is off ('')."""
+        return self.weights_cache_dir or None
+
     num_layers: int = Field(default=4, gt=0)
     num_kv_heads: int = Field(default=4, gt=0, description="KV heads in total, split over ranks.")
     head_dim: int = Field(default=32, gt=0)

@@ -147,7 +147,7 @@ def prepare(
         spec_in.temperature, spec_in.top_p, spec_in.top_k, logprobs=spec_in.logprobs or 0
     )
     cfg, _, path = configure(cfg)
-    tokenizer = Tokenizer.of(path, cfg.model.weights_cache_dir or None)
+    tokenizer = Tokenizer.of(path, cfg.model.cache_dir)
     if tokenizer is not None:
         cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])
     specs = [

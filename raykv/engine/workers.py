@@ -53,7 +53,7 @@ def real_model(
         rank=rank,
         tp_size=tp,
         all_reduce=all_reduce,
-        cache_dir=cfg.model.weights_cache_dir or None,
+        cache_dir=cfg.model.cache_dir,
     )
 
 

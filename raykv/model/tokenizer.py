@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 class Tokenizer:
     """Text to token ids and back, and chat messages through the model's template.
-    ``cache_dir`` (the config's ``model.weights_cache_dir``) keeps a GGUF file's tokenizer
+    ``cache_dir`` (the config's ``model.cache_dir``) keeps a GGUF file's tokenizer
     converted, in transformers' own format; None converts it on every start."""
 
     def __init__(self, path: str | Path, cache_dir: str | Path | None = None) -> None:

@@ -100,7 +100,7 @@ def served_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
     from raykv.model.tokenizer import Tokenizer
 
     cfg, _, path = configure(cfg)
-    tokenizer = Tokenizer.of(path, cfg.model.weights_cache_dir or None)
+    tokenizer = Tokenizer.of(path, cfg.model.cache_dir)
     if tokenizer is not None:
         cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])
     # a server runs for days: finished requests are forgotten (their outputs went out)
@@ -154,7 +154,7 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         model_file,
         options.api_key,
         options.router_name == "prefix",
-        cfg.model.weights_cache_dir or None,
+        cfg.model.cache_dir,
     )
 
 

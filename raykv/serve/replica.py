@@ -96,7 +96,7 @@ class EngineReplica:
         """``cfg_json``: the served config (``serve.app.served_config``); ``model_file``: the
         checkpoint, whose tokenizer turns token ids back into text."""
         cfg = RaykvConfig.model_validate(cfg_json)
-        self.tokenizer = Tokenizer.of(model_file, cfg.model.weights_cache_dir or None)
+        self.tokenizer = Tokenizer.of(model_file, cfg.model.cache_dir)
         pg = ray.util.get_current_placement_group()
         self._pool_files: PoolFiles | None = None
         if cfg.offload.enabled and cfg.offload.shared_pool:

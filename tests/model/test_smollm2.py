@@ -76,8 +76,6 @@ def test_chat_prompts_are_the_token_ids_of_transformers_chat_template(smollm2) -
 def test_the_tokenizer_converted_once_is_read_back_from_the_cache(
     smollm2_gguf, smollm2_hf_tokenizer, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raykv.model.tokenizer import Tokenizer
-
     first = Tokenizer(smollm2_gguf, tmp_path)
     assert len(list((tmp_path / "tokenizers").iterdir())) == 1
     convert = transformers.AutoTokenizer.from_pretrained

@@ -58,15 +58,20 @@ def hold(router: KVAwareRouter, replica: FakeReplica, gpu_blocks: int, cpu_chunk
     router.followed[replica.replica_id].kv.load(Snapshot(0, {"GPU": gpu, "CPU": cpu}))
 
 
+def follow(router: KVAwareRouter, replicas: list[FakeReplica]) -> None:
+    """What update_replicas sets, with the feed-following tasks cancelled at once."""
+    router._replicas = {r.replica_id: r for r in replicas}
+    router._sync_followed()
+    for followed in router.followed.values():
+        followed.task.cancel()
+
+
 def scenario() -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
         router.initialize_state(4, 2, [0], WEIGHTS)
         a, b, c = (FakeReplica(ReplicaID(n, DEPLOYMENT)) for n in "abc")
-        router._replicas = {r.replica_id: r for r in (a, b)}  # what update_replicas sets
-        router._sync_followed()
-        for followed in router.followed.values():
-            followed.task.cancel()
+        follow(router, [a, b])
         out: dict[str, Any] = {}
         both = [a, b]
         out["nothing cached"] = await router.choose_replicas(both, pending("r0", PROMPT))
@@ -82,11 +87,8 @@ def scenario() -> dict[str, Any]:
         await router.choose_replicas(both, pending("r4", PROMPT))  # a: its CPU tier holds it
         router.on_request_routed(pending("r4", PROMPT), a.replica_id, None)
         out["routed tokens"] = (before, router._queue_of(a))
-        router._replicas = {r.replica_id: r for r in (a, c)}  # b gone, c new
-        router._sync_followed()
+        follow(router, [a, c])  # b gone, c new
         out["followed"] = {rid.unique_id for rid in router.followed}
-        for followed in router.followed.values():
-            followed.task.cancel()
         # no event yet, but a prompt just routed is expected where it went
         router.followed[a.replica_id].kv.load(Snapshot(0, {}))
         fresh = [a, c]
@@ -134,10 +136,7 @@ def spill_scenario() -> dict[str, list[list[str]]]:
         router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
         router.initialize_state(4, 2, [0], {**WEIGHTS, "imbalance_tokens": 1000}, step_tokens=64)
         a, b = (FakeReplica(ReplicaID(n, DEPLOYMENT)) for n in "ab")
-        router._replicas = {r.replica_id: r for r in (a, b)}
-        router._sync_followed()
-        for followed in router.followed.values():
-            followed.task.cancel()
+        follow(router, [a, b])
         hold(router, a, gpu_blocks=3, cpu_chunks=0)
         hold(router, b, gpu_blocks=1, cpu_chunks=0)
         out = {}
