@@ -3,51 +3,61 @@ the compiled graph and through plain calls, each against a bare round trip of th
 the same actors with a payload of the same size.
 
 The plans are real: recorded from a run of the one-process engine with the same configuration
-(their sizes are reported too). Timed, per step, in blocks of every recorded plan, the four
-interleaved round after round: the engine's fan-out exactly as the scheduler actor does it
-(``CompiledWorkerGroup.execute`` / ``RayWorkerGroup.execute``: the plan encoded once, sent,
-the replies gathered and decoded), with ranks that return a report without executing the plan,
-so only the transport is measured; a bare compiled graph whose node returns empty bytes, fed a
-``bytes`` payload of the plan's encoded size; and N plain calls carrying that payload. An actor
-takes part in one compiled graph at a time, so each round compiles the engine's graph, times
-it, tears it down, and does the same with the bare one (compiling is not timed).
+(their sizes are reported too). Timed step by step, each plan's engine round trip followed at
+once by its bare one, so both meet the same moment of a machine whose speed drifts: the
+engine's fan-out exactly as the scheduler actor does it (``CompiledWorkerGroup.execute`` /
+``RayWorkerGroup.execute``: the plan encoded once, sent, the replies gathered and decoded), with
+ranks that keep the block tables and reply without executing the plan, so only the step
+message's cost counts; and a bare round trip of a payload of the plan's encoded size whose node
+returns empty bytes at once. The bare graph round trip goes through the engine's own graph (the
+same channels, the same actors; an actor takes part in one graph at a time): its payload is
+zeros, which no encoded plan starts with, and the rank answers it before anything else.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raykv.cluster import wire
-from raykv.cluster.compiled_group import CompiledWorkerGroup, compile_fanout
+from raykv.cluster.compiled_group import CompiledWorkerGroup
 from raykv.cluster.runtime import connect
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.config import RaykvConfig
 from raykv.core.step import StepPlan, StepReport
+from raykv.engine.rank_tables import RankTables
 
 # The issue's targets, same run: the graph's fan-out within this of a bare graph round trip...
 GRAPH_OVER_BARE_LIMIT = 1.3
 # ... and at most this share of the plain calls' fan-out.
 GRAPH_OVER_PLAIN_LIMIT = 0.3
+# A bare payload's first byte: an encoded plan (a MessagePack array) never starts with it
+BARE = b"\0"
 
 
 class _Rank:
-    """A rank that takes plans and replies like a real one, without executing them."""
+    """A rank that takes plans and replies like a real one, without executing them: it keeps
+    the block tables as a real rank does (that is the step message's to carry), nothing else."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.tables = RankTables(rank)
 
     def execute(self, plan: StepPlan) -> StepReport:
-        samples = [0] * len(plan.batch)
+        samples = [0] * len(self.tables.apply(plan))
         return StepReport(self.rank, plan.step, samples=samples)
 
     def execute_blob(self, blob: bytes) -> bytes:
+        if blob[:1] == BARE:  # the bare round trip through the engine's graph
+            return b""
         return wire.encode(self.execute(wire.decode_plan(blob)))
 
     def reply_to(self, step: int) -> bytes | None:
@@ -123,17 +133,23 @@ def run_fanout_bench(
     }
 
 
-def _graph_round_trip(graph: Any) -> Callable[[bytes], object]:
-    return lambda payload: [ref.get(timeout=60) for ref in graph.execute(payload)]
-
-
-def _median_us(run: Callable[[Any], object], items: list[Any]) -> float:
-    times = []
-    for item in items:
+def _paired_medians_us(
+    engine: Callable[[Any], object],
+    plans: list[Any],
+    bare: Callable[[bytes], object],
+    payloads: list[bytes],
+) -> tuple[float, float]:
+    """The median us of ``engine(plan)`` and of ``bare(payload)``, each plan's bare round trip
+    timed right after its own."""
+    engine_times, bare_times = [], []
+    for plan, payload in zip(plans, payloads, strict=True):
         started = time.perf_counter()
-        run(item)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
+        engine(plan)
+        middle = time.perf_counter()
+        bare(payload)
+        bare_times.append(time.perf_counter() - middle)
+        engine_times.append(middle - started)
+    return statistics.median(engine_times) * 1e6, statistics.median(bare_times) * 1e6
 
 
 def _time_tp(tp: int, plans: list[StepPlan], sizes: list[int], repeat: int) -> dict[str, float]:
@@ -152,30 +168,39 @@ def _time_tp(tp: int, plans: list[StepPlan], sizes: list[int], repeat: int) -> d
     try:
         ray.get([r.echo.remote(b"") for r in ranks], timeout=120)
         plain = RayWorkerGroup(ranks, step_timeout_s=60)
-        payloads = [bytes(n) for n in sizes]
+        payloads = [BARE * n for n in sizes]
         best = dict.fromkeys(("graph_us", "bare_graph_us", "plain_us", "bare_plain_us"), 1e18)
+        epochs = itertools.count(1)
 
         def keep(key: str, value: float) -> None:
             best[key] = min(best[key], value)
 
+        def replay() -> list[StepPlan]:
+            """The recorded plans in a tables epoch of their own: the ranks' kept tables start
+            empty, as at the recorded run's start (a replay sends its tables whole again)."""
+            epoch = next(epochs)
+            return [msgspec.structs.replace(p, tables_epoch=epoch) for p in plans]
+
+        def bare_plain(payload: bytes) -> object:
+            return ray.get([r.echo.remote(payload) for r in ranks], timeout=60)
+
         for _ in range(repeat):
-            graph = CompiledWorkerGroup(ranks, step_timeout_s=60)
-            if graph.control_plane != "graph":
+            group = CompiledWorkerGroup(ranks, step_timeout_s=60)
+            graph = group.graph
+            if graph is None:
                 raise RuntimeError("the step graph could not be compiled (see the log)")
-            graph.execute(plans[0])  # the first execution sets the channels up
-            keep("graph_us", _median_us(graph.execute, plans))
-            graph.shutdown()
-            bare = compile_fanout(ranks, "echo", 60)
-            _graph_round_trip(bare)(payloads[0])  # the first execution sets the channels up
-            keep("bare_graph_us", _median_us(_graph_round_trip(bare), payloads))
-            bare.teardown()
-            keep("plain_us", _median_us(plain.execute, plans))
-            keep(
-                "bare_plain_us",
-                _median_us(
-                    lambda p: ray.get([r.echo.remote(p) for r in ranks], timeout=60), payloads
-                ),
-            )
+
+            def bare_graph(payload: bytes, graph: Any = graph) -> object:
+                return [ref.get(timeout=60) for ref in graph.execute(payload)]
+
+            group.execute(replay()[0])  # the first execution sets the channels up
+            timed = _paired_medians_us(group.execute, replay(), bare_graph, payloads)
+            keep("graph_us", timed[0])
+            keep("bare_graph_us", timed[1])
+            group.shutdown()
+            timed = _paired_medians_us(plain.execute, replay(), bare_plain, payloads)
+            keep("plain_us", timed[0])
+            keep("bare_plain_us", timed[1])
         return best
     finally:
         for r in ranks:

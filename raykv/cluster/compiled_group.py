@@ -75,6 +75,12 @@ class CompiledWorkerGroup(RayWorkerGroup):
     def control_plane(self) -> str:
         return "graph" if self._graph is not None else "calls"
 
+    @property
+    def graph(self) -> Any:
+        """The compiled graph now serving (None: on plain calls); its node is each rank's
+        ``execute_blob``, its input an encoded plan."""
+        return self._graph
+
     def submit(self, plan: StepPlan) -> StepHandle:
         """One execution of the graph; the handle's ``result`` gathers the replies, a rank that
         died or stayed silent past the step timeout reported in ``RankFailed`` with the

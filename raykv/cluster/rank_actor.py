@@ -159,10 +159,6 @@ class RankWorker:
     def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
         return self.worker.verify_cpu_tier(items)
 
-    def echo(self, payload: Any) -> int:
-        """A bare round trip (the yardstick of ``raykv bench step --engine ray``)."""
-        return 0
-
     def shutdown(self) -> None:
         if self._group is not None:
             self._group.close()

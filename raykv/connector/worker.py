@@ -127,9 +127,13 @@ class ConnectorWorker:
     def check_readable(self, blocks: Iterable[int]) -> None:
         """Raise if a load still writes any of ``blocks``."""
         loading = self.backend.pending_writes()
-        if loading and not loading.isdisjoint(blocks):
-            bad = sorted(loading & set(blocks))
-            raise FenceViolation(f"rank {self.rank}: reads blocks {bad} a load still writes")
+        if not loading:  # the usual case: ``blocks`` (maybe a generator) is never walked
+            return
+        bad = loading.intersection(blocks)
+        if bad:
+            raise FenceViolation(
+                f"rank {self.rank}: reads blocks {sorted(bad)} a load still writes"
+            )
 
     # ---- books ---------------------------------------------------------------------------
 

@@ -50,6 +50,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.listener = listener
+        # the ranks keep every running request's tables between steps (a step sends only what
+        # changed): the next key to give a table sent whole, the keys of tables whose requests
+        # have freed their blocks since the last plan, and the epoch a recovery ends
+        self._next_table_key = 0
+        self._forgotten: list[int] = []
+        self.tables_epoch = 0
 
     def max_blocks_needed(self, tokens: int) -> int:
         """The most blocks a request of ``tokens`` positions ever holds at once when it runs
@@ -179,10 +185,40 @@ class KVCacheManager:
                     table[i] = NULL_BLOCK
 
     def free(self, req: Request) -> None:
-        """Release every block (tails first, so they are reused first)."""
+        """Release every block (tails first, so they are reused first); the ranks drop their
+        copy of the tables with the next plan."""
         blocks = [b for table in req.block_tables for b in reversed(table) if b != NULL_BLOCK]
         self.pool.free(blocks)
+        if req.table_key >= 0:
+            self._forgotten.append(req.table_key)
         req.reset_blocks(len(self.groups))
+
+    def table_changes(self, req: Request, end: int) -> tuple[int, int, list[list[int]]]:
+        """What the ranks need to hold ``req``'s tables up to position ``end - 1``: (its key,
+        the first entry that changes, each group's entries from there). A table the ranks do not
+        hold goes whole under a new key; one they hold sends only the entries past what they
+        have (none on most decode steps), or from ``end``'s block on where the request went back
+        (a failed load recomputes)."""
+        wanted = cdiv(end, self.block_size)
+        if req.table_key < 0:
+            req.table_key = self._next_table_key
+            self._next_table_key += 1
+            req.tables_sent = 0
+        start = min(req.tables_sent, wanted)
+        req.tables_sent = wanted
+        return req.table_key, start, [table[start:wanted] for table in req.block_tables]
+
+    def take_forgotten(self) -> list[int]:
+        """The keys of the tables the ranks are to drop (each handed out once)."""
+        forgotten, self._forgotten = self._forgotten, []
+        return forgotten
+
+    def forget_rank_tables(self) -> None:
+        """After a recovery: the ranks start a new epoch with no tables (new ranks have none,
+        survivors drop theirs), so nothing queued for them to drop still matters. Every
+        request's blocks have been freed by then."""
+        self.tables_epoch += 1
+        self._forgotten.clear()
 
     def publish(self, req: Request) -> None:
         """Publish the request's newly full, computed blocks to the GPU prefix cache."""
@@ -195,12 +231,8 @@ class KVCacheManager:
                     pool.cache(table[b], make_key(hashes[b], g))
             req.num_cached_blocks[g] = max(req.num_cached_blocks[g], min(full, len(table)))
 
-    def sampled_blocks(self, req: Request, end: int) -> list[int]:
-        """The blocks the token at position ``end - 1`` attends to (every group; null blocks
-        left out): what the model reads to sample the next token."""
-        bs, n_blocks = self.block_size, cdiv(end, self.block_size)
-        read: list[int] = []
-        for group, table in zip(self.groups, req.block_tables, strict=True):
-            lo = group.first_needed_block(end - 1, bs)
-            read.extend(b for b in table[lo:n_blocks] if b != NULL_BLOCK)
-        return read
+    def read_from(self, end: int) -> list[int]:
+        """Per group, the first block the token at position ``end - 1`` attends to: with the
+        tables up to that token, what the model reads to sample the next one
+        (``ModelEntry.read_blocks``)."""
+        return [group.first_needed_block(end - 1, self.block_size) for group in self.groups]

@@ -55,6 +55,10 @@ class Request:
     max_computed: int = 0  # the highest num_computed ever reached (to count recomputation)
     block_tables: list[list[int]] = field(default_factory=list)  # per KV group
     num_cached_blocks: list[int] = field(default_factory=list)  # per group: published to GPU cache
+    # the ranks' copy of the block tables (``ModelEntry.table_key``): its key (-1: the ranks
+    # hold none) and how many entries per group it has
+    table_key: int = -1
+    tables_sent: int = 0
     hashes: list[int] = field(default_factory=list)  # chained hash of every full block of tokens
     num_preemptions: int = 0
     num_gpu_hit_tokens: int = 0  # first admission only
@@ -101,3 +105,5 @@ class Request:
     def reset_blocks(self, num_groups: int) -> None:
         self.block_tables = [[] for _ in range(num_groups)]
         self.num_cached_blocks = [0] * num_groups
+        self.table_key = -1
+        self.tables_sent = 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import field
 
+from raykv.core.block_pool import NULL_BLOCK
+
 
 class BlockCopy(msgspec.Struct, array_like=True):
     """The blocks one transfer job moves, as parallel lists (one entry per GPU block).
@@ -57,7 +59,8 @@ class TransferSpec(msgspec.Struct, array_like=True):
 class WriteSpan(msgspec.Struct, array_like=True):
     """KV the model writes this step for one request in one KV group: tokens at positions
     ``start .. start+len(tokens)-1`` go to ``blocks`` (one entry per block the span touches, in
-    order) whose parent hashes are ``parent_hashes``."""
+    order) whose parent hashes are ``parent_hashes``. A rank derives these from its entries
+    (``ModelEntry.writes``); they do not travel."""
 
     group: int
     start: int
@@ -94,28 +97,68 @@ class ModelOutput(msgspec.Struct, array_like=True):
 
 
 class ModelEntry(msgspec.Struct, array_like=True):
-    """One request in this step's model batch."""
+    """One request in this step's model batch: the tokens it computes (positions ``start ..
+    end - 1``), into the blocks its tables hold for those positions in every KV group.
+
+    Its block tables travel as changes: the ranks keep every running request's tables between
+    steps (``engine/rank_tables.py``), so a step sends only the entries from ``table_from`` on
+    (on a decode step, none or one per group), never a long request's whole table again.
+    """
 
     req_index: int  # the request's position in the batch reply
-    writes: list[WriteSpan]
-    # blocks whose KV the model reads to sample (all groups; null blocks excluded); empty when
-    # the request does not sample this step (chunked prefill not yet at the end of its prompt)
-    read_blocks: list[int]
-    position: int  # position of the token being sampled (mixed into the sample)
-    # every block of the request's table per KV group, up to this step's last position (null
-    # entries where a window no longer reads): what a real model's attention gathers from
-    block_tables: list[list[int]] = field(default_factory=list)
+    # which of the ranks' kept tables this is: fresh for every table sent whole (a request
+    # preempted and admitted again gets a new key), dropped by the ranks on ``StepPlan.forget``
+    table_key: int
+    start: int  # position of the first token computed this step
+    tokens: list[int]
+    # per KV group, the request's table entries from index ``table_from`` up to this step's
+    # last position. The ranks replace their kept entries from ``table_from`` on with these
+    # (0: the whole table, a new key) and hand the model the whole table: what a real model's
+    # attention gathers from. Entries before a sliding window's reach may be stale there (the
+    # scheduler nulls blocks that leave the window without telling the ranks); nothing reads them
+    block_tables: list[list[int]]
+    table_from: int = 0
+    # per KV group, the first table index the sampled token still attends to; empty when the
+    # request does not sample this step (chunked prefill not yet at the end of its prompt).
+    # One int per group instead of the blocks themselves: the tables already carry them
+    read_from: list[int] = field(default_factory=list)
+    # the synthetic model's KV is a function of each written block's parent hash (one per block
+    # the tokens touch, the same in every group); a real model's plans leave them out
+    parent_hashes: list[int] = field(default_factory=list)
     sampling: SamplingSpec | None = None
 
     @property
-    def start(self) -> int:
-        """Position of the first token computed this step."""
-        return self.writes[0].start
+    def end(self) -> int:
+        """Position of the token this step samples (one past the last computed)."""
+        return self.start + len(self.tokens)
 
     @property
-    def tokens(self) -> list[int]:
-        """The tokens computed this step."""
-        return self.writes[0].tokens
+    def samples(self) -> bool:
+        """Whether this step samples the request's next token."""
+        return bool(self.read_from)
+
+    def written_blocks(self, block_size: int) -> list[int]:
+        """The blocks the tokens are written into, every group (whole tables: on a rank)."""
+        first, last = self.start // block_size, (self.end - 1) // block_size
+        return [block for table in self.block_tables for block in table[first : last + 1]]
+
+    def writes(self, block_size: int) -> list[WriteSpan]:
+        """What the tokens write, per group (whole tables: on a rank)."""
+        first, last = self.start // block_size, (self.end - 1) // block_size
+        return [
+            WriteSpan(group, self.start, self.tokens, table[first : last + 1], self.parent_hashes)
+            for group, table in enumerate(self.block_tables)
+        ]
+
+    def read_blocks(self) -> list[int]:
+        """The blocks whose KV the model reads to sample (every group, null blocks left out;
+        empty when the request does not sample; whole tables: on a rank)."""
+        return [
+            block
+            for table, first in zip(self.block_tables, self.read_from, strict=True)
+            for block in table[first:]
+            if block != NULL_BLOCK
+        ]
 
 
 class TransferPlan(msgspec.Struct, array_like=True):
@@ -135,6 +178,11 @@ class StepPlan(msgspec.Struct, array_like=True):
     step: int
     transfers: TransferPlan = field(default_factory=TransferPlan)
     batch: list[ModelEntry] = field(default_factory=list)
+    # the ranks' kept block tables: keys of tables to drop (their requests freed their blocks),
+    # dropped before the batch's entries are applied; and the tables' epoch: a recovery starts a
+    # new one, and a rank that sees a new epoch drops every table it keeps (a new rank has none)
+    forget: list[int] = field(default_factory=list)
+    tables_epoch: int = 0
 
 
 class TransferStats(msgspec.Struct, array_like=True):

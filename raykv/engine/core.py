@@ -322,14 +322,15 @@ class EngineCore:
 
     def _schedule(self) -> PlannedStep:
         sched = self.scheduler.schedule(self.totals.steps)
-        batch = model_batch(sched.scheduled, self.scheduler.kv)
-        plan = StepPlan(sched.step, sched.transfers, batch)
+        kv = self.scheduler.kv
+        batch = model_batch(sched.scheduled, kv, parent_hashes=self.cfg.model.path is None)
+        plan = StepPlan(sched.step, sched.transfers, batch, kv.take_forgotten(), kv.tables_epoch)
         self.totals.steps += 1
         if not sched.scheduled:
             self.totals.idle_steps += 1
         if not self.async_scheduling:
             return PlannedStep(sched, plan)
-        sampling = frozenset(i for i, entry in enumerate(batch) if entry.read_blocks)
+        sampling = frozenset(i for i, entry in enumerate(batch) if entry.samples)
         planned = PlannedStep(sched, plan, pending_entries(sched.scheduled), sampling)
         self.scheduler.commit(sched, sampling)
         return planned

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from raykv.connector.worker import ConnectorWorker
 from raykv.core.step import ModelEntry, ModelOutput, StepPlan, StepReport
+from raykv.engine.rank_tables import RankTables
 
 
 class ModelBackend(Protocol):
@@ -24,16 +25,21 @@ class ModelBackend(Protocol):
 class RankRunner:
     """Runs each step's plan on one rank."""
 
-    def __init__(self, rank: int, transfers: ConnectorWorker, model: ModelBackend, kv: Any) -> None:
+    def __init__(
+        self, rank: int, transfers: ConnectorWorker, model: ModelBackend, kv: Any, block_size: int
+    ) -> None:
         self.rank = rank
         self.transfers = transfers
         self.model = model
         self.kv = kv
+        self.block_size = block_size
+        self.tables = RankTables(rank)
 
     def execute(self, plan: StepPlan) -> StepReport:
         started = time.perf_counter()
+        batch = self.tables.apply(plan)
         self.transfers.before_model(plan.step, plan.transfers)
-        out = self._model_step(plan.batch)
+        out = self._model_step(batch)
         report = self.transfers.after_model(plan.transfers, idle=not plan.batch)
         busy = time.perf_counter() - started
         return StepReport(self.rank, plan.step, report, out.samples, out.logprobs, busy)
@@ -42,7 +48,9 @@ class RankRunner:
         if not batch:
             return ModelOutput([])
         transfers = self.transfers
-        transfers.check_writable([b for entry in batch for s in entry.writes for b in s.blocks])
-        for entry in batch:
-            transfers.check_readable(entry.read_blocks)
+        bs = self.block_size
+        transfers.check_writable([b for entry in batch for b in entry.written_blocks(bs)])
+        transfers.check_readable(
+            block for entry in batch if entry.samples for block in entry.read_blocks()
+        )
         return self.model.step(self.kv, batch)

@@ -36,9 +36,9 @@ def sample_batch(
     partial checksums of the KV it read."""
     sampled: dict[int, tuple[int, bool]] = {}
     for i, entry in enumerate(batch):
-        if entry.read_blocks:
+        if entry.samples:
             checksum = combine([r.samples[i] for r in reports])
-            sampled[i] = sample(checksum, entry.position, vocab_size, eos_every)
+            sampled[i] = sample(checksum, entry.end, vocab_size, eos_every)
     return sampled
 
 
@@ -52,7 +52,7 @@ def real_model_tokens(
     sampled: dict[int, tuple[int, bool]] = {}
     logprobs: dict[int, TokenLogprobs] = {}
     for i, entry in enumerate(batch):
-        if not entry.read_blocks:
+        if not entry.samples:
             continue
         sampled[i] = (first.samples[i], first.samples[i] in stop_token_ids)
         found = first.logprobs[i] if i < len(first.logprobs) else None

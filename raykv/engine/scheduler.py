@@ -488,6 +488,7 @@ class Scheduler:
                 self.connector.release_blocks(req)
         self.running.clear()
         self.loading.clear()
+        self.kv.forget_rank_tables()
         for req in sorted(moved, key=lambda r: r.index, reverse=True):
             self.waiting.appendleft(req)
         self.pool.reset_cache()

@@ -111,7 +111,7 @@ class LocalWorker:
         if cfg.model.path is not None:
             step_model, verify = real_model(cfg, rank, kv.device, all_reduce), None
         self.connector = ConnectorWorker(rank, backend, verify)
-        self.runner: Rank = RankRunner(rank, self.connector, step_model, kv)
+        self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)
 

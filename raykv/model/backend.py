@@ -59,21 +59,18 @@ class LlmModel:
     def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> ModelOutput:
         """Compute the batch; the sampled token of each sampling entry (0 for the others) and,
         where its request asks for them, the logprobs."""
-        chunks = [
-            SequenceChunk(e.tokens, e.start, e.block_tables, sample=bool(e.read_blocks))
-            for e in batch
-        ]
+        chunks = [SequenceChunk(e.tokens, e.start, e.block_tables, sample=e.samples) for e in batch]
         with torch.inference_mode():
             logits = iter(self.decoder.forward(chunks, kv))
         out = ModelOutput([], [])
         for e in batch:
-            if not e.read_blocks:
+            if not e.samples:
                 out.samples.append(0)
                 out.logprobs.append(None)
                 continue
             spec = e.sampling or SamplingSpec()
             params = _params(spec)
-            sample = sample_token(next(logits), params, e.position)
+            sample = sample_token(next(logits), params, e.end)
             out.samples.append(sample.token_id)
             wanted = spec.logprobs is not None
             out.logprobs.append(TokenLogprobs(sample.logprob, sample.top) if wanted else None)

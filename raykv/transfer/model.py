@@ -201,12 +201,11 @@ class SyntheticModel:
     def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> ModelOutput:
         """A step's batch: write every span's KV, then checksum what each sampling entry reads
         (0 for one that does not sample this step)."""
+        bs = self.layout.block_size
         for entry in batch:
-            for span in entry.writes:
+            for span in entry.writes(bs):
                 self.write(kv, span)
-        return ModelOutput(
-            [self.checksum(kv, e.read_blocks) if e.read_blocks else 0 for e in batch]
-        )
+        return ModelOutput([self.checksum(kv, e.read_blocks()) if e.samples else 0 for e in batch])
 
     def block_page(self, content: BlockContent) -> torch.Tensor:
         """The page ``[page_elems]`` a full block with this content holds (what :meth:`write`

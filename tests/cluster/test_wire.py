@@ -55,3 +55,25 @@ def test_a_report_with_logprobs_acks_and_stats_comes_back_equal() -> None:
 def test_bytes_that_are_not_a_report_are_refused() -> None:
     with pytest.raises(msgspec.ValidationError):
         wire.decode_report(wire.encode(record_plans(load_config(None, []), 1)[0]))
+
+
+def test_the_bench_rank_keeps_tables_and_answers_a_bare_payload_at_once() -> None:
+    from raykv.cluster.bench import BARE, _Rank
+
+    plans = record_plans(load_config(None, ["workload.num_requests=6"]), 30)
+    rank = _Rank(0)
+    held = []
+    for plan in plans:
+        blob = wire.encode(plan)
+        assert not blob.startswith(BARE)  # a plan is never taken for a bare payload
+        assert rank.execute_blob(BARE * len(blob)) == b""
+        report = wire.decode_report(rank.execute_blob(blob))
+        assert report.step == plan.step and len(report.samples) == len(plan.batch)
+        held.append(len(rank.tables))
+    # it kept the running requests' tables, as a real rank does, and dropped the finished ones
+    assert max(held) > 1 and held[-1] < max(held)
+    # a replay without a new tables epoch sends tables whole twice: refused
+    again = _Rank(0)
+    again.execute_blob(wire.encode(plans[0]))
+    with pytest.raises(RuntimeError, match="sent whole twice"):
+        again.execute_blob(wire.encode(plans[0]))

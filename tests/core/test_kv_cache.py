@@ -12,6 +12,7 @@ from raykv.core.block_pool import NULL_BLOCK, BlockPool
 from raykv.core.kv_cache import KVCacheManager
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request
+from raykv.core.step import ModelEntry
 
 FULL = KVGroup(0, GroupKind.FULL_ATTENTION)
 
@@ -98,14 +99,21 @@ def test_max_blocks_needed_bounds_a_sliding_window_by_window_and_budget() -> Non
     assert kv.max_blocks_needed(100) == 25 + cdiv(5 - 1 + 8, 4) + 1
 
 
-def test_sampled_blocks_skip_what_a_window_no_longer_reads() -> None:
+def test_read_blocks_skip_what_a_window_no_longer_reads() -> None:
     sliding = KVGroup(1, GroupKind.SLIDING_WINDOW, window_tokens=5)
     kv = manager([FULL, sliding], budget=16)
     a = request("a", 16, groups=2)
     assert kv.admit(a, [[], []], 0, 16)
     full, window = a.block_tables
     # the token at 15 reads 11..15 of the window: blocks 2 and 3
-    assert kv.sampled_blocks(a, 16) == [*full, *window[2:]]
+    assert kv.read_from(16) == [0, 2]
+    entry = ModelEntry(0, 0, 0, [1] * 16, [full, window], read_from=kv.read_from(16))
+    assert entry.samples and entry.read_blocks() == [*full, *window[2:]]
+    # a null entry inside the window's reach (dropped earlier) is not read
+    tables = [full, [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, window[3]]]
+    entry = ModelEntry(0, 0, 0, [1] * 16, tables, read_from=[0, 2])
+    assert entry.read_blocks() == [*full, window[3]]
+    assert not ModelEntry(0, 0, 0, [1] * 16, [full, window]).samples
 
 
 def test_cached_blocks_before_a_later_window_are_not_counted_against_the_pool() -> None:

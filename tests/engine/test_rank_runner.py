@@ -3,6 +3,8 @@ write happens (real CPU copies, the unthreaded engine, so a paused copy stays re
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from raykv.connector.worker import ConnectorWorker, FenceViolation
@@ -12,7 +14,6 @@ from raykv.core.step import (
     StepPlan,
     TransferPlan,
     TransferSpec,
-    WriteSpan,
 )
 from raykv.engine.rank_runner import RankRunner
 from raykv.transfer.cpu import CpuTransferEngine
@@ -26,11 +27,16 @@ def runner() -> tuple[RankRunner, CpuTransferEngine]:
     engine = CpuTransferEngine(kv, pool, layout, threaded=False)
     model = SyntheticModel(layout)
     transfers = ConnectorWorker(0, engine, lambda block, content: model.verify(kv, block, content))
-    return RankRunner(0, transfers, model, kv), engine
+    return RankRunner(0, transfers, model, kv, layout.block_size), engine
+
+
+_table_keys = itertools.count()
 
 
 def write(block: int, tokens: list[int]) -> ModelEntry:
-    return ModelEntry(0, [WriteSpan(0, 0, tokens, [block], [7])], [block], len(tokens))
+    """A one-block request, new to the rank (its table sent whole under a fresh key)."""
+    key = next(_table_keys)
+    return ModelEntry(0, key, 0, tokens, [[block]], read_from=[0], parent_hashes=[7])
 
 
 def store(job: int, block: int, slot: int) -> TransferSpec:
