@@ -2,9 +2,10 @@
 # The GPU checks of raykv, in one prepared run, for a machine whose torch has CUDA (no internet
 # needed, no Ray needed): the tests in tests/gpu (the real model on CUDA against transformers
 # among them, its bfloat16 logprob differences printed), the transfer benchmark against the copy limit,
-# and `raykv run` on CUDA ranks compared with CPU ranks. Results go to DIR (first argument, else
-# $OUT, else ./gpu-results): device.txt, gpu-tests.txt, transfer-cuda.{txt,json},
-# run-cuda.json, run-cpu.json, summary.txt.
+# and `raykv run` on CUDA ranks compared with CPU ranks; where Ray is installed, the per-step
+# fan-out bench too. Results go to DIR (first argument, else $OUT, else ./gpu-results):
+# device.txt, gpu-tests.txt, transfer-cuda.{txt,json}, run-cuda.json, run-cpu.json,
+# fanout.{txt,json}, summary.txt.
 #
 # Packages the machine lacks (pydantic on the lent H200 image) are installed from .whl/ when it
 # is there: run scripts/fetch_gpu_wheels.sh first and carry .whl along.
@@ -60,6 +61,16 @@ RUN=(run --engine local --config configs/synthetic.yaml --num-requests 200 --set
   --set workload.trace_tokens_per_block=32 --set parallel.device=cuda --set model.dtype=bfloat16 \
   --set cache.num_gpu_blocks=256 --set offload.cpu_bytes=4GiB --json "$DIR/offload-cuda.json" \
   > "$DIR/offload-cuda.txt" 2>&1 || echo "bench offload on cuda: not run or failed (see offload-cuda.txt)"
+
+# the control plane on a node whose cores the compiled graph's spinning channel readers need not
+# share (CPU rank actors: no GPU needed, but Ray is; the lent image has none, and Ray 2.60's
+# wheel, 79 MB, is more than one call carries: it has to come in two parts)
+if "$PY" -c "import ray" 2>/dev/null; then
+  "$PY" -m raykv.cli bench step --engine ray --tp 2,4,8 --model none --repeat 5 \
+    --json "$DIR/fanout.json" > "$DIR/fanout.txt" 2>&1 || echo "bench step --engine ray failed"
+else
+  echo "bench step --engine ray: not run (no ray here)" | tee "$DIR/fanout.txt"
+fi
 
 "$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
 import json, sys
