@@ -251,6 +251,29 @@ def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_bench_plan(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.plan import format_plan_table, run_plan_bench
+
+    _check_output("--json", args.json)
+    if args.steps < 2 or args.groups < 1:
+        raise ConfigError(
+            f"--steps must be >= 2 and --groups >= 1 (got {args.steps}, {args.groups})"
+        )
+    rows = []
+    with Console(stderr=True).status("measuring...") as status:
+        for requests in args.requests:
+            for context in args.context:
+                status.update(f"measuring: {requests} requests x {context} tokens")
+                rows.append(
+                    run_plan_bench(requests, context, args.steps, args.groups, not args.real_model)
+                )
+    console.print(format_plan_table(rows), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": rows}, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _workload_overrides(workload: str | None, num_requests: int | None) -> list[str]:
     """``--workload synthetic|trace:FILE`` and ``--num-requests`` as config overrides."""
     overrides = [] if num_requests is None else [f"workload.num_requests={num_requests}"]
@@ -771,6 +794,29 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
     st.add_argument("--json", help="write the results to this JSON file")
     st.set_defaults(func=_cmd_bench_step)
+
+    pl = bench.add_parser(
+        "plan",
+        help="the step message of decode steps as contexts grow: table changes vs whole tables",
+    )
+    pl.add_argument(
+        "--requests", type=_int_list, default=[64, 256], help="decoding requests (default 64,256)"
+    )
+    pl.add_argument(
+        "--context",
+        type=_int_list,
+        default=[1024, 4096, 32768],
+        help="prompt tokens of each request (default 1024,4096,32768)",
+    )
+    pl.add_argument("--steps", type=int, default=64, help="decode steps timed per row")
+    pl.add_argument("--groups", type=int, default=1, help="KV groups (full attention)")
+    pl.add_argument(
+        "--real-model",
+        action="store_true",
+        help="a real model's plans (no parent hashes, which only the synthetic model reads)",
+    )
+    pl.add_argument("--json", help="write the results to this JSON file")
+    pl.set_defaults(func=_cmd_bench_plan)
 
     off = bench.add_parser(
         "offload",

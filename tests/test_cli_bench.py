@@ -72,3 +72,50 @@ def test_bench_step_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown policy" in capsys.readouterr().err
     assert main(["bench", "step", "--cached", "8", "--steps", "5", "--repeat", "1"]) == 2
     assert "cached counts must be" in capsys.readouterr().err
+
+
+def test_bench_plan_a_decode_step_weighs_the_batch_not_its_contexts(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["bench", "plan", "--requests", "8", "--context", "256,2048", "--steps", "20"]
+    assert main([*argv, "--json", str(out)]) == 0
+    short, long = json.loads(out.read_text())["results"]
+    assert (short["context"], long["context"]) == (256, 2048) and short["steps"] == 19
+    # whole tables grow with the context (8x the blocks); the changes do not: a decode step
+    # sends at most one new block per request, and every step sends the same number of tokens
+    assert long["whole"]["plan_bytes"] > 6 * short["whole"]["plan_bytes"]
+    assert long["changes"]["plan_bytes"] <= 1.1 * short["changes"]["plan_bytes"]
+    assert long["changes"]["plan_bytes"] < long["whole"]["plan_bytes"] / 10
+    assert long["bytes_ratio"] == long["changes"]["plan_bytes"] / long["whole"]["plan_bytes"]
+    for row in (short, long):
+        for form in ("changes", "whole"):
+            assert row[form]["scheduler_us"] > 0 and row[form]["rank_us"] > 0
+
+
+def test_bench_plan_a_real_models_plans_carry_no_parent_hashes(tmp_path: Path) -> None:
+    sizes = {}
+    for flag in ([], ["--real-model"]):
+        out = tmp_path / f"plan{len(flag)}.json"
+        argv = ["bench", "plan", "--requests", "4", "--context", "64", "--steps", "3"]
+        assert main([*argv, *flag, "--json", str(out)]) == 0
+        sizes[bool(flag)] = json.loads(out.read_text())["results"][0]["changes"]["plan_bytes"]
+    # one 64-bit parent hash (9 bytes of MessagePack) per request less
+    assert sizes[False] - sizes[True] >= 4 * 9
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--requests", "0"], "argument --requests: expected positive integers, got '0'"),
+        (["--context", "4,0"], "argument --context: expected positive integers, got '4,0'"),
+        (["--steps", "1"], "--steps must be >= 2 and --groups >= 1 (got 1, 1)"),
+    ],
+)
+def test_bench_plan_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(["bench", "plan", *argv])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
