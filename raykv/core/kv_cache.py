@@ -200,10 +200,9 @@ class KVCacheManager:
         have (none on most decode steps), or from ``end``'s block on where the request went back
         (a failed load recomputes)."""
         wanted = cdiv(end, self.block_size)
-        if req.table_key < 0:
+        if req.table_key < 0:  # (its tables_sent is 0: reset_blocks keeps the two together)
             req.table_key = self._next_table_key
             self._next_table_key += 1
-            req.tables_sent = 0
         start = min(req.tables_sent, wanted)
         req.tables_sent = wanted
         return req.table_key, start, [table[start:wanted] for table in req.block_tables]

@@ -137,16 +137,20 @@ class ModelEntry(msgspec.Struct, array_like=True):
         """Whether this step samples the request's next token."""
         return bool(self.read_from)
 
+    def _written(self, block_size: int) -> slice:
+        """The table entries the tokens are written into."""
+        return slice(self.start // block_size, (self.end - 1) // block_size + 1)
+
     def written_blocks(self, block_size: int) -> list[int]:
         """The blocks the tokens are written into, every group (whole tables: on a rank)."""
-        first, last = self.start // block_size, (self.end - 1) // block_size
-        return [block for table in self.block_tables for block in table[first : last + 1]]
+        written = self._written(block_size)
+        return [block for table in self.block_tables for block in table[written]]
 
     def writes(self, block_size: int) -> list[WriteSpan]:
         """What the tokens write, per group (whole tables: on a rank)."""
-        first, last = self.start // block_size, (self.end - 1) // block_size
+        written = self._written(block_size)
         return [
-            WriteSpan(group, self.start, self.tokens, table[first : last + 1], self.parent_hashes)
+            WriteSpan(group, self.start, self.tokens, table[written], self.parent_hashes)
             for group, table in enumerate(self.block_tables)
         ]
 
