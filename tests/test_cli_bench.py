@@ -91,6 +91,14 @@ def test_bench_plan_a_decode_step_weighs_the_batch_not_its_contexts(tmp_path: Pa
             assert row[form]["scheduler_us"] > 0 and row[form]["rank_us"] > 0
 
 
+def test_bench_plan_holds_as_many_steps_as_asked(tmp_path: Path) -> None:
+    # 150 decode steps outgrow the prompt's blocks by ten per request: the pool must hold them
+    out = tmp_path / "plan.json"
+    argv = ["bench", "plan", "--requests", "3", "--context", "100", "--steps", "150"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["steps"] == 149
+
+
 def test_bench_plan_a_real_models_plans_carry_no_parent_hashes(tmp_path: Path) -> None:
     sizes = {}
     for flag in ([], ["--real-model"]):

@@ -40,10 +40,12 @@ def _whole(entry: ModelEntry, req: Request, block_size: int) -> ModelEntry:
     return msgspec.structs.replace(entry, block_tables=tables, table_from=0)
 
 
-def _decoding(requests: int, context: int, groups: int) -> tuple[KVCacheManager, list[Request]]:
-    """``requests`` requests whose ``context`` prompt tokens are computed, about to decode."""
-    steps_room = 4  # blocks for the timed steps' tokens
-    per_request = groups * (cdiv(context + 1, BLOCK_SIZE) + steps_room)
+def _decoding(
+    requests: int, context: int, groups: int, steps: int
+) -> tuple[KVCacheManager, list[Request]]:
+    """``requests`` requests whose ``context`` prompt tokens are computed, about to decode
+    ``steps`` tokens each (the pool holds them all)."""
+    per_request = groups * cdiv(context + steps, BLOCK_SIZE)
     kv = KVCacheManager(
         BlockPool(requests * per_request + 1),
         [KVGroup(g, GroupKind.FULL_ATTENTION) for g in range(groups)],
@@ -75,7 +77,7 @@ def run_plan_bench(
             f"need requests, context, groups >= 1 and steps >= 2 "
             f"(got {requests}, {context}, {groups}, {steps})"
         )
-    kv, reqs = _decoding(requests, context, groups)
+    kv, reqs = _decoding(requests, context, groups, steps)
     tables = RankTables(0)
     times: dict[str, dict[str, list[float]]] = {
         form: {"plan_bytes": [], "scheduler_us": [], "rank_us": []} for form in ("changes", "whole")
