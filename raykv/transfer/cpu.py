@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch
 
 from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
+from raykv.transfer.checksums import RowChecksums, flip_rows
 from raykv.transfer.copy_plan import Gather, Slice, check_range, plan_copies, wide_dtype
 from raykv.transfer.layout import KVLayout, pool_rows
 
@@ -89,8 +89,7 @@ class CpuTransferEngine(TransferEngineBase):
         self._completed: list[int] = []
         self._failed: list[int] = []
         self._errors: dict[int, str] = {}
-        rows = self._pool_rows.shape[0]
-        self._sums = sums if sums is not None else torch.full((rows,), -1, dtype=torch.int64)
+        self._checksums = RowChecksums(self._pool_rows, sums)
         self._corrupt: list[int] = []
         self._stats = TransferStats()
         self._paused = False
@@ -350,22 +349,11 @@ class CpuTransferEngine(TransferEngineBase):
                 assert idx is not None
                 dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
         if spec.is_store and spec.check_sums:  # what the rows hold now, for the loads
-            sums = self._sums
-            for row in rows:
-                sums[row] = self._checksum(row)
-
-    def _checksum(self, row: int) -> int:
-        return zlib.crc32(self._pool_rows[row].numpy().view("uint8").data)
+            self._checksums.record(rows)
 
     def _check_rows(self, job_id: int, rows: list[int]) -> None:
         """Raise ``ChunkCorrupt`` if a row's bytes no longer match its checksum."""
-        checked, bad = 0, []
-        for row, recorded in zip(rows, self._sums[rows].tolist(), strict=True):
-            if recorded < 0:  # no checksum was kept for it: nothing to check against
-                continue
-            checked += 1
-            if self._checksum(row) != recorded:
-                bad.append(row)
+        checked, bad = self._checksums.check(rows)
         with self._cond:
             self._stats.chunks_checked += checked
             self._stats.corrupt_detected += len(bad)
@@ -377,9 +365,10 @@ class CpuTransferEngine(TransferEngineBase):
     def corrupt_rows(self, copy: BlockCopy) -> None:
         """Fault hook (``corrupt-cpu``): flip one byte in every pool row ``copy`` wrote."""
         bpc = self.layout.blocks_per_chunk
-        for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True):
-            row = self._pool_rows[slot * bpc + sub].view(torch.uint8)
-            row[len(row) // 2] ^= 0x5A
+        flip_rows(
+            self._pool_rows,
+            (slot * bpc + sub for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True)),
+        )
 
     def take_corrupt(self) -> list[int]:
         with self._cond:

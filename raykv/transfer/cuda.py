@@ -19,10 +19,18 @@ scattered (loads: ``index_copy_`` from a temporary) on the device at device band
 contiguous host<->device ``copy_``. Only a job whose host rows are scattered as well falls back to
 one copy per run. Temporaries are allocated on the job's stream, so the caching allocator reuses
 them only for work ordered after it.
+
+Verify mode (a job's ``check_sums``, from ``offload.verify``) checks the pinned pool on the host,
+as the CPU engine checks its pool (:mod:`raykv.transfer.checksums`): a store's rows lose their
+checksum when it is issued and get the new one when ``poll`` sees its end event done (the bytes
+have landed, and no load can read them before this rank reports the store); a load's source rows
+are checked when it is issued, before any copy from them is queued, and a mismatch fails the job
+as corrupt (``take_corrupt``). The CRCs run on the calling thread, at host memory speed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -31,16 +39,20 @@ from typing import Any
 
 import torch
 
-from raykv.core.step import TransferSpec, TransferStats
+from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
+from raykv.transfer.checksums import RowChecksums, flip_rows
 from raykv.transfer.copy_plan import host_runs
 from raykv.transfer.layout import KVLayout, pool_rows
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _CudaJob:
     spec: TransferSpec
     gpu_blocks: list[int]
+    host_rows: list[int] = field(default_factory=list)  # pool rows, set when issued
     start: Any = None  # torch.cuda.Event
     end: Any = None
     keep: list[torch.Tensor] = field(default_factory=list)  # host tensors the copies read
@@ -62,7 +74,11 @@ class CudaTransferEngine(TransferEngineBase):
         pool: torch.Tensor,
         layout: KVLayout,
         streams_per_direction: int = 2,
+        sums: torch.Tensor | None = None,
     ) -> None:
+        """``sums``: where the checksum of each pool page row lives (int64, -1: none), kept
+        with a shared-memory pool so that a successor still checks what its predecessor stored;
+        a private table without."""
         if kv.device.type != "cuda":
             raise ValueError(f"kv must be on a CUDA device, got {kv.device}")
         if pool.device.type != "cpu":
@@ -75,6 +91,8 @@ class CudaTransferEngine(TransferEngineBase):
         self.pool = pool
         self.pinned = pool.is_pinned()  # unpinned pools still work, with staged (slower) DMA
         self._rows = pool_rows(pool, layout)
+        self._checksums = RowChecksums(self._rows, sums)
+        self._corrupt: list[int] = []
         self._streams = {
             d: [torch.cuda.Stream(device=self.device) for _ in range(streams_per_direction)]
             for d in (True, False)
@@ -110,6 +128,10 @@ class CudaTransferEngine(TransferEngineBase):
             if job.error is None and not job.end.query():
                 break
             queue.popleft()
+            if job.error is None and job.spec.is_store and job.spec.check_sums:
+                # the end event is done: the rows hold what the store wrote, and no load reads
+                # them before this poll reports the store
+                self._checksums.record(job.host_rows)
             self._account(job)
             (failed if job.error else completed).append(job.spec.job_id)
         return completed, failed
@@ -155,6 +177,12 @@ class CudaTransferEngine(TransferEngineBase):
         stats, self._stats = self._stats, TransferStats()
         return stats
 
+    def take_corrupt(self) -> list[int]:
+        """Loads failed since the last call because a source row's checksum no longer
+        matched."""
+        out, self._corrupt = self._corrupt, []
+        return out
+
     # ---- test hooks -----------------------------------------------------------------------
 
     def pause(self) -> None:
@@ -162,10 +190,20 @@ class CudaTransferEngine(TransferEngineBase):
         self._paused = True
 
     def resume(self) -> None:
+        """Issue the held jobs, in order, and stop holding new ones."""
         self._paused = False
         for job in self._held:
             self._issue(job)
         self._held.clear()
+
+    def corrupt_rows(self, copy: BlockCopy) -> None:
+        """Fault hook (``corrupt-cpu``): flip one byte in every pool row ``copy`` wrote (host
+        memory, after the store landed: the FaultyBackend calls it once a poll reported it)."""
+        bpc = self.layout.blocks_per_chunk
+        flip_rows(
+            self._rows,
+            (slot * bpc + sub for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True)),
+        )
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the engine. ``wait``: issue held jobs and let everything finish; otherwise held
@@ -217,6 +255,9 @@ class CudaTransferEngine(TransferEngineBase):
         except ValueError as exc:
             job.error = str(exc)
             return
+        job.host_rows = host
+        if spec.check_sums and not self._checks_pass(job):
+            return
         direction = spec.is_store
         streams = self._streams[direction]
         stream = streams[self._turn[direction] % len(streams)]
@@ -260,6 +301,23 @@ class CudaTransferEngine(TransferEngineBase):
                     kv.index_copy_(0, idx[lo:hi], staged)
             job.end.record(stream)
         self._last_end[direction] = job.end
+
+    def _checks_pass(self, job: _CudaJob) -> bool:
+        """Verify mode, before anything is queued: a load's source rows must still hold what
+        their stores recorded (else the job fails as corrupt, copying nothing); a store's rows
+        vouch for nothing until it lands."""
+        if job.spec.is_store:
+            self._checksums.forget(job.host_rows)
+            return True
+        checked, bad = self._checksums.check(job.host_rows)
+        self._stats.chunks_checked += checked
+        self._stats.corrupt_detected += len(bad)
+        if not bad:
+            return True
+        job.error = f"CPU-pool rows {bad} changed since they were stored"
+        self._corrupt.append(job.spec.job_id)
+        log.warning("transfer job %d failed: %s", job.spec.job_id, job.error)
+        return False
 
     def _account(self, job: _CudaJob) -> None:
         ok = job.error is None

@@ -61,7 +61,10 @@ def build_rank(
             shared.unlink()
             shared = None
         pool = shared.tensor if shared is not None else allocate_pool(layout, pin=True)
-        engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(kv, pool, layout)
+        sums = shared.sums if shared is not None else None
+        engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(
+            kv, pool, layout, sums=sums
+        )
         model = SyntheticModel(layout, rank, tp_size, device=dev)
         return RankResources(kv, pool, engine, model, shared)
     if device != "cpu":
