@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raykv.model.checkpoint import gguf_config
+from raykv.model.checkpoint import gguf_config, read_gguf
 from raykv.model.spec import ModelSpec, UnsupportedModel
 
 _LAYER_NAMES = {
@@ -62,18 +62,23 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
 def load_gguf(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor], dict[str, Any]]:
     """The model's description, its tensors by Hugging Face name (float32), and the config
     it was read from (``config.json``'s keys)."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     file = Path(path)
     if not file.is_file():
         raise UnsupportedModel(f"{file}: no such GGUF file")
-    reader = GGUFReader(str(file))
-    config = gguf_config(reader)
-    spec = ModelSpec.from_hf_config(config)
+    reader = read_gguf(file)
+    config = gguf_config(reader, file)
+    spec = ModelSpec.from_hf_config(config, file)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        values = dequantize(tensor.data, tensor.tensor_type)
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:  # a type gguf cannot dequantize
+            raise UnsupportedModel(
+                f"{file}: tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be "
+                f"read ({exc})"
+            ) from None
         shape = tuple(int(n) for n in reversed(tensor.shape))
         array = np.array(values, dtype=np.float32, copy=True).reshape(shape)  # writable
         weights[_hf_name(tensor.name)] = torch.from_numpy(array)

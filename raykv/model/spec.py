@@ -7,6 +7,7 @@ refused by name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,51 +63,173 @@ class ModelSpec:
                 )
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
-        """Read a Hugging Face ``config.json`` (already parsed)."""
+    def from_hf_config(cls, config: dict[str, Any], source: object = None) -> ModelSpec:
+        """Read a Hugging Face ``config.json`` (already parsed). Every field it uses is checked
+        for its kind and range; ``source`` (the file it came from) starts any error."""
+        try:
+            return cls._from_checked_config(config)
+        except UnsupportedModel as exc:
+            if source is None:
+                raise
+            raise UnsupportedModel(f"{source}: {exc}") from None
+
+    @classmethod
+    def _from_checked_config(cls, config: dict[str, Any]) -> ModelSpec:
+        if not isinstance(config, dict):
+            raise UnsupportedModel(f"expected a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise UnsupportedModel(f"field 'model_type' must be a string, got {_shown(model_type)}")
         if model_type not in SUPPORTED:
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
             )
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        layers = int(config["num_hidden_layers"])
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        hidden = _integer(config, "hidden_size")
+        heads = _integer(config, "num_attention_heads")
+        layers = _integer(config, "num_hidden_layers")
+        head_dim = _integer(config, "head_dim", None)
+        if head_dim is None:
+            if hidden % heads:
+                raise UnsupportedModel(
+                    f"field 'hidden_size' {hidden} is not a multiple of num_attention_heads "
+                    f"{heads}, and there is no head_dim"
+                )
+            head_dim = hidden // heads
+        kv_heads = _integer(config, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise UnsupportedModel(
+                f"field 'num_key_value_heads' {kv_heads} does not divide num_attention_heads "
+                f"{heads}"
+            )
         return cls(
             model_type=model_type,
-            vocab_size=int(config["vocab_size"]),
+            vocab_size=_integer(config, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=_integer(config, "intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_eps=_positive_number(config, "rms_norm_eps", 1e-6),
             rope=_rope(config),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            tie_embeddings=_flag(config, "tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or _flag(config, "attention_bias", False),
             qk_norm=model_type == "qwen3",
             windows=_windows(config, layers),
-            max_positions=int(config.get("max_position_embeddings", 2048)),
-            eos_token_ids=eos_ids,
+            max_positions=_integer(config, "max_position_embeddings", 2048),
+            eos_token_ids=eos_token_ids(config.get("eos_token_id")),
         )
+
+
+_REQUIRED: Any = object()
+
+# no count or size of a model reaches 2**31; past it torch's sizes overflow, so a number that
+# big is a broken file's
+MAX_SIZE = 2**31 - 1
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it: a number of 400 digits would not fit a line."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _is_integer(value: object) -> bool:
+    # a bool is an int to Python, never to a config; 64.0 is no int either (transformers
+    # refuses it too)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(
+    config: dict[str, Any],
+    name: str,
+    default: Any = _REQUIRED,
+    minimum: int = 1,
+    where: str = "",
+) -> Any:
+    """``config[name]``, an integer >= ``minimum``; ``default`` where it is missing or null
+    (``where`` says whose field it is, for a nested one)."""
+    value = config.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise UnsupportedModel(f"missing field {name!r}{where}")
+        return default
+    if not _is_integer(value) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise UnsupportedModel(f"field {name!r}{where} must be {kind}, got {_shown(value)}")
+    if value > MAX_SIZE:
+        raise UnsupportedModel(f"field {name!r}{where} must be <= {MAX_SIZE}, got {_shown(value)}")
+    return value
+
+
+def _positive_number(config: dict[str, Any], name: str, default: float, where: str = "") -> float:
+    """``config[name]``, a finite number > 0; ``default`` where it is missing or null."""
+    value = config.get(name)
+    if value is None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise UnsupportedModel(
+            f"field {name!r}{where} must be a finite number > 0, got {_shown(value)}"
+        )
+    return float(value)
+
+
+def _flag(config: dict[str, Any], name: str, default: bool) -> bool:
+    value = config.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # bool("false") would be True
+        raise UnsupportedModel(f"field {name!r} must be true or false, got {_shown(value)}")
+    return value
+
+
+def eos_token_ids(value: object) -> tuple[int, ...]:
+    """An ``eos_token_id`` field's tokens: none (null), one id or a list of ids."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(_is_integer(t) and t >= 0 for t in ids):
+        raise UnsupportedModel(
+            f"field 'eos_token_id' must be a token id (an integer >= 0) or a list of them, "
+            f"got {_shown(value)}"
+        )
+    return tuple(ids)
+
+
+def _rope_section(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """``rope_parameters`` or ``rope_scaling``, checked: an object (or null) of numbers."""
+    value = config.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UnsupportedModel(f"field {name!r} must be an object, got {_shown(value)}")
+    where = f" of {name}"
+    for key in ("rope_type", "type"):
+        if value.get(key) is not None and not isinstance(value[key], str):
+            raise UnsupportedModel(
+                f"field {key!r}{where} must be a string, got {_shown(value[key])}"
+            )
+    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"):
+        _positive_number(value, key, 1.0, where)
+    _integer(value, "original_max_position_embeddings", None, where=where)
+    return value
 
 
 def _rope(config: dict[str, Any]) -> RopeSpec:
     # transformers 5 writes one ``rope_parameters`` dict; older files ``rope_theta`` and
     # ``rope_scaling``
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(config.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    params = _rope_section(config, "rope_parameters")
+    scaling = _rope_section(config, "rope_scaling")
+    theta = params.get("rope_theta") or _positive_number(config, "rope_theta", 10000.0)
     merged = {**scaling, **params}
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind not in ("default", "linear", "llama3"):
         raise UnsupportedModel(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
     return RopeSpec(
-        theta=theta,
+        theta=float(theta),
         kind=kind,
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
@@ -119,23 +242,28 @@ def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers decides it: an
     explicit ``layer_types`` list, else Mistral's ``sliding_window`` on every layer, else
     Qwen2/3's ``use_sliding_window`` from layer ``max_window_layers`` on."""
-    window = config.get("sliding_window")
+    window = _integer(config, "sliding_window", None, minimum=0)  # 0: none, as null
     types = config.get("layer_types")
     if types is not None:
+        if not isinstance(types, list):
+            raise UnsupportedModel(f"field 'layer_types' must be a list, got {_shown(types)}")
         if len(types) != layers:
             raise UnsupportedModel(f"layer_types lists {len(types)} layers, the model has {layers}")
-        bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-        if bad:
-            raise UnsupportedModel(f"layer type {bad[0]!r} is not supported")
+        for index, kind in enumerate(types):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise UnsupportedModel(
+                    f"field 'layer_types': layer type {_shown(kind)} (layer {index}) is not "
+                    "supported (full_attention, sliding_attention)"
+                )
         if "sliding_attention" in types and not window:
             raise UnsupportedModel("sliding_attention layers without a sliding_window")
-        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+        return tuple(window if t == "sliding_attention" else None for t in types)
     model_type = config.get("model_type")
     if model_type == "mistral" and window:
-        return (int(window),) * layers
-    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window") and window:
-        first = int(config.get("max_window_layers", layers))
-        return tuple(int(window) if i >= first else None for i in range(layers))
+        return (window,) * layers
+    if model_type in ("qwen2", "qwen3") and _flag(config, "use_sliding_window", False) and window:
+        first = _integer(config, "max_window_layers", layers, minimum=0)
+        return tuple(window if i >= first else None for i in range(layers))
     return (None,) * layers
 
 

@@ -17,10 +17,16 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from raykv.model.spec import ModelSpec, UnsupportedModel
+from raykv.model.checkpoint import (
+    gguf_config,
+    open_safetensors,
+    read_gguf,
+    read_spec,
+    safetensors_files,
+)
+from raykv.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ class SafetensorsWeights(Mapping[str, Any]):
     ``w[:, columns]``, ``w[:]``) to read that part."""
 
     def __init__(self, files: list[Path]) -> None:
-        self._files = [safe_open(str(f), framework="pt") for f in files]
+        self._files = [open_safetensors(f, framework="pt") for f in files]
         self._where: dict[str, Any] = {}
         for f in self._files:
             names: list[str] = f.keys()  # a safetensors handle is not a dict: no iteration
@@ -51,14 +57,7 @@ class SafetensorsWeights(Mapping[str, Any]):
 def load_hf_directory(path: str | Path) -> tuple[ModelSpec, Mapping[str, Any]]:
     """The model's description and its tensors (lazy) from a Hugging Face directory."""
     root = Path(path)
-    config = root / "config.json"
-    if not config.is_file():
-        raise UnsupportedModel(f"{root}: no config.json")
-    spec = ModelSpec.from_hf_config(json.loads(config.read_text()))
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModel(f"{root}: no *.safetensors files")
-    return spec, SafetensorsWeights(files)
+    return read_spec(root), SafetensorsWeights(safetensors_files(root))
 
 
 def gguf_identity(path: Path) -> str:
@@ -82,7 +81,7 @@ def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
 
 
 def _cached_config(target: Path) -> dict[str, Any] | None:
-    with safe_open(str(target), framework="pt") as file:
+    with open_safetensors(target) as file:
         metadata = file.metadata() or {}
     return json.loads(metadata["config"]) if "config" in metadata else None
 
@@ -94,7 +93,6 @@ def load_gguf_weights(
     dequantized tensors, made on first use (one process makes it; the others wait for it and
     read it). Without a cache directory, or when it cannot be written, every tensor is
     dequantized into memory."""
-    from raykv.model.checkpoint import gguf_config
     from raykv.model.gguf_file import load_gguf
 
     if cache_dir is None:
@@ -121,10 +119,8 @@ def load_gguf_weights(
     # whole vocabulary (seconds per rank for a 49k-token one)
     config = _cached_config(target)
     if config is None:  # a cache entry made before configs were kept in it
-        from gguf import GGUFReader
-
-        config = gguf_config(GGUFReader(str(path)))
-    return ModelSpec.from_hf_config(config), SafetensorsWeights([target])
+        config = gguf_config(read_gguf(path), path)
+    return ModelSpec.from_hf_config(config, path), SafetensorsWeights([target])
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 One JSON object per line: ``timestamp`` (ms), ``input_length`` and ``output_length`` (tokens),
 ``hash_ids`` (one id per ``block_tokens``-token prompt block, the last possibly partial, whose id
 may be left out; at least one id; equal ids mean equal prefix blocks). Other fields are ignored.
-Every problem is reported with its line.
+Numbers must be finite and of their field's kind and range (see ``MAX_LENGTH`` and the other
+bounds). Every problem is reported with its line and field.
 """
 
 from __future__ import annotations
@@ -34,16 +35,50 @@ class TraceRequest:
         return self.input_length // block_tokens
 
 
-def _field(obj: dict, name: str, where: str, *, kind: type, minimum: float) -> int | float:
+# Past these a number is poison, not a trace's: a millisecond timestamp beyond 2**53 is no
+# longer exact in a float (and a replay on the wall clock would wait ages for it), no prompt or
+# answer is 2**31 tokens long, and a hash id is a 64-bit hash.
+MAX_TIMESTAMP_MS = 2**53
+MAX_LENGTH = 2**31 - 1
+MAX_HASH_ID = 2**64 - 1
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it: a number of 400 digits would not fit a line."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _field(
+    obj: dict, name: str, where: str, *, kind: type, minimum: int, maximum: int
+) -> int | float:
     if name not in obj:
         raise TraceError(f"{where}: missing field {name!r}")
     value = obj[name]
     ok_types = (int, float) if kind is float else (int,)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        raise TraceError(f"{where}: field {name!r} must be {kind.__name__}, got {value!r}")
+        raise TraceError(f"{where}: field {name!r} must be {kind.__name__}, got {_shown(value)}")
+    # json reads NaN, Infinity and 1e999 as floats; every comparison with NaN is false
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TraceError(f"{where}: field {name!r} must be a finite number, got {value!r}")
     if value < minimum:
-        raise TraceError(f"{where}: field {name!r} must be >= {minimum}, got {value!r}")
+        raise TraceError(f"{where}: field {name!r} must be >= {minimum}, got {_shown(value)}")
+    if value > maximum:
+        raise TraceError(f"{where}: field {name!r} must be <= {maximum}, got {_shown(value)}")
     return value
+
+
+def _hash_ids(obj: dict, where: str) -> tuple[int, ...]:
+    if "hash_ids" not in obj:
+        raise TraceError(f"{where}: missing field 'hash_ids'")
+    ids = obj["hash_ids"]
+    wanted = f"{where}: field 'hash_ids' must be a list of non-negative integers below 2**64"
+    if not isinstance(ids, list):
+        raise TraceError(f"{wanted}, got {_shown(ids)}")
+    for index, h in enumerate(ids):
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_HASH_ID:
+            raise TraceError(f"{wanted}; hash_ids[{index}] is {_shown(h)}")
+    return tuple(ids)
 
 
 def parse_trace_line(
@@ -54,27 +89,24 @@ def parse_trace_line(
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # a number of too many digits, too deep a nest
+        reason = str(exc).split(";")[0]
+        raise TraceError(f"{where}: not valid JSON ({reason})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    timestamp = _field(obj, "timestamp", where, kind=float, minimum=0)
-    input_length = _field(obj, "input_length", where, kind=int, minimum=1)
-    output_length = _field(obj, "output_length", where, kind=int, minimum=0)
-    if "hash_ids" not in obj:
-        raise TraceError(f"{where}: missing field 'hash_ids'")
-    ids = obj["hash_ids"]
-    if not isinstance(ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
-    ):
-        raise TraceError(f"{where}: field 'hash_ids' must be a list of non-negative integers")
+    timestamp = _field(obj, "timestamp", where, kind=float, minimum=0, maximum=MAX_TIMESTAMP_MS)
+    input_length = _field(obj, "input_length", where, kind=int, minimum=1, maximum=MAX_LENGTH)
+    output_length = _field(obj, "output_length", where, kind=int, minimum=0, maximum=MAX_LENGTH)
+    ids = _hash_ids(obj, where)
     # the last, partial block's id may be missing, but a prompt needs at least one id: its
-    # tokens are derived from the ids
-    lo, hi = max(1, input_length // block_tokens), math.ceil(input_length / block_tokens)
+    # tokens are derived from the ids (integer division: a length is never a float's)
+    lo, hi = max(1, input_length // block_tokens), -(-input_length // block_tokens)
     if not lo <= len(ids) <= hi:
         raise TraceError(
             f"{where}: {len(ids)} hash_ids for input_length {input_length}; expected "
             f"{hi} (one per {block_tokens}-token block)"
         )
-    return TraceRequest(float(timestamp), int(input_length), int(output_length), tuple(ids))
+    return TraceRequest(float(timestamp), int(input_length), int(output_length), ids)
 
 
 def read_trace(
