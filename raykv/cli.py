@@ -274,6 +274,30 @@ def _cmd_bench_plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_bench_detokenize(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.detokenize import report_lines, run_detokenize_bench
+    from raykv.model.checkpoint import resolve
+    from raykv.model.tokenizer import Tokenizer
+
+    _check_output("--json", args.json)
+    if args.tokens < 4 * args.window:
+        raise ConfigError(f"--tokens {args.tokens}: at least four --window of {args.window}")
+    cfg = _load_real_model_config(args)
+    with Console(stderr=True).status(f"loading {cfg.model.path}'s tokenizer..."):
+        tokenizer = Tokenizer.of(resolve(cfg.model.path), cfg.model.cache_dir)
+    if tokenizer is None:
+        raise ConfigError(f"--model {cfg.model.path}: it has no tokenizer to stream text with")
+    with Console(stderr=True).status(f"streaming {args.tokens} tokens..."):
+        result = run_detokenize_bench(
+            tokenizer, args.tokens, args.window, whole_decode_tokens=4 * args.window
+        )
+    console.print("\n".join(report_lines(result)), highlight=False, markup=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _workload_overrides(workload: str | None, num_requests: int | None) -> list[str]:
     """``--workload synthetic|trace:FILE`` and ``--num-requests`` as config overrides."""
     overrides = [] if num_requests is None else [f"workload.num_requests={num_requests}"]
@@ -313,8 +337,9 @@ def _prepared_run(args: argparse.Namespace) -> RaykvConfig:
 
         _check_real_model_engine(cfg, args.engine)
         cfg, _, _ = configure(cfg)
-    if args.engine == "local" and any(f.startswith("kill-scheduler") for f in cfg.faults):
-        raise ConfigError("fault kill-scheduler needs the Ray engine (--engine ray)")
+    for kind in ("kill-scheduler", "fail-scheduler"):
+        if args.engine == "local" and any(f.startswith(kind) for f in cfg.faults):
+            raise ConfigError(f"fault {kind} needs the Ray engine (--engine ray)")
     return cfg
 
 
@@ -464,7 +489,7 @@ def _need_matplotlib() -> None:
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
-    from raykv.core.step import SamplingSpec
+    from raykv.core.step import SamplingError, SamplingSpec
     from raykv.engine.generate import Prompt, generate, read_prompt_file
 
     _check_output("--json", args.json)
@@ -479,6 +504,10 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         ]
     err = Console(stderr=True)
     sampling = SamplingSpec(args.temperature, args.top_p, args.top_k, args.seed, args.logprobs)
+    try:
+        sampling.check()
+    except SamplingError as exc:
+        raise ConfigError(f"--{exc.field.replace('_', '-')}: {exc}") from None
     if args.engine == "local":
         with err.status(f"loading {model} and generating..."):
             outputs, report = generate(
@@ -818,6 +847,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", help="write the results to this JSON file")
     pl.set_defaults(func=_cmd_bench_plan)
 
+    dt = bench.add_parser(
+        "detokenize",
+        help="a long token stream through the server's incremental detokenizer, one token a "
+        "push: cost per token in its first and last windows, beside decoding it all each time",
+    )
+    _add_real_model_args(dt)
+    dt.add_argument("--tokens", type=_positive_int, default=50_000, help="stream length")
+    dt.add_argument("--window", type=_positive_int, default=1_000, help="tokens per window")
+    dt.add_argument("--json", help="write the result to this JSON file")
+    dt.set_defaults(func=_cmd_bench_detokenize)
+
     off = bench.add_parser(
         "offload",
         help="one workload with the CPU tier and without: TTFT, throughput, hits, ratios",
@@ -901,7 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="inject a fault (repeatable): kill-worker:rate=P | kill-worker:step=N:rank=R | "
         "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P | "
-        "corrupt-cpu:rate=P | stall-worker:step=N:rank=R:seconds=S | kill-scheduler:step=N, "
+        "corrupt-cpu:rate=P | stall-worker:step=N:rank=R:seconds=S | kill-scheduler:step=N | "
+        "fail-scheduler:step=N, "
         "each with an optional :seed=S, a rank's with an optional "
         ":incarnation=I (only that instance of the rank; R: a rank below "
         "parallel.tensor_parallel_size)",

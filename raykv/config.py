@@ -127,7 +127,12 @@ class OffloadConfig(_Strict):
         "the copies run at the step's transfer points, between the model's computations).",
     )
     verify: bool = Field(
-        default=False, description="Compare every loaded block with what recomputing it gives."
+        default=False,
+        description="Check what every load brings back from the CPU tier: each pool row it "
+        "reads must still have the CRC-32 its store recorded, or the load fails as corrupt "
+        "(CPU and CUDA ranks alike; computed on the host, which costs a pass over every stored "
+        "and loaded page); with the synthetic model each loaded block is also compared with "
+        "what recomputing it gives.",
     )
     load_in_step: bool | None = Field(
         default=None,
@@ -181,8 +186,9 @@ class ModelConfig(_Strict):
     max_positions: int | None = Field(
         default=None,
         gt=0,
-        description="Prompt plus output tokens one request may hold (a real model: its context, "
-        "set from the checkpoint; None: no limit but the GPU pool's).",
+        description="Prompt plus output tokens one request may hold (a real model: its context "
+        "from the checkpoint, or less where set lower; a larger value is refused with a warning "
+        "and the checkpoint's kept; None: no limit but the GPU pool's).",
     )
     stop_token_ids: list[int] = Field(
         default_factory=list,
@@ -319,7 +325,15 @@ class EngineConfig(_Strict):
     keep_finished: bool = Field(
         default=True,
         description="Keep finished requests' state (for reports and CPU-tier checks); off for "
-        "long-running serving, where only their outputs are kept.",
+        "long-running serving, where only their outputs are kept (and only the latest "
+        "requests' first-token records and refusals).",
+    )
+    latency_samples: int = Field(
+        default=65536,
+        gt=0,
+        description="TTFT and ITL values kept for the percentiles: all of them up to this "
+        "many, then a uniform sample of this many (the mean stays exact), so a server's "
+        "memory stays flat however long it runs.",
     )
 
 
@@ -407,6 +421,12 @@ class ServeConfig(_Strict):
     )
     insecure: bool = Field(default=False, description="Allow a non-loopback host without a key.")
     router_weights: RouterWeightsConfig = RouterWeightsConfig()
+    max_request_bytes: ByteSize = Field(
+        default=8 * 2**20,
+        gt=0,
+        description="The largest request body the server reads (a bigger one is refused with "
+        "413 before it is parsed): 8 MiB holds a 128k-token prompt as text or as token ids.",
+    )
 
 
 class RaykvConfig(_Strict):

@@ -18,6 +18,9 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
                                  it is dead once ``parallel.step_timeout_s`` passes)
 - ``kill-scheduler:step=N``      the scheduler actor dies at step N (Ray engine; its replacement
                                  lives)
+- ``fail-scheduler:step=N``      the scheduler's step N raises, as a bug in the engine would
+                                 (Ray engine: a serving loop ends, and a Serve replica reports
+                                 itself unhealthy and is replaced)
 
 Any of them takes ``:seed=S``, and those of a rank ``:incarnation=I``: only that instance of the
 rank suffers it (0 is the first; each replacement after a death counts one up). Every rank draws
@@ -46,6 +49,10 @@ class RankDied(RuntimeError):
     """This rank is gone (an injected fault; on Ray the actor process exits instead)."""
 
 
+class SchedulerFault(RuntimeError):
+    """The injected failure of a scheduler's step (``fail-scheduler``)."""
+
+
 KINDS = (
     "kill-worker",
     "delay-acks",
@@ -55,7 +62,10 @@ KINDS = (
     "corrupt-cpu",
     "stall-worker",
     "kill-scheduler",
+    "fail-scheduler",
 )
+# faults of the scheduler, not of a rank
+SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler")
 _PARAMS = {
     "kill-worker": {"rate", "step", "rank", "seed", "incarnation"},
     "delay-acks": {"rank", "steps", "rate", "seed", "incarnation"},
@@ -65,6 +75,7 @@ _PARAMS = {
     "corrupt-cpu": {"rate", "seed", "rank", "incarnation"},
     "stall-worker": {"step", "rank", "seconds", "seed"},
     "kill-scheduler": {"step", "seed"},  # seed: accepted like everywhere, nothing is drawn
+    "fail-scheduler": {"step", "seed"},
 }
 
 
@@ -85,7 +96,7 @@ class Fault:
 
     def applies_to(self, rank: int, incarnation: int = 0) -> bool:
         return (
-            self.kind != "kill-scheduler"
+            self.kind not in SCHEDULER_KINDS
             and (self.rank is None or self.rank == rank)
             and (self.incarnation is None or self.incarnation == incarnation)
         )
@@ -94,6 +105,11 @@ class Fault:
 def scheduler_dies_at(faults: list[Fault], step: int, incarnation: int) -> bool:
     """The scheduler actor dies after ``step`` (only the first one: a replacement lives)."""
     return incarnation == 0 and any(f.kind == "kill-scheduler" and f.step == step for f in faults)
+
+
+def scheduler_fails_at(faults: list[Fault], step: int) -> bool:
+    """The scheduler's step ``step`` raises (``fail-scheduler``)."""
+    return any(f.kind == "fail-scheduler" and f.step == step for f in faults)
 
 
 def parse_fault(text: str) -> Fault:
@@ -122,8 +138,8 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: delay-acks needs rank=R and steps=K")
     if kind == "stall-worker" and not {"step", "rank", "seconds"} <= values.keys():
         raise FaultSpecError(f"fault {text!r}: stall-worker needs step=N, rank=R and seconds=S")
-    if kind == "kill-scheduler" and "step" not in values:
-        raise FaultSpecError(f"fault {text!r}: kill-scheduler needs step=N")
+    if kind in SCHEDULER_KINDS and "step" not in values:
+        raise FaultSpecError(f"fault {text!r}: {kind} needs step=N")
     if kind in ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu") and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
     for key in ("rank", "step", "steps", "incarnation", "seconds"):

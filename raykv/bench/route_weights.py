@@ -73,7 +73,8 @@ class _Engine(LocalTTFTEngine):
             self.engine.step()
         for r in running:
             self.engine.abort(r.req_id)
-        (record,) = [r for r in self.engine.latency.requests if r.req_id == probe.req_id]
+        record = self.engine.latency.record_of(probe.req_id)
+        assert record is not None
         return record.ttft_s
 
     def ttft(self, prompt: list[int]) -> float:

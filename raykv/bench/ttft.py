@@ -74,7 +74,7 @@ class LocalTTFTEngine:
         engine = self.engine
         while engine.has_work():  # the previous request's stores land first
             engine.step()
-        req = Request(req_id, len(engine.latency.requests), prompt, 1)
+        req = Request(req_id, engine.totals.finished, prompt, 1)
         engine.add_request(req)
         while not req.finished:
             engine.step()

@@ -9,6 +9,7 @@ default for CUDA ranks) or one call per rank per step
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -26,10 +27,12 @@ from raykv.cluster.worker_group import make_worker_group
 from raykv.config import RaykvConfig
 from raykv.core.request import REJECTED, Request
 from raykv.core.step import TokenLogprobs
-from raykv.faults import parse_fault, scheduler_dies_at
+from raykv.faults import SchedulerFault, parse_fault, scheduler_dies_at, scheduler_fails_at
 
 if TYPE_CHECKING:
     from raykv.engine.run_report import RunReport
+
+log = logging.getLogger(__name__)
 
 # (request id, generated tokens, status, why it was refused, logprobs per token)
 FinishedItem = tuple[str, list[int], str, "str | None", "list[TokenLogprobs] | None"]
@@ -76,6 +79,8 @@ class EngineServer:
         # called after each step of the serving loop, under the lock (a Serve replica hands
         # its streams their new tokens from here)
         self.on_step: Callable[[], None] | None = None
+        # called once if the serving loop ends on an error (a replica fails its streams)
+        self.on_stopped: Callable[[], None] | None = None
         self._faults = [parse_fault(f) for f in self.cfg.faults]
         self.group = make_worker_group(self.cfg, workers, self._spawn)
         try:
@@ -92,7 +97,6 @@ class EngineServer:
         self._loop: threading.Thread | None = None
         self._stop = False
         self._error: str | None = None
-        self._rejected_taken = 0  # how many of the driver's refusals take_finished handed out
 
     @property
     def lock(self) -> threading.RLock:
@@ -116,14 +120,19 @@ class EngineServer:
                 if not self.driver.has_work():
                     break
                 self._step()
-                self.driver.take_finished()  # a batch run reports outputs in its digest only
+                # a batch run reports outputs in its digest and refusals in its report only
+                self.driver.take_finished()
+                self.driver.take_rejected()
         return self.report()
 
     def _step(self) -> None:
         self.driver.step()
         self.metrics.update()
-        if scheduler_dies_at(self._faults, self.engine.totals.steps, self._incarnation):
+        steps = self.engine.totals.steps
+        if scheduler_dies_at(self._faults, steps, self._incarnation):
             os._exit(1)  # an injected death is a real one: the process goes, state and all
+        if scheduler_fails_at(self._faults, steps):
+            raise SchedulerFault(f"fail-scheduler: step {steps} failed (an injected fault)")
 
     def progress(self) -> dict[str, Any]:
         from raykv.engine.run import progress_of
@@ -163,7 +172,17 @@ class EngineServer:
                     if self.on_step is not None:
                         self.on_step()
         except Exception as exc:  # surfaced through progress(); the actor stays up to report it
+            # the whole story goes to this process's log; ``error`` is for operators too, and
+            # a server tells its clients only that the engine stopped
+            log.exception("the engine's serving loop stopped")
             self._error = f"{type(exc).__name__}: {exc}"
+            if self.on_stopped is not None:
+                self.on_stopped()
+
+    @property
+    def serving(self) -> bool:
+        """Whether the serving loop runs (started, not stopped, not ended by an error)."""
+        return self._loop is not None and self._loop.is_alive() and self._error is None
 
     def take_finished(self) -> list[FinishedItem]:
         """Requests finished or refused since the last call: (request id, tokens, status,
@@ -176,8 +195,7 @@ class EngineServer:
                 (r.req_id, list(r.output), r.status.value, None, _logprobs(r))
                 for r in self.driver.take_finished()
             ]
-            refused = self.driver.rejected[self._rejected_taken :]
-            self._rejected_taken += len(refused)
+            refused = self.driver.take_rejected()
             out += [(r["request"], [], REJECTED, r["error"], None) for r in refused]
             return out
 
@@ -216,10 +234,8 @@ class EngineServer:
     def latency_of(self, req_id: str) -> tuple[float, int] | None:
         """A request's TTFT and CPU-tier hit tokens, once it has its first token."""
         with self._lock:
-            for record in reversed(self.engine.latency.requests):
-                if record.req_id == req_id:
-                    return record.ttft_s, record.cpu_hit_tokens
-            return None
+            record = self.engine.latency.record_of(req_id)
+            return None if record is None else (record.ttft_s, record.cpu_hit_tokens)
 
     def ping(self) -> float:
         return time.time()

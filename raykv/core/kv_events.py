@@ -37,6 +37,9 @@ class BlockRemoved:
 
 KVEvent = BlockStored | BlockRemoved
 
+# keys an event log holds untaken at most (a few MB)
+MAX_BUFFERED_KEYS = 1 << 18
+
 
 class EventLog:
     """Buffers events until taken. Sequence numbers increase by one per event and never restart,
@@ -45,13 +48,19 @@ class EventLog:
     Keys of the same kind and medium recorded one after the other join one event (the GPU pool
     publishes blocks one at a time): order between kinds is kept, which is all a mirror needs."""
 
-    __slots__ = ("_buffer", "_next_seq", "enabled")
+    __slots__ = ("_buffer", "_buffered", "_next_seq", "dropped", "enabled", "max_buffered")
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, max_buffered: int = MAX_BUFFERED_KEYS) -> None:
+        """``max_buffered``: keys held for a consumer that does not come (an engine with
+        events on and nobody taking them); past it the buffer is dropped, and a consumer that
+        comes later sees the gap in ``seq`` and asks for the whole state, as after any gap."""
         self.enabled = enabled
+        self.max_buffered = max_buffered
         self._next_seq = 0
         # (kind, medium, seq, keys) of each event not yet taken, the newest still growing
         self._buffer: list[tuple[type[KVEvent], str, int, list[int]]] = []
+        self._buffered = 0  # keys in the buffer
+        self.dropped = 0  # events dropped untaken
 
     def stored(self, keys: Iterable[int], medium: str = MEDIUM_CPU) -> None:
         self._add(BlockStored, keys, medium)
@@ -65,6 +74,11 @@ class EventLog:
         keys = list(keys)
         if not keys:
             return
+        self._buffered += len(keys)
+        if self._buffered > self.max_buffered:
+            self.dropped += len(self._buffer)
+            self._buffer = []
+            self._buffered = len(keys)
         buffer = self._buffer
         if buffer and buffer[-1][0] is kind and buffer[-1][1] == medium:
             buffer[-1][3].extend(keys)
@@ -76,7 +90,13 @@ class EventLog:
         """The events since the last call, oldest first."""
         out = [kind(seq, tuple(keys), medium) for kind, medium, seq, keys in self._buffer]
         self._buffer = []
+        self._buffered = 0
         return out
+
+    @property
+    def buffered(self) -> int:
+        """Keys held for the next ``take`` (bounded by ``max_buffered``)."""
+        return self._buffered
 
     @property
     def next_seq(self) -> int:

@@ -13,6 +13,16 @@ from raykv.core.step import SamplingSpec, TokenLogprobs
 REJECTED = "rejected"
 
 
+class RequestRefused(ValueError):
+    """The engine refuses a request before it runs; ``field`` names the part of the request at
+    fault (``prompt``, ``max_tokens`` or a sampling parameter), which a server reports as the
+    error's parameter."""
+
+    def __init__(self, message: str, field: str = "prompt") -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class RequestStatus(Enum):
     WAITING = "waiting"
     WAITING_FOR_LOAD = "waiting_for_load"  # blocks allocated, KV arriving from the CPU tier
@@ -21,6 +31,9 @@ class RequestStatus(Enum):
     FINISHED_STOPPED = "finished_stopped"  # sampled EOS
     FINISHED_LENGTH = "finished_length"  # reached max_tokens
     FINISHED_ABORTED = "finished_aborted"
+    # the engine could not compute the request's next token (its sampling raised on a rank):
+    # the request ends, the engine and every other request go on
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -31,6 +44,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 

@@ -9,6 +9,8 @@ Ranks see job ids, GPU block ids and CPU slots; they never see requests' fence b
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 from msgspec import field
 
@@ -80,6 +82,38 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None = None
     logprobs: int | None = None
 
+    def check(self) -> None:
+        """``SamplingError`` naming the first field this engine cannot carry or compute; the
+        one check every entry point (HTTP, the CLI, the Python API) reaches before a request
+        is admitted, so no request can take a rank's step down."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingError("temperature", self.temperature, "must be a finite number >= 0")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingError("top_p", self.top_p, "must be within (0, 1]")
+        if self.top_k < 0:
+            raise SamplingError("top_k", self.top_k, "must be >= 0 (0: no limit)")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise SamplingError("seed", self.seed, f"must be within [{SEED_MIN}, {SEED_MAX}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError("logprobs", self.logprobs, f"must be within [0, {MAX_LOGPROBS}]")
+
+
+# A seed travels in the step message, whose MessagePack ints are 64-bit: OpenAI's int64 range.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+# top log-probabilities a token may report (each is a pair in every rank's reply, every step)
+MAX_LOGPROBS = 20
+
+
+class SamplingError(ValueError):
+    """A sampling parameter out of what the engine computes; ``field`` names it."""
+
+    def __init__(self, name: str, value: object, problem: str) -> None:
+        super().__init__(f"{name} {value!r}: {problem}")
+        self.field = name
+        self.value = value
+        self.problem = problem
+
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
     """The sampled token's log-probability and the top ones (token id -> log-probability)."""
@@ -88,9 +122,15 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: dict[int, float] = field(default_factory=dict)
 
 
+# A sample a rank could not draw (its request's sampling raised there): that request fails
+# alone, the step and every other request go on.
+SAMPLE_FAILED = -1
+
+
 class ModelOutput(msgspec.Struct, array_like=True):
     """What a rank's model answers for a step: per batch entry its part of the next token
-    (0 for an entry that does not sample), and with a real model each sample's logprobs."""
+    (0 for an entry that does not sample, ``SAMPLE_FAILED`` where drawing it raised), and with
+    a real model each sample's logprobs."""
 
     samples: list[int]
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)

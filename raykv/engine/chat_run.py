@@ -15,15 +15,13 @@ def run_chat(
     """Run the session to its end on ``engine``; the report covers every turn."""
     driver = Driver(engine)
     driver.submit(session.start())
-    refused = 0
     while driver.has_work():
         driver.step()
         follow = []
         for req in driver.take_finished():
             follow += session.answered(req.req_id, req.output)
-        for item in driver.rejected[refused:]:  # a refused turn ends its conversation
+        for item in driver.take_rejected():  # a refused turn ends its conversation
             follow += session.answered(item["request"], [])
-        refused = len(driver.rejected)
         driver.submit(follow)
         if progress is not None:
             progress(progress_of(driver))

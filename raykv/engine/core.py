@@ -21,16 +21,18 @@ from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
 from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, EventLog
 from raykv.core.kv_groups import GroupKind, KVGroup
-from raykv.core.request import Request, RequestStatus
+from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import (
+    SAMPLE_FAILED,
     BlockContent,
+    SamplingError,
     StepPlan,
     StepReport,
     TokenLogprobs,
     TransferStats,
 )
 from raykv.engine.batch import fill_pending, model_batch, pending_entries
-from raykv.engine.latency import LatencyBook
+from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler, SchedulerOutput
 from raykv.offload.directory import Directory
@@ -130,6 +132,8 @@ class EngineTotals:
     # async scheduling: tokens sampled for requests that had ended (EOS in the step before,
     # unknown when this one was planned) or were aborted while the step ran
     discarded_samples: int = 0
+    # requests ended by a sample their rank could not draw (``RequestStatus.FINISHED_ERROR``)
+    failed_requests: int = 0
 
 
 class EngineCore:
@@ -204,7 +208,10 @@ class EngineCore:
         self._in_flight: tuple[PlannedStep, StepHandle] | None = None
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
-        self.latency = LatencyBook()
+        self.latency = LatencyBook(
+            samples=cfg.engine.latency_samples,
+            max_records=None if self.keep_finished else RECENT_REQUESTS,
+        )
         self.on_finished: Callable[[Request], None] | None = None
 
     # ---- requests ------------------------------------------------------------------------
@@ -223,17 +230,23 @@ class EngineCore:
         in use, a token id outside the vocabulary, longer than the model's context or than
         the GPU pool can ever hold); nothing changes."""
         if req.req_id in self.requests:
-            raise ValueError(f"duplicate request id {req.req_id!r}")
+            raise RequestRefused(f"duplicate request id {req.req_id!r}", "request_id")
         vocab = self.cfg.model.vocab_size
         bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"request {req.req_id}: token id {bad} outside [0, {vocab})")
+            raise RequestRefused(f"request {req.req_id}: token id {bad} outside [0, {vocab})")
         limit = self.cfg.model.max_positions
         if limit is not None and req.num_prompt + req.max_tokens > limit:
-            raise ValueError(
+            raise RequestRefused(
                 f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
-                f"exceed the model's context of {limit}"
+                f"exceed the model's context of {limit}",
+                "max_tokens" if req.num_prompt < limit else "prompt",
             )
+        if req.sampling is not None:
+            try:
+                req.sampling.check()
+            except SamplingError as exc:
+                raise RequestRefused(f"request {req.req_id}: {exc}", exc.field) from None
         self.scheduler.check_fits(req)
 
     def abort(self, req_id: str) -> None:
@@ -362,14 +375,25 @@ class EngineCore:
         for i, found in logprobs.items():
             if i not in lost:
                 sched.scheduled[i].req.logprobs.append(found)
-        self.totals.generated_tokens += len(sampled)
+        # a sample a rank could not draw ends its request as an EOS would (the way every path,
+        # a step planned ahead included, already knows), then counts as the error it is
+        failed = {i for i, (token, _) in sampled.items() if token == SAMPLE_FAILED}
+        for i in failed:
+            sampled[i] = (SAMPLE_FAILED, True)
+        self.totals.generated_tokens += len(sampled) - len(failed)
+        self.totals.failed_requests += len(failed)
         now = self.latency.clock()
-        for i in sampled:
+        for i in sampled.keys() - failed:
             self.latency.sampled(sched.scheduled[i].req, now)
         if committed is None:
             finished = self.scheduler.advance(sched, sampled, void)
         else:
             finished = self.scheduler.resolve(sched, committed, sampled, void)
+        for i in failed:
+            req = sched.scheduled[i].req
+            if req.finished and req.tokens[-1] == SAMPLE_FAILED:
+                req.tokens.pop()  # no token came: the output ends before it
+                req.status = RequestStatus.FINISHED_ERROR
         for req in finished:
             self._done(req)
         return finished

@@ -16,14 +16,13 @@ from msgspec.structs import replace
 
 from raykv.config import ConfigError, RaykvConfig
 from raykv.core.request import REJECTED, RequestStatus
-from raykv.core.step import SamplingSpec, TokenLogprobs
+from raykv.core.step import SEED_MAX, SEED_MIN, SamplingSpec, TokenLogprobs
 from raykv.engine.core import EngineCore
 from raykv.engine.run import Driver
 from raykv.engine.run_report import RunReport
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.model.checkpoint import configure, with_stop_tokens
-from raykv.model.sampling import SamplingParams
-from raykv.model.tokenizer import Tokenizer
+from raykv.model.tokenizer import Tokenizer, missing_tokenizer
 from raykv.workload.requests import RequestSpec
 
 
@@ -34,6 +33,7 @@ class Prompt:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     token_ids: list[int] | None = None
+    source: str | None = None  # where it was read ("file:line"): errors found later name it
 
 
 @dataclass(slots=True)
@@ -70,7 +70,8 @@ class Output:
 
 def read_prompt_file(path: str) -> list[Prompt]:
     """A JSONL file, one ``{"prompt": text}``, ``{"messages": [...]}`` or
-    ``{"prompt_token_ids": [...]}`` per line; errors name the file and line."""
+    ``{"prompt_token_ids": [...]}`` per line; errors name the file and line (and the message
+    or token at fault)."""
     file = Path(path)
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
@@ -85,23 +86,64 @@ def read_prompt_file(path: str) -> list[Prompt]:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
-        if not isinstance(item, dict):
-            raise ConfigError(f"{where}: expected an object")
-        keys = [k for k in ("prompt", "messages", "prompt_token_ids") if k in item]
-        if len(keys) != 1:
-            raise ConfigError(f"{where}: give exactly one of prompt, messages, prompt_token_ids")
-        value = item[keys[0]]
-        if keys[0] == "prompt" and isinstance(value, str):
-            prompts.append(Prompt(text=value))
-        elif keys[0] == "messages" and isinstance(value, list) and value:
-            prompts.append(Prompt(messages=value))
-        elif keys[0] == "prompt_token_ids" and value and all(isinstance(t, int) for t in value):
-            prompts.append(Prompt(token_ids=list(value)))
-        else:
-            raise ConfigError(f"{where}: {keys[0]} has the wrong type")
+        except (ValueError, RecursionError) as exc:  # a number of too many digits, too deep a nest
+            raise ConfigError(f"{where}: not JSON ({str(exc).split(';')[0]})") from None
+        prompts.append(_prompt(item, where))
     if not prompts:
         raise ConfigError(f"--prompt-file {path}: no prompts")
     return prompts
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it: a number of 400 digits would not fit a line."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _prompt(item: object, where: str) -> Prompt:
+    """One prompt file line's prompt, refused by what is at fault (checked here, so the chat
+    template or the engine never meets a message without a role or a token id that is a bool)."""
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected an object")
+    keys = [k for k in ("prompt", "messages", "prompt_token_ids") if k in item]
+    if len(keys) != 1:
+        raise ConfigError(f"{where}: give exactly one of prompt, messages, prompt_token_ids")
+    key, value = keys[0], item[keys[0]]
+    wanted = {"prompt": "a string", "messages": "a list of messages"}.get(key, "a list of ids")
+    if not isinstance(value, str if key == "prompt" else list):
+        raise ConfigError(
+            f"{where}: {key} has the wrong type: it must be {wanted}, got {type(value).__name__}"
+        )
+    if not value:
+        raise ConfigError(f"{where}: {key} is empty")
+    if key == "prompt":
+        return Prompt(text=value, source=where)
+    if key == "messages":
+        for index, message in enumerate(value):
+            _check_message(message, f"{where}: messages[{index}]")
+        return Prompt(messages=value, source=where)
+    for index, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ConfigError(
+                f"{where}: prompt_token_ids[{index}] must be a token id (an integer >= 0), "
+                f"got {_shown(token)}"
+            )
+    return Prompt(token_ids=list(value), source=where)
+
+
+def _check_message(message: object, where: str) -> None:
+    if not isinstance(message, dict):
+        raise ConfigError(
+            f"{where}: expected an object with role and content, got {type(message).__name__}"
+        )
+    for field in ("role", "content"):
+        if field not in message:
+            raise ConfigError(f"{where}: missing {field!r}")
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str) or not role:
+        raise ConfigError(f"{where}: 'role' must be a non-empty string, got {_shown(role)}")
+    if not isinstance(content, str):
+        raise ConfigError(f"{where}: 'content' must be a string, got {_shown(content)}")
 
 
 @dataclass(slots=True)
@@ -143,16 +185,14 @@ def prepare(
     ``sampling`` (greedy by default; a seed is offset by the prompt's index, so prompts differ
     and a rerun repeats). Bad sampling parameters are refused by name before anything loads."""
     spec_in = sampling or SamplingSpec()
-    SamplingParams(
-        spec_in.temperature, spec_in.top_p, spec_in.top_k, logprobs=spec_in.logprobs or 0
-    )
+    spec_in.check()
     cfg, _, path = configure(cfg)
     tokenizer = Tokenizer.of(path, cfg.model.cache_dir)
     if tokenizer is not None:
         cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])
     specs = [
         RequestSpec(
-            str(i), tuple(_token_ids(tokenizer, p)), max_tokens, 0.0, _for_prompt(spec_in, i)
+            str(i), tuple(_token_ids(tokenizer, p, path)), max_tokens, 0.0, _for_prompt(spec_in, i)
         )
         for i, p in enumerate(prompts)
     ]
@@ -191,20 +231,32 @@ def generate(
 
 
 def _for_prompt(spec: SamplingSpec, index: int) -> SamplingSpec:
-    return spec if spec.seed is None else replace(spec, seed=spec.seed + index)
+    if spec.seed is None:
+        return spec
+    # wrapped within the 64 bits a seed travels in: the last prompts of a seed near the top
+    # of the range take seeds from the bottom
+    span = SEED_MAX - SEED_MIN + 1
+    return replace(spec, seed=(spec.seed + index - SEED_MIN) % span + SEED_MIN)
 
 
-def _token_ids(tokenizer: Tokenizer | None, prompt: Prompt) -> list[int]:
+def _token_ids(tokenizer: Tokenizer | None, prompt: Prompt, path: Path) -> list[int]:
     if prompt.token_ids is not None:
         return prompt.token_ids
     if tokenizer is None:
-        raise ConfigError("this model has no tokenizer: give prompt_token_ids")
+        raise ConfigError(f"{missing_tokenizer(path)}: give prompt_token_ids instead")
     if prompt.messages is not None:
         if not tokenizer.has_chat_template:  # a base model: the messages' text as it is
             return tokenizer.encode("\n".join(str(m.get("content", "")) for m in prompt.messages))
-        return tokenizer.chat(prompt.messages)
+        try:
+            return tokenizer.chat(prompt.messages)
+        except ValueError as exc:  # the template refused these messages: name their line
+            if prompt.source is None:
+                raise
+            raise ConfigError(f"{prompt.source}: {exc}") from None
     assert prompt.text is not None
     ids = tokenizer.encode(prompt.text)
     if not ids:
-        raise ConfigError("an empty prompt")
+        raise ConfigError(
+            f"{prompt.source}: an empty prompt" if prompt.source else "an empty prompt"
+        )
     return ids

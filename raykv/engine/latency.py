@@ -12,7 +12,10 @@ shows up there, as a client would see it).
 from __future__ import annotations
 
 import math
+import random
 import time
+from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -63,22 +66,84 @@ def percentile(ordered: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
+class Samples:
+    """A stream of values in bounded memory: their exact count and sum (the mean), and for the
+    percentiles a uniform sample of at most ``capacity`` of them (reservoir sampling): every
+    value while there are no more than ``capacity``, so a run of that size reports its exact
+    percentiles, and a server running for days holds ``capacity`` floats, not one per token."""
+
+    __slots__ = ("_random", "capacity", "count", "kept", "total")
+
+    def __init__(self, capacity: int, seed: int = 0) -> None:
+        if capacity < 1:
+            raise ValueError(f"a sample of {capacity} values holds nothing")
+        self.capacity = capacity
+        self.count = 0
+        self.total = 0.0
+        self.kept = array("d")
+        self._random = random.Random(seed)  # seeded: a rerun keeps the same sample
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if len(self.kept) < self.capacity:
+            self.kept.append(value)
+            return
+        # the n-th value replaces a kept one with probability capacity / n: every value seen
+        # stays in the sample with the same probability
+        slot = self._random.randrange(self.count)
+        if slot < self.capacity:
+            self.kept[slot] = value
+
+    def __len__(self) -> int:
+        return self.count
+
+    def summary(self) -> LatencySummary | None:
+        """Mean (exact) and percentiles (of the sample); None for no values."""
+        if not self.count:
+            return None
+        ordered = sorted(self.kept)
+        return LatencySummary(
+            self.total / self.count,
+            percentile(ordered, 50),
+            percentile(ordered, 90),
+            percentile(ordered, 99),
+        )
+
+
+# TTFT and ITL values a book keeps for percentiles unless the config says otherwise
+DEFAULT_SAMPLES = 65536
+# first-token records an engine that forgets finished requests (a server) keeps: the latest
+RECENT_REQUESTS = 1024
+# TTFTs the progress bar's median covers
+RECENT_TTFT = 512
+
+
 @dataclass(slots=True)
 class LatencyBook:
-    """Every TTFT and ITL sample of one engine, and each request's first-token record."""
+    """One engine's TTFT and ITL, in bounded memory (``Samples``), and each request's
+    first-token record: every one for a batch run's report, the latest ``max_records`` where
+    set (a server)."""
 
     clock: Callable[[], float] = time.perf_counter
     started: float = field(default=0.0)
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    requests: list[RequestLatency] = field(default_factory=list)
+    samples: int = DEFAULT_SAMPLES
+    max_records: int | None = None
+    ttft: Samples = field(init=False)
+    itl: Samples = field(init=False)
+    requests: deque[RequestLatency] = field(init=False)
     export: bool = False  # keep new samples for ``take_new`` (a metrics exporter reads them)
+    _recent_ttft: deque[float] = field(init=False)
     # what ``take_new`` has not handed out yet
     _new_ttft: list[float] = field(default_factory=list)
     _new_itl: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.started = self.clock()
+        self.ttft = Samples(self.samples, seed=1)
+        self.itl = Samples(self.samples, seed=2)
+        self.requests = deque(maxlen=self.max_records)
+        self._recent_ttft = deque(maxlen=RECENT_TTFT)
 
     def arrived(self, req: Request) -> None:
         """``req`` reached the engine now, unless its driver said when it arrived."""
@@ -91,7 +156,8 @@ class LatencyBook:
             return
         if req.last_token_s is None:
             ttft = now - req.arrival_s
-            self.ttft.append(ttft)
+            self.ttft.add(ttft)
+            self._recent_ttft.append(ttft)
             if self.export:
                 self._new_ttft.append(ttft)
             self.requests.append(
@@ -106,16 +172,20 @@ class LatencyBook:
             )
         else:
             gap = now - req.last_token_s
-            self.itl.append(gap)
+            self.itl.add(gap)
             if self.export:
                 self._new_itl.append(gap)
         req.last_token_s = now
 
-    def recent_p50(self, window: int = 512) -> float | None:
-        """The median TTFT of the latest ``window`` requests (what a progress bar shows; cheap
-        at any run length)."""
-        recent = self.ttft[-window:]
+    def recent_p50(self) -> float | None:
+        """The median TTFT of the latest ``RECENT_TTFT`` requests (what a progress bar shows;
+        cheap at any run length)."""
+        recent = self._recent_ttft
         return percentile(sorted(recent), 50) if recent else None
+
+    def record_of(self, req_id: str) -> RequestLatency | None:
+        """``req_id``'s first-token record, the latest one under that id (None: not kept)."""
+        return next((r for r in reversed(self.requests) if r.req_id == req_id), None)
 
     def take_new(self) -> tuple[list[float], list[float]]:
         """TTFT and ITL samples since the last call."""
@@ -125,7 +195,7 @@ class LatencyBook:
 
     def report(self) -> dict[str, Any]:
         """``ttft_s`` and ``itl_s`` summaries and the per-request list, in the report's shape."""
-        ttft, itl = LatencySummary.of(self.ttft), LatencySummary.of(self.itl)
+        ttft, itl = self.ttft.summary(), self.itl.summary()
         return {
             "ttft_s": asdict(ttft) if ttft else None,
             "itl_s": asdict(itl) if itl else None,

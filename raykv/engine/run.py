@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -81,6 +82,8 @@ class StreamingDigest:
 
 
 _MAX_ARRIVAL_WAIT_S = 0.05  # an idle driver sleeps at most this long for a timed arrival
+# refusals a server's report keeps (the latest); a batch run keeps every one
+REJECTED_KEPT = 1024
 
 
 class Driver:
@@ -100,7 +103,12 @@ class Driver:
         self.admitted = 0
         self._finished = 0
         self._digest = StreamingDigest()
-        self.rejected: list[dict[str, str]] = []
+        # refusals for the report: every one, or (an engine that forgets finished requests: a
+        # server) the latest REJECTED_KEPT; ``rejected_count`` counts them all
+        keep = None if engine.keep_finished else REJECTED_KEPT
+        self.rejected: deque[dict[str, str]] = deque(maxlen=keep)
+        self.rejected_count = 0
+        self._new_rejected: list[dict[str, str]] = []  # since take_rejected
         self._recent: list[Request] = []  # finished since take_finished
         self._pending: list[tuple[float, float, int, RequestSpec]] = []  # (wall, step, index)
         self._origin: float | None = None  # when the first request was submitted
@@ -174,7 +182,14 @@ class Driver:
                     req.arrival_s = origin + spec.arrival_s
                 engine.add_request(req)
             except ValueError as exc:  # this request is at fault; the run goes on
-                self.rejected.append({"request": spec.req_id, "error": str(exc)})
+                record = {
+                    "request": spec.req_id,
+                    "error": str(exc),
+                    "field": getattr(exc, "field", "prompt"),
+                }
+                self.rejected.append(record)
+                self.rejected_count += 1
+                self._new_rejected.append(record)
                 self._digest.skip(index)
                 continue
             self.admitted += 1
@@ -199,6 +214,12 @@ class Driver:
 
     def take_finished(self) -> list[Request]:
         out, self._recent = self._recent, []
+        return out
+
+    def take_rejected(self) -> list[dict[str, str]]:
+        """Requests refused since the last call: ``request`` (its id), ``error`` (why) and
+        ``field`` (the part of it at fault)."""
+        out, self._new_rejected = self._new_rejected, []
         return out
 
     def abort(self, req_id: str) -> bool:
@@ -276,7 +297,7 @@ def progress_of(driver: Driver) -> dict[str, Any]:
     return {
         "finished": driver.finished_count,
         "submitted": driver.submitted,
-        "rejected": len(driver.rejected),
+        "rejected": driver.rejected_count,
         "steps": e.totals.steps,
         "generated_tokens": e.totals.generated_tokens,
         "prompt_tokens": e.totals.prompt_tokens,

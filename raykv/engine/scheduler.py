@@ -22,14 +22,14 @@ from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
 from raykv.core.block_pool import BlockPool
 from raykv.core.kv_cache import KVCacheManager
 from raykv.core.kv_groups import KVGroup
-from raykv.core.request import Request, RequestStatus
+from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import StepReport, TransferPlan
 
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 REORDER_WINDOW = 64  # waiting requests the shortest-prefill policy orders each step
 
 
-class RequestTooLarge(ValueError):
+class RequestTooLarge(RequestRefused):
     """A request needs more GPU blocks than the whole pool holds."""
 
 
@@ -123,9 +123,12 @@ class Scheduler:
         # the last sampled token never gets KV: positions with KV top out one short
         need = self.kv.max_blocks_needed(req.num_prompt + req.max_tokens - 1)
         if need > self.pool.num_usable:
+            # the output is at fault where the prompt with one token would fit
+            alone = self.kv.max_blocks_needed(req.num_prompt) <= self.pool.num_usable
             raise RequestTooLarge(
                 f"request {req.req_id}: {req.num_prompt} prompt + {req.max_tokens} output tokens "
-                f"need {need} GPU blocks; the pool has {self.pool.num_usable}"
+                f"need {need} GPU blocks; the pool has {self.pool.num_usable}",
+                "max_tokens" if alone else "prompt",
             )
 
     def add(self, req: Request) -> None:

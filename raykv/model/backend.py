@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raykv.core.step import ModelEntry, ModelOutput, SamplingSpec, TokenLogprobs
+from raykv.core.step import SAMPLE_FAILED, ModelEntry, ModelOutput, SamplingSpec, TokenLogprobs
 from raykv.model.decoder import AllReduce, Decoder, SequenceChunk
 from raykv.model.sampling import SamplingParams, sample_token
 from raykv.model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -69,8 +72,15 @@ class LlmModel:
                 out.logprobs.append(None)
                 continue
             spec = e.sampling or SamplingSpec()
-            params = _params(spec)
-            sample = sample_token(next(logits), params, e.end)
+            row = next(logits)
+            try:
+                sample = sample_token(row, _params(spec), e.end)
+            except Exception:
+                # this request's sampling alone is at fault: it fails, the step goes on
+                log.exception("sampling failed for batch entry %d (%r)", e.req_index, spec)
+                out.samples.append(SAMPLE_FAILED)
+                out.logprobs.append(None)
+                continue
             out.samples.append(sample.token_id)
             wanted = spec.logprobs is not None
             out.logprobs.append(TokenLogprobs(sample.logprob, sample.top) if wanted else None)

@@ -1,5 +1,7 @@
 """Where a checkpoint is and what it is, without loading its weights (no torch): a preset name,
-a Hugging Face directory or a GGUF file, and the config that serves it.
+a Hugging Face directory or a GGUF file, and the config that serves it. What is read is checked
+where it is read (config.json's fields, a GGUF file's header, each safetensors file's header),
+so a broken checkpoint is refused naming the file, and the field, before any rank loads it.
 
 ``configure`` sets the config's model and KV-cache geometry from the checkpoint: layers, KV
 heads, head size, vocabulary, and the KV groups (one per attention kind: full attention and each
@@ -9,13 +11,18 @@ sliding window), so the pages the ranks allocate are the pages the model reads a
 from __future__ import annotations
 
 import json
+import logging
+import math
+import numbers
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from raykv.config import GroupConfig, RaykvConfig
 from raykv.model.presets import PRESETS, preset_path
-from raykv.model.spec import KVPlacement, ModelSpec, UnsupportedModel
+from raykv.model.spec import KVPlacement, ModelSpec, UnsupportedModel, eos_token_ids
+
+log = logging.getLogger(__name__)
 
 _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -33,56 +40,140 @@ def resolve(path: str) -> Path:
     )
 
 
+def config_file(path: Path) -> Path:
+    """The file a checkpoint's config is read from: a directory's ``config.json``, or the
+    GGUF file itself (its metadata)."""
+    return path / "config.json" if path.is_dir() else path
+
+
 def hf_config(path: Path) -> dict[str, Any]:
     """``config.json``'s contents, or the same keys read from a GGUF file's metadata."""
     if path.is_dir():
-        config = path / "config.json"
+        config = config_file(path)
         if not config.is_file():
             raise UnsupportedModel(f"{path}: no config.json")
-        return json.loads(config.read_text())
+        return read_json_object(config)
+    return gguf_config(read_gguf(path), path)
+
+
+def read_spec(path: Path) -> ModelSpec:
+    """The model a checkpoint (a directory or a GGUF file) describes; every error names the
+    file at fault and, where one is, the field."""
+    return ModelSpec.from_hf_config(hf_config(path), config_file(path))
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON file holding one object (``config.json``, ``generation_config.json``), refused
+    naming the file when it cannot be read, is not JSON or holds something else."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UnsupportedModel(f"{file}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise UnsupportedModel(f"{file}: not UTF-8 text ({exc.reason})") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise UnsupportedModel(f"{file}: not valid JSON ({exc.msg} at {where})") from None
+    except (ValueError, RecursionError) as exc:  # a number of too many digits, too deep a nest
+        raise UnsupportedModel(f"{file}: not valid JSON ({str(exc).split(';')[0]})") from None
+    if not isinstance(value, dict):
+        raise UnsupportedModel(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def read_gguf(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` of the file (its metadata, and its tensors mapped, not read); a
+    file that is not GGUF, or is no longer whole, is refused naming it."""
     from gguf import GGUFReader
 
-    return gguf_config(GGUFReader(str(path)))
+    try:
+        with path.open("rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise UnsupportedModel(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if magic != GGUF_MAGIC:
+        found = "it is empty" if not magic else f"it starts with {magic!r}, not {GGUF_MAGIC!r}"
+        raise UnsupportedModel(f"{path}: not a valid GGUF file ({found})")
+    try:
+        return GGUFReader(str(path))
+    except OSError as exc:
+        raise UnsupportedModel(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except Exception as exc:
+        # the reader fails in many ways where its header runs past the end of the file or
+        # holds nonsense (numpy's reshape and view, an index beyond the data, undecodable
+        # text): each means the file is cut short or garbled
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UnsupportedModel(
+            f"{path}: not a valid GGUF file, or no longer a whole one (truncated or corrupt: "
+            f"{reason})"
+        ) from None
 
 
-def gguf_config(reader: Any) -> dict[str, Any]:
+def gguf_config(reader: Any, file: Path | str | None = None) -> dict[str, Any]:
+    """A GGUF file's metadata as ``config.json``'s keys; a key missing or of the wrong kind
+    is refused naming it (and ``file``, where given)."""
+    at = f"{file}: " if file is not None else ""
+
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
-        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported")
+        raise UnsupportedModel(f"{at}GGUF architecture {arch!r} is not supported")
 
-    def get(key: str, default: Any = None) -> Any:
-        return field(f"{arch}.{key}", default)
+    def integer(key: str, default: Any = None) -> int:
+        value = field(f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModel(f"{at}GGUF metadata has no {arch}.{key}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise UnsupportedModel(
+                f"{at}GGUF key {arch}.{key} must be a positive integer, got {value!r}"
+            )
+        return int(value)
 
-    heads = int(get("attention.head_count"))
+    def number(key: str, default: float) -> float:
+        value = field(f"{arch}.{key}", default)
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not real or not math.isfinite(value) or value <= 0:
+            raise UnsupportedModel(f"{at}GGUF key {arch}.{key} must be a number > 0, got {value!r}")
+        return float(value)
+
+    heads = integer("attention.head_count")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
-    hidden = int(get("embedding_length"))
+    vocab = integer("vocab_size", len(tokens.data) if tokens is not None else None)
+    hidden = integer("embedding_length")
     config: dict[str, Any] = {
         "model_type": arch,
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": integer("feed_forward_length"),
+        "num_hidden_layers": integer("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("attention.key_length") or hidden // heads),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
+        "num_key_value_heads": integer("attention.head_count_kv", heads),
+        "head_dim": integer("attention.key_length", hidden // heads or None),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": number("rope.freq_base", 10000.0),
+        "max_position_embeddings": integer("context_length", 2048),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
     }
-    scaling = get("rope.scaling.type")
+    scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):  # linear is what Llama files use; others are refused
         config["rope_scaling"] = {
             "rope_type": str(scaling),
-            "factor": float(get("rope.scaling.factor", 1.0)),
+            "factor": number("rope.scaling.factor", 1.0),
         }
     eos = field("tokenizer.ggml.eos_token_id")
     if eos is not None:
+        if isinstance(eos, bool) or not isinstance(eos, numbers.Integral) or eos < 0:
+            raise UnsupportedModel(
+                f"{at}GGUF key tokenizer.ggml.eos_token_id must be a token id, got {eos!r}"
+            )
         config["eos_token_id"] = int(eos)
     return config
 
@@ -92,7 +183,9 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
     if cfg.model.path is None:
         raise ValueError("configure needs model.path")
     path = resolve(cfg.model.path)
-    spec = ModelSpec.from_hf_config(hf_config(path))
+    spec = read_spec(path)
+    if path.is_dir():
+        check_safetensors(path)  # a GGUF file's tensors were found whole by read_spec
     spec.check_tensor_parallel(cfg.parallel.tensor_parallel_size)
     placement, kinds = KVPlacement.for_windows(spec.windows)
     groups = [
@@ -106,7 +199,7 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
             "head_dim": spec.head_dim,
             "vocab_size": spec.vocab_size,
             "kv_layers_per_group": placement.layers_per_group,
-            "max_positions": spec.max_positions,
+            "max_positions": _context(cfg.model.max_positions, spec.max_positions),
             "stop_token_ids": sorted(
                 {*cfg.model.stop_token_ids, *spec.eos_token_ids, *_generation_eos(path)}
             ),
@@ -116,16 +209,62 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
     return cfg.model_copy(update={"model": model, "cache": cache}), spec, path
 
 
+def _context(asked: int | None, checkpoint: int) -> int:
+    """The context a request may fill: ``model.max_positions`` where it asks for less than
+    the checkpoint was trained for (a server's tighter limit), the checkpoint's otherwise (it
+    computes no further), with a warning when that overrides what was asked."""
+    if asked is None or asked == checkpoint:
+        return checkpoint
+    if asked < checkpoint:
+        return asked
+    log.warning(
+        "model.max_positions %d: the checkpoint's context is %d tokens; serving %d",
+        asked,
+        checkpoint,
+        checkpoint,
+    )
+    return checkpoint
+
+
 def _generation_eos(path: Path) -> list[int]:
     """The EOS tokens of a directory's ``generation_config.json`` (chat models often list
     more there than in ``config.json``)."""
     file = path / "generation_config.json" if path.is_dir() else None
     if file is None or not file.is_file():
         return []
-    eos = json.loads(file.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
+    config = read_json_object(file)
+    try:
+        return list(eos_token_ids(config.get("eos_token_id")))
+    except UnsupportedModel as exc:
+        raise UnsupportedModel(f"{file}: {exc}") from None
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """A Hugging Face directory's weight files, refused naming the directory when it has none."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModel(f"{directory}: no *.safetensors file (the model's weights)")
+    return files
+
+
+def open_safetensors(file: Path, framework: str = "numpy") -> Any:
+    """``safetensors.safe_open`` of ``file`` (its header read and checked against the file's
+    size, no tensor read); a file that is not safetensors, or cut short, is refused naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework=framework)
+    except (SafetensorError, OSError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UnsupportedModel(f"{file}: not a valid safetensors file ({reason})") from None
+
+
+def check_safetensors(directory: Path) -> None:
+    """Refuse a directory without weights, or with a weight file that is not whole, before
+    any rank loads it: each file's header is read, no tensor."""
+    for file in safetensors_files(directory):
+        with open_safetensors(file):
+            pass
 
 
 def with_stop_tokens(cfg: RaykvConfig, token_ids: Iterable[int | None]) -> RaykvConfig:

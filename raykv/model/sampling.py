@@ -10,6 +10,7 @@ filtering), as vLLM reports them.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +26,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -55,10 +56,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
     """The token to emit after ``position`` given its ``logits`` ``[vocab]``."""
     logits = logits.to(torch.float32)
     logprobs = torch.log_softmax(logits, dim=-1)
-    if params.greedy:
+    # a positive temperature too small for float32 (it would divide by 0) is the limit of
+    # sampling as the temperature goes to 0: greedy
+    if params.greedy or float(torch.tensor(params.temperature, dtype=torch.float32)) == 0.0:
         token = int(torch.argmax(logits))
     else:
-        scaled = logits / params.temperature
+        # from the largest logit down: any positive temperature, however small, divides only
+        # values <= 0, so nothing overflows to inf (inf - inf would make the softmax NaN)
+        scaled = (logits - logits.max()) / params.temperature
         if params.top_k:
             kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -84,6 +84,17 @@ class ServeOptions:
             )
 
 
+def check_router(cfg: RaykvConfig, options: ServeOptions) -> None:
+    """ConfigError where the router cannot work with ``cfg``: the kv router mirrors what each
+    replica holds from its KV events alone, and without them would route as if nothing were
+    cached, for ever."""
+    if options.router_name == "kv" and not cfg.offload.events:
+        raise ConfigError(
+            "offload.events: false, but the kv router follows the replicas' KV events; "
+            "set offload.events=true or choose --router pow2"
+        )
+
+
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -148,6 +159,11 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=MAX_ONGOING_INGRESS,
     )
+    limits = {
+        "max_positions": cfg.model.max_positions,
+        "vocab_size": cfg.model.vocab_size,
+        "max_request_bytes": cfg.serve.max_request_bytes,
+    }
     return ingress.bind(
         engine.bind(cfg.model_dump(mode="json"), model_file),
         model_name(cfg),
@@ -155,6 +171,7 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         options.api_key,
         options.router_name == "prefix",
         cfg.model.cache_dir,
+        limits,
     )
 
 
@@ -197,6 +214,7 @@ class Server:
 
     def __init__(self, cfg: RaykvConfig, options: ServeOptions, address: str | None = None):
         options.check()
+        check_router(cfg, options)
         self.cfg, self.model_file = served_config(cfg)
         self.options = options
         self.address = address

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +22,14 @@ import ray
 
 from raykv.serve.kv_index import EventRing, Snapshot, WireEvent
 
+log = logging.getLogger(__name__)
+
 # how often a replica pushes its events and load: a router's view of it lags by about this
 PUSH_INTERVAL_S = 0.02
 RING_CAPACITY = 4096
 PUSH_TIMEOUT_S = 10.0
+# an idle replica asks this often whether its feed lives (a dead one is replaced)
+ALIVE_CHECK_S = 1.0
 
 
 def feed_name(app_name: str, replica_unique_id: str) -> str:
@@ -63,6 +69,10 @@ class KVFeed:
         self._update(load)
         return ok
 
+    async def alive(self) -> bool:
+        """An idle replica's check that its feed still lives (wakes no reader)."""
+        return True
+
     async def reset(self, snapshot: Snapshot, load: Load) -> None:
         self.ring.reset(snapshot)
         self._update(load)
@@ -81,17 +91,22 @@ class KVFeed:
 class FeedPusher:
     """The replica's side: a thread that, every ``PUSH_INTERVAL_S``, takes the engine's new
     events and load (``collect``) and pushes them when anything changed; after a failed or
-    refused push it sends a whole snapshot instead."""
+    refused push it sends a whole snapshot instead. A feed actor that died is replaced
+    (``recreate``): the routers find the new one by its name and start from its snapshot."""
 
     def __init__(
         self,
         feed: Any,
         collect: Callable[[bool], tuple[list[WireEvent] | Snapshot, Load]],
+        recreate: Callable[[], Any] | None = None,
     ) -> None:
         """``collect(whole)``: the events since the last call, or with ``whole`` the whole
-        state (dropping the events that state includes), with the current load."""
+        state (dropping the events that state includes), with the current load.
+        ``recreate()``: a new feed actor under the same name (None: never replaced)."""
         self.feed = feed
         self._collect = collect
+        self._recreate = recreate
+        self.recreated = 0  # feeds that died and were replaced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raykv-kv-feed", daemon=True)
         self._thread.start()
@@ -99,16 +114,35 @@ class FeedPusher:
     def _run(self) -> None:
         whole = True  # the feed starts from the engine's state as it is now
         last: tuple[int, int] | None = None
+        heard = time.monotonic()  # when the feed last answered
         while not self._stop.wait(PUSH_INTERVAL_S):
             try:
+                if self.feed is None:  # the last one died: its name is free once Ray says so
+                    self.feed = self._recreate() if self._recreate is not None else None
+                    if self.feed is None:
+                        continue
+                    self.recreated += 1
+                    log.warning("this replica's KV feed died; a new one took its name")
+                    whole = True
                 what, load = self._collect(whole)
                 if isinstance(what, Snapshot):
                     ray.get(self.feed.reset.remote(what, load), timeout=PUSH_TIMEOUT_S)
                     whole = False
                 elif what or (load.prefill_tokens, load.decoding) != last:
                     whole = not ray.get(self.feed.push.remote(what, load), timeout=PUSH_TIMEOUT_S)
+                elif time.monotonic() - heard > ALIVE_CHECK_S:  # idle: is the feed still there?
+                    ray.get(self.feed.alive.remote(), timeout=PUSH_TIMEOUT_S)
+                else:
+                    continue
+                heard = time.monotonic()
                 last = (load.prefill_tokens, load.decoding)
-            except Exception:  # the feed is gone or slow: start again from a snapshot
+            except ray.exceptions.RayActorError:  # the feed actor is dead: replace it
+                if self._stop.is_set():
+                    return
+                if self._recreate is not None:
+                    self.feed = None
+                whole = True
+            except Exception:  # slow, or a name not yet free: start again from a snapshot
                 if self._stop.is_set():
                     return
                 whole = True

@@ -41,6 +41,7 @@ logger = logging.getLogger("ray.serve")
 POLL_WAIT_S = 1.0
 POLL_GRACE_S = 10.0
 RETRY_S = 0.1
+RETRY_MAX_S = 2.0
 # a prompt just routed to a replica counts as in its GPU cache this long: its next turn (or a
 # request of the same prefix) finds it there before the replica's events say so
 EXPECTED_S = 2.0
@@ -93,12 +94,13 @@ class _Followed:
     """What the router knows of one replica."""
 
     kv: ReplicaKV = field(default_factory=ReplicaKV)
-    load: Load = field(default_factory=Load)
+    load: Load | None = None  # None: unknown (its feed has not answered, or was lost)
     # requests routed here, by internal id: (when, tokens to compute)
     routed: dict[str, tuple[float, int]] = field(default_factory=dict)
     expected: dict[int, float] = field(default_factory=dict)  # GPU key -> until when
     _expiries: deque[tuple[float, list[int]]] = field(default_factory=deque)
     task: asyncio.Task[None] | None = None
+    answered_once: bool = False  # its feed answered before (a later silence is a loss)
 
     def expect(self, keys: PromptKeys) -> None:
         until = time.monotonic() + EXPECTED_S
@@ -150,6 +152,11 @@ class KVAwareRouter(RequestRouter):
             "cached anywhere, or too uneven a load), no_prompt (not a raykv request).",
             ("way",),
         )
+        self.feed_losses = Counter(
+            "raykv_router_feed_losses",
+            "Replica KV feeds that stopped answering this router (their KV and load count as "
+            "unknown until they answer again).",
+        )
 
     # ---- following the replicas' feeds --------------------------------------------------------
 
@@ -178,23 +185,43 @@ class KVAwareRouter(RequestRouter):
         name = feed_name(self._deployment_id.app_name, replica_id.unique_id)
         namespace = ray.get_runtime_context().namespace
         feed = None
+        heard = False  # the feed answered since it was (re)found
+        retry = RETRY_S
         while self.followed.get(replica_id) is followed:
             try:
                 if feed is None:
                     feed = await asyncio.to_thread(ray.get_actor, name, namespace)
                 kv = followed.kv
                 seq = kv.next_seq if kv.synced else -1
-                ref = feed.since.remote(seq, followed.load.version, POLL_WAIT_S)
+                version = followed.load.version if followed.load is not None else -1
+                ref = feed.since.remote(seq, version, POLL_WAIT_S)
                 what, load = await asyncio.wait_for(ref, POLL_WAIT_S + POLL_GRACE_S)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # not up yet, or gone: what it held is unknown until it answers
+            except Exception as exc:  # not up yet, or gone: unknown until it answers again
+                if heard:
+                    logger.warning(
+                        "raykv router: lost the KV feed of replica %s (%s); its KV and load "
+                        "count as unknown until it answers again",
+                        replica_id.unique_id,
+                        type(exc).__name__,
+                    )
+                    self.feed_losses.inc()
+                heard = False
                 feed = None
                 followed.kv = ReplicaKV()
-                await asyncio.sleep(RETRY_S)
+                followed.load = None
+                await asyncio.sleep(retry)
+                retry = min(2 * retry, RETRY_MAX_S)  # a replica still starting is not polled hard
                 continue
             if self.followed.get(replica_id) is not followed:
                 return
+            if not heard and followed.answered_once:
+                logger.info(
+                    "raykv router: the KV feed of replica %s answers again", replica_id.unique_id
+                )
+            heard, retry = True, RETRY_S
+            followed.answered_once = True
             if isinstance(what, Snapshot):
                 if what.next_seq >= 0:  # < 0: the feed itself awaits its replica's snapshot
                     kv.load(what)
@@ -217,10 +244,11 @@ class KVAwareRouter(RequestRouter):
             return _pow2(candidate_replicas, self._queue_of)
         keys = PromptKeys.of(token_ids, self.layout)
         scored = []
+        typical = self._typical_load()
         for replica in candidate_replicas:
             followed = self.followed.get(replica.replica_id) or _Followed()
             hit = prompt_hit(keys, followed.kv, self.layout, followed.fresh_expected())
-            load, routed = followed.load, followed.routed_tokens()
+            load, routed = followed.load or typical, followed.routed_tokens()
             queue = self.weights.queue(load, routed)
             scored.append((self.weights.cost(hit, load, routed), queue, hit, replica))
         scored.sort(key=lambda s: (s[0], s[1], random.random()))
@@ -245,7 +273,19 @@ class KVAwareRouter(RequestRouter):
         followed = self.followed.get(replica.replica_id)
         if followed is None:
             return 0.0
-        return self.weights.queue(followed.load, followed.routed_tokens())
+        load = followed.load or self._typical_load()
+        return self.weights.queue(load, followed.routed_tokens())
+
+    def _typical_load(self) -> Load:
+        """What a replica whose load is unknown counts as: the mean of the known ones (neither
+        shunned for a load it had when its feed was lost, nor flooded as if idle)."""
+        known = [f.load for f in self.followed.values() if f.load is not None]
+        if not known:
+            return Load()
+        return Load(
+            sum(k.prefill_tokens for k in known) // len(known),
+            sum(k.decoding for k in known) // len(known),
+        )
 
     def _remember(
         self,

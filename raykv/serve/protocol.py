@@ -10,10 +10,27 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
+
+from raykv.core.step import MAX_LOGPROBS as ENGINE_MAX_LOGPROBS
+from raykv.core.step import SEED_MAX, SEED_MIN
 
 MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20
+# A longer stop string no longer makes matching slower, but a stream holds back up to a stop
+# string's length of text that may begin it (the client sees it late) and keeps a table that long
+# per stop string: 1,000 characters is far beyond any delimiter a client stops on, and bounds both.
+MAX_STOP_CHARS = 1_000
+MAX_LOGPROBS = ENGINE_MAX_LOGPROBS
+# no context is longer: a bigger max_tokens is refused by its size alone, before any other check
+MAX_OUTPUT_TOKENS = 2**31 - 1
 
 
 class ApiError(Exception):
@@ -39,6 +56,8 @@ _KINDS = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -54,14 +73,15 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    # the engine's step message carries a seed as a 64-bit int
+    seed: StrictInt | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request
+    n: StrictInt = Field(default=1, ge=1, le=1)  # one choice per request
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
 
@@ -71,6 +91,8 @@ class _Sampling(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string must be at most {MAX_STOP_CHARS} characters")
         if any(not s for s in stops):
             raise ValueError("a stop string must not be empty")
         return value
@@ -85,9 +107,9 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a text prompt or token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=16, ge=1, le=MAX_OUTPUT_TOKENS)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: Literal[False] = False
 
     @field_validator("prompt")
@@ -118,9 +140,9 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: messages through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=MAX_OUTPUT_TOKENS)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -6,7 +6,13 @@ Requests come in as ``EngineRequest`` (token ids, already through the chat templ
 as a stream of ``EngineUpdate``: text deltas with their token ids and logprobs, then the finish
 reason with the prompt's cached tokens. The scheduler's loop thread hands each stream its new
 tokens after every step; a stop string or a client that goes away aborts the request in the
-engine at once.
+engine at once. Turning tokens into text runs in a thread of the replica's, never on the event
+loop its streams share.
+
+A request at fault fails alone (a 400 naming its field, or a 500 if the engine could not
+compute its next token). If the engine's loop ends anyway, every stream gets a 503, the replica
+reports itself unhealthy (``check_health``) and Serve replaces it. No client ever reads an
+internal error's text: it goes to this process's log.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +31,7 @@ import ray
 from raykv.cluster.engine_actor import EngineServer
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_ranks
 from raykv.config import RaykvConfig
-from raykv.core.request import Request, RequestStatus
+from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.model.tokenizer import Tokenizer
 from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
@@ -32,10 +40,19 @@ from raykv.serve.text_stream import TextStream
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
+log = logging.getLogger(__name__)
+
 # the replica's own process takes bundle 0 of its placement group; its ranks the ones after it
 FIRST_RANK_BUNDLE = 1
 # how often a waiting stream checks that the engine's loop is still alive
 ENGINE_CHECK_S = 1.0
+# threads turning tokens into text: the tokenizer's decode releases the GIL, and two keep a long
+# stream's text from waiting behind another's
+TEXT_THREADS = 2
+
+# what a client is told when the engine is at fault (the details are in the replica's log)
+ENGINE_STOPPED = "the engine of this replica stopped; it is being replaced, retry shortly"
+SAMPLING_FAILED = "the engine could not compute this request's next token"
 
 
 @dataclass(slots=True)
@@ -54,7 +71,9 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class TokenInfo:
-    """One generated token with its log-probability and the top alternatives (text, logprob)."""
+    """One generated token with its log-probability and the top alternatives (text, logprob).
+    ``text`` is what the token added to the answer's text (a character split over two tokens
+    comes whole with the second, the first adds ""), so the tokens' texts join into the text."""
 
     token_id: int
     text: str
@@ -65,7 +84,7 @@ class TokenInfo:
 @dataclass(slots=True)
 class EngineUpdate:
     """A piece of one request's stream. The last has ``finish_reason`` (stop, length, abort) or
-    ``error`` with its HTTP ``status``."""
+    ``error`` with its HTTP ``status`` and, for a 400, the request's ``param`` at fault."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -77,7 +96,17 @@ class EngineUpdate:
     cpu_tier_tokens: int = 0  # of those, from the CPU tier
     error: str | None = None
     status: int = 200
+    param: str | None = None
     replica: str = ""  # the Serve replica that answered
+
+
+@dataclass(slots=True)
+class _Refusal:
+    """A stream's end by an error: what its client reads."""
+
+    message: str
+    status: int
+    param: str | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +116,10 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
     delivered: int = 0  # output tokens handed to the queue
+
+    def put(self, item: Any) -> None:
+        """From the engine's loop thread."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class EngineReplica:
@@ -110,25 +143,29 @@ class EngineReplica:
             cfg_json, workers, placement=pg, first_bundle=FIRST_RANK_BUNDLE, metric_labels=labels
         )
         self._streams: dict[str, _Stream] = {}
-        self._refused_seen = 0  # the driver's refusals already handed to their streams
         self._ids = itertools.count()
         self._closed = False
-        self._feed: Any = None
+        self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="raykv-text")
         self._pusher: FeedPusher | None = None
         self.server.on_step = self._pump
+        self.server.on_stopped = self._fail_all
         self.server.start()
         if self.replica:
             self._start_feed(pg)
 
     def _start_feed(self, pg: Any) -> None:
         """The replica's KV feed (``serve.kv_feed``), named for its Serve replica id, and the
-        thread that pushes to it."""
+        thread that pushes to it (and makes a new one if it dies)."""
         from ray import serve
 
         app_name = serve.get_replica_context().replica_id.deployment_id.app_name
         name = feed_name(app_name, self.replica)
-        self._feed = start_feed(name, ray.get_runtime_context().namespace, pg)
-        self._pusher = FeedPusher(self._feed, self._collect_kv)
+        namespace = ray.get_runtime_context().namespace
+
+        def create() -> Any:
+            return start_feed(name, namespace, pg)
+
+        self._pusher = FeedPusher(create(), self._collect_kv, recreate=create)
 
     def _collect_kv(self, whole: bool) -> tuple[list[WireEvent] | Snapshot, Load]:
         """The engine's KV events since the last call (or, ``whole``, its state as a whole),
@@ -150,8 +187,8 @@ class EngineReplica:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         try:
             self._admit(engine_id, request, stream)
-        except ValueError as exc:
-            yield EngineUpdate(error=str(exc).replace(engine_id, request.request_id), status=400)
+        except _RefusedNow as refused:
+            yield _error_update(refused.refusal)
             return
         text = TextStream(self._decode, list(request.stop))
         finished = False
@@ -160,28 +197,24 @@ class EngineReplica:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), ENGINE_CHECK_S)
                 except asyncio.TimeoutError:
-                    if self.server.error is not None:  # the loop thread ended on an error
-                        item = f"the engine stopped: {self.server.error}"
-                    else:
+                    if self.server.serving:
                         continue
-                if isinstance(item, str):  # refused after all, or the engine stopped
+                    item = _Refusal(ENGINE_STOPPED, 503)  # in case its stream missed the end
+                if isinstance(item, _Refusal):  # refused after all, or the engine stopped
                     finished = True
-                    yield EngineUpdate(error=item, status=503 if "stopped" in item else 400)
+                    yield _error_update(item)
                     return
                 tokens, logprobs, status, cached = item
-                before = len(text.tokens)
-                update = EngineUpdate(text.push(tokens), replica=self.replica)
-                update.token_ids = text.tokens[before:]
-                if logprobs is not None:  # text only here, off the engine's loop and lock
-                    update.logprobs = [
-                        self._token_info(t, lp)
-                        for t, lp in zip(update.token_ids, logprobs, strict=False)
-                    ]
+                update = await self._in_text_thread(self._text_of, text, tokens, logprobs)
                 if text.stopped:
                     self.server.abort(engine_id)
                     update.finish_reason = "stop"
                 elif status is not None:
-                    update.text += text.finish()
+                    if status == RequestStatus.FINISHED_ERROR.value:
+                        finished = True
+                        yield _error_update(_Refusal(SAMPLING_FAILED, 500))
+                        return
+                    update.text += await self._in_text_thread(text.finish)
                     update.finish_reason = _finish_reason(status)
                 if update.finish_reason is not None:
                     update.prompt_tokens = len(request.token_ids)
@@ -199,14 +232,44 @@ class EngineReplica:
             if not finished:  # the client went away
                 self.server.abort(engine_id)
 
+    async def _in_text_thread(self, work: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._text, work, *args)
+
+    def _text_of(
+        self, text: TextStream, tokens: list[int], logprobs: list[TokenLogprobs] | None
+    ) -> EngineUpdate:
+        """The update for ``tokens`` (a text thread's work: decoding, stop strings, and each
+        token's text with its alternatives' when logprobs were asked for)."""
+        before = len(text.tokens)
+        update = EngineUpdate(text.push(tokens), replica=self.replica)
+        update.token_ids = text.tokens[before:]
+        if logprobs is not None:
+            pieces = text.token_texts(before, len(text.tokens))
+            update.logprobs = [
+                self._token_info(t, piece, lp)
+                for t, piece, lp in zip(update.token_ids, pieces, logprobs, strict=False)
+            ]
+        return update
+
     def _admit(self, engine_id: str, request: EngineRequest, stream: _Stream) -> None:
-        """Check the request against the engine and submit it; ValueError names what is wrong."""
+        """Check the request against the engine and submit it; ``_RefusedNow`` says why not."""
         engine = self.server.engine
         with self.server.lock:
             if self._closed:
-                raise ValueError("the replica is shutting down")
-            max_tokens = request.max_tokens or self._room(engine_id, request.token_ids)
-            engine.check_request(Request(engine_id, 0, list(request.token_ids), max_tokens))
+                raise _RefusedNow(_Refusal("the replica is shutting down", 503))
+            if not self.server.serving:
+                raise _RefusedNow(_Refusal(ENGINE_STOPPED, 503))
+            try:
+                max_tokens = request.max_tokens or self._room(engine_id, request.token_ids)
+                engine.check_request(
+                    Request(
+                        engine_id, 0, list(request.token_ids), max_tokens, sampling=request.sampling
+                    )
+                )
+            except ValueError as exc:
+                field = exc.field if isinstance(exc, RequestRefused) else "prompt"
+                message = str(exc).replace(engine_id, request.request_id)
+                raise _RefusedNow(_Refusal(message, 400, field)) from None
             spec = RequestSpec(engine_id, tuple(request.token_ids), max_tokens, 0, request.sampling)
             self._streams[engine_id] = stream
             self.server.submit([spec])
@@ -244,12 +307,15 @@ class EngineReplica:
             stream = streams.get(req.req_id)
             if stream is not None:
                 self._hand(stream, req, req.status.value)
-        refused = driver.rejected[self._refused_seen :]
-        self._refused_seen += len(refused)
-        for item in refused:
+        for item in driver.take_rejected():
             stream = streams.get(item["request"])
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item["error"])
+                stream.put(_Refusal(item["error"], 400, item.get("field")))
+
+    def _fail_all(self) -> None:
+        """The engine's loop ended on an error: every stream ends in a 503 now."""
+        for stream in list(self._streams.values()):
+            stream.put(_Refusal(ENGINE_STOPPED, 503))
 
     def _hand(self, stream: _Stream, req: Request, status: str | None) -> None:
         """The request's tokens since the last hand-over (with their logprobs, when it asked
@@ -263,23 +329,23 @@ class EngineReplica:
         logprobs = req.logprobs[stream.delivered :] if wanted else None
         stream.delivered = len(output)
         cached = (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens)
-        item = (new, logprobs, status, cached)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        stream.put((new, logprobs, status, cached))
 
-    def _token_info(self, token_id: int, lp: TokenLogprobs) -> TokenInfo:
+    def _token_info(self, token_id: int, text: str, lp: TokenLogprobs) -> TokenInfo:
         top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        return TokenInfo(
-            token_id,
-            self._decode([token_id]),
-            lp.logprob,
-            [(t, self._decode([t]), v) for t, v in top],
-        )
+        return TokenInfo(token_id, text, lp.logprob, [(t, self._decode([t]), v) for t, v in top])
 
     # ---- routing and health -----------------------------------------------------------------
 
+    def check_health(self) -> None:
+        """Serve's health check: raises once the engine's loop has ended (Serve then replaces
+        this replica)."""
+        if not self._closed and not self.server.serving:
+            raise RuntimeError("the engine's serving loop has ended (see this replica's log)")
+
     def ping(self) -> bool:
-        """Answers once the replica is up (its engine built, its ranks ready)."""
-        return self.server.error is None
+        """Whether this replica serves: its engine built, its ranks ready, its loop alive."""
+        return not self._closed and self.server.serving
 
     def info(self) -> dict[str, Any]:
         """Where this replica runs: its Serve id, its node, its ranks' process ids."""
@@ -288,6 +354,35 @@ class EngineReplica:
             "node": ray.get_runtime_context().get_node_id(),
             "ranks": self.rank_processes(),
         }
+
+    def stats(self) -> dict[str, int]:
+        """What this replica holds per request and per token (each bounded however long it
+        serves; ``tests/serve/test_hostile_requests.py`` checks them) and its resident memory."""
+        with self.server.lock:
+            engine, driver = self.server.engine, self.server.driver
+            scheduler = engine.scheduler
+            latency = engine.latency
+            return {
+                "rss_bytes": _resident_bytes(),
+                "streams": len(self._streams),
+                "engine_requests": len(engine.requests),
+                "waiting": len(scheduler.waiting),
+                "running": len(scheduler.running),
+                "loading": len(scheduler.loading),
+                "free_gpu_blocks": engine.pool.num_free,
+                "usable_gpu_blocks": engine.pool.num_usable,
+                "ttft_kept": len(latency.ttft.kept),
+                "itl_kept": len(latency.itl.kept),
+                "ttft_count": latency.ttft.count,
+                "itl_count": latency.itl.count,
+                "latency_records": len(latency.requests),
+                "rejected_kept": len(driver.rejected),
+                "rejected_count": driver.rejected_count,
+                "outputs_held": driver.outputs_held,
+                "events_buffered": engine.events.buffered,
+                "finished": driver.finished_count,
+                "feeds_recreated": self._pusher.recreated if self._pusher is not None else 0,
+            }
 
     def rank_processes(self) -> list[int]:
         """The process ids of this replica's rank actors now serving."""
@@ -306,9 +401,10 @@ class EngineReplica:
         if self._pusher is not None:
             self._pusher.stop()
             with contextlib.suppress(Exception):
-                ray.kill(self._feed)
+                ray.kill(self._pusher.feed)
         with contextlib.suppress(Exception):
             self.server.shutdown()
+        self._text.shutdown(wait=False, cancel_futures=True)
         workers = self.server.group.workers  # replacements included
         with contextlib.suppress(Exception):
             ray.get([w.shutdown.remote() for w in workers], timeout=60)
@@ -317,6 +413,29 @@ class EngineReplica:
                 ray.kill(worker)
         if self._pool_files is not None:
             self._pool_files.remove()
+
+
+class _RefusedNow(Exception):
+    """A request refused before it reached the engine."""
+
+    def __init__(self, refusal: _Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+def _error_update(refusal: _Refusal) -> EngineUpdate:
+    return EngineUpdate(error=refusal.message, status=refusal.status, param=refusal.param)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc; 0 where there is none)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _replica_id() -> str:

@@ -30,8 +30,8 @@ def test_ttft_counts_from_arrival_and_each_later_token_adds_one_itl_sample() -> 
     for now, reqs in ((102.0, [a]), (102.25, [a, b]), (103.0, [a, b])):
         for req in reqs:
             book.sampled(req, now)
-    assert book.ttft == [1.0, 0.75]  # a: 102 - 101; b: 102.25 - 101.5
-    assert book.itl == [0.25, 0.75, 0.75]  # a: 0.25 then 0.75; b: 0.75
+    assert list(book.ttft.kept) == [1.0, 0.75]  # a: 102 - 101; b: 102.25 - 101.5
+    assert list(book.itl.kept) == [0.25, 0.75, 0.75]  # a: 0.25 then 0.75; b: 0.75
     first = book.requests[0]
     assert (first.req_id, first.arrival_s, first.prompt_tokens) == ("a", 1.0, 3)
     assert book.report()["ttft_s"]["mean"] == 0.875

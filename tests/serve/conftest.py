@@ -33,3 +33,49 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokeniz
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+# A chat template of the kind Mistral's and Llama 2's are: it raises on roles that do not
+# alternate (written here for the test, in ChatML's tokens so SmolLM2's tokenizer has them).
+ALTERNATING_TEMPLATE = (
+    "{%- set offset = 1 if messages[0]['role'] == 'system' else 0 %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system message may only come first') }}"
+    "{%- elif message['role'] != 'system' and "
+    "(message['role'] == 'user') != ((loop.index0 - offset) % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{%- endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:
+    """The tiny model with a 128k-token context (a megabyte prompt is tokenized, not refused
+    from its length) and a chat template that raises on roles that do not alternate."""
+    import copy
+
+    import torch
+
+    out = tmp_path_factory.mktemp("long-context-model")
+    tokenizer = copy.deepcopy(smollm2_hf_tokenizer)
+    tokenizer.chat_template = ALTERNATING_TEMPLATE
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=131072,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -59,11 +59,15 @@ def hold(router: KVAwareRouter, replica: FakeReplica, gpu_blocks: int, cpu_chunk
 
 
 def follow(router: KVAwareRouter, replicas: list[FakeReplica]) -> None:
-    """What update_replicas sets, with the feed-following tasks cancelled at once."""
+    """What update_replicas sets, with the feed-following tasks cancelled at once, and each
+    new replica's feed answered once: an idle replica (a load known to be empty)."""
+    known = set(router.followed)
     router._replicas = {r.replica_id: r for r in replicas}
     router._sync_followed()
-    for followed in router.followed.values():
+    for replica_id, followed in router.followed.items():
         followed.task.cancel()
+        if replica_id not in known:
+            followed.load = Load()
 
 
 def scenario() -> dict[str, Any]:

@@ -110,6 +110,47 @@ def test_conversations_stay_with_the_replica_that_holds_their_kv(client) -> None
             assert cached >= 16, f"conversation {i} turn {turn}: {cached} cached tokens"
 
 
+def test_issue28_3_a_killed_kv_feed_is_replaced_and_conversations_keep_their_replica(
+    client,
+) -> None:
+    from raykv.serve.kv_router import EXPECTED_S
+
+    conversations = [
+        [{"role": "system", "content": f"You answer as reviewer {i}. " * 12}] for i in range(6)
+    ]
+    served_by = {}
+    for i, messages in enumerate(conversations):
+        messages.append({"role": "user", "content": f"First question for reviewer {i}?"})
+        answer = chat(client, messages)
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        served_by[i] = answer.system_fingerprint.removeprefix("raykv-")
+    victim = served_by[0]
+    (feed,) = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("raykv-kv-feed:") and a["name"].endswith(victim)
+    ]
+    dead = ray.get_actor(feed["name"], namespace=feed["namespace"])
+    ray.kill(dead, no_restart=True)
+    deadline = time.monotonic() + RESTART_S
+    while True:  # the replica makes a new feed under the same name
+        try:
+            fresh = ray.get_actor(feed["name"], namespace=feed["namespace"])
+            if fresh._actor_id != dead._actor_id:
+                break
+        except ValueError:
+            pass
+        assert time.monotonic() < deadline, "the killed feed was not replaced"
+        time.sleep(0.2)
+    time.sleep(EXPECTED_S + 1)  # what the router expected from its own routing has expired
+    for i, messages in enumerate(conversations):
+        messages.append({"role": "user", "content": f"Second question for reviewer {i}?"})
+        answer = chat(client, messages)
+        # the router mirrors the victim again: each conversation goes back to its KV
+        assert answer.system_fingerprint == f"raykv-{served_by[i]}", f"conversation {i} moved"
+        assert answer.usage.prompt_tokens_details.cached_tokens >= 16
+
+
 def test_a_killed_replica_ends_its_stream_in_an_error_and_the_other_serves_on(client) -> None:
     from ray import serve
 

@@ -1,0 +1,46 @@
+"""Completion logprobs when a character is split across tokens (issue 28, finding 10): each
+token's text is what it added to the answer (the first half of a split character adds "", the
+second the whole character), so the tokens join into the text and ``text_offset`` indexes it.
+Before, each token's text was its own decode (a replacement character for each half), and the
+offsets ran past the text. On the stand-in tokenizer of ``test_text_stream``."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from raykv.core.step import TokenLogprobs
+from raykv.serve.ingress import _Shape
+from raykv.serve.replica import EngineReplica
+from raykv.serve.text_stream import TextStream
+from tests.serve.test_text_stream import EURO, decode, ids
+
+
+class Replica:
+    """What ``EngineReplica._text_of`` reads of a replica (its decoder, its id)."""
+
+    replica = "r"
+    _token_info = EngineReplica._token_info
+
+    def _decode(self, token_ids):
+        return decode(list(token_ids))
+
+
+def test_issue28_10_split_characters_keep_tokens_and_offsets_on_the_text() -> None:
+    replica = Replica()
+    text = TextStream(replica._decode)
+    pushes = [ids("a "), [1000], [1001], ids(" b"), [1000, 1001], ids("!")]
+    updates = []
+    for tokens in pushes:
+        logprobs = [TokenLogprobs(-0.5, {t: -0.5}) for t in tokens]
+        updates.append(EngineReplica._text_of(replica, text, tokens, logprobs))
+    answer = "".join(u.text for u in updates) + text.finish()
+    assert answer == f"a {EURO} b{EURO}!"
+    infos = [i for u in updates for i in u.logprobs]
+    shape = _Shape("cmpl-x", "m", chat=False, logprobs=True)
+    out = shape._logprob_shape(infos)
+    assert "".join(out["tokens"]) == answer
+    assert "\ufffd" not in "".join(out["tokens"])
+    for token, offset in zip(out["tokens"], out["text_offset"], strict=True):
+        assert answer[offset : offset + len(token)] == token
