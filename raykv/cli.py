@@ -526,7 +526,8 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
             report_shape = client.report()
     for out in outputs:
         if out.error is not None:
-            err.print(f"[{out.index}] refused: {out.error}", highlight=False)
+            what = "failed" if out.finish_reason == "error" else "refused"
+            err.print(f"[{out.index}] {what}: {out.error}", highlight=False)
         else:
             console.print(f"[{out.index}] {out.text}", highlight=False, markup=False)
     if args.json:

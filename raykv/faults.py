@@ -20,7 +20,8 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
                                  lives)
 - ``fail-scheduler:step=N``      the scheduler's step N raises, as a bug in the engine would
                                  (Ray engine: a serving loop ends, and a Serve replica reports
-                                 itself unhealthy and is replaced)
+                                 itself unhealthy and is replaced; every instance reads the same
+                                 config, so a replacement fails at its own step N again)
 
 Any of them takes ``:seed=S``, and those of a rank ``:incarnation=I``: only that instance of the
 rank suffers it (0 is the first; each replacement after a death counts one up). Every rank draws

@@ -62,11 +62,13 @@ class EngineServer:
         incarnation: int = 0,
         first_bundle: int = 0,
         metric_labels: dict[str, str] | None = None,
+        digest: bool = True,
     ) -> None:
         """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
         fault kills only the first). ``first_bundle``: rank 0's bundle in ``placement``
         (replacements go where their predecessors were). ``metric_labels``: tags on every
-        metric of this engine (a Serve replica's id)."""
+        metric of this engine (a Serve replica's id). ``digest``: keep the outputs' digest (a
+        server does not: ``Driver``)."""
         from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
         from raykv.engine.run import Driver
@@ -90,7 +92,7 @@ class EngineServer:
             # actor's process with them
             self.group.shutdown()
             raise
-        self.driver = Driver(self.engine, check_invariants=check_invariants)
+        self.driver = Driver(self.engine, check_invariants=check_invariants, digest=digest)
         self.metrics = EngineMetrics(self.engine, metric_labels)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)

@@ -90,8 +90,10 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
             raise SamplingError("temperature", self.temperature, "must be a finite number >= 0")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise SamplingError("top_p", self.top_p, "must be within (0, 1]")
-        if self.top_k < 0:
-            raise SamplingError("top_k", self.top_k, "must be >= 0 (0: no limit)")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise SamplingError(
+                "top_k", self.top_k, f"must be within [0, {MAX_TOP_K}] (0: no limit)"
+            )
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise SamplingError("seed", self.seed, f"must be within [{SEED_MIN}, {SEED_MAX}]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -101,6 +103,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, array_like=True):
 # A seed travels in the step message, whose MessagePack ints are 64-bit: OpenAI's int64 range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
+# no vocabulary is larger, and the step message carries it as an int
+MAX_TOP_K = 2**31 - 1
 # top log-probabilities a token may report (each is a pair in every rank's reply, every step)
 MAX_LOGPROBS = 20
 

@@ -232,7 +232,8 @@ class EngineCore:
         if req.req_id in self.requests:
             raise RequestRefused(f"duplicate request id {req.req_id!r}", "request_id")
         vocab = self.cfg.model.vocab_size
-        bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+        # an int, not a bool or a float that compares like one: the step message carries ints
+        bad = next((t for t in req.prompt if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestRefused(f"request {req.req_id}: token id {bad} outside [0, {vocab})")
         limit = self.cfg.model.max_positions

@@ -21,6 +21,7 @@ from raykv.engine.core import EngineCore
 from raykv.engine.run import Driver
 from raykv.engine.run_report import RunReport
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.error_text import reason, shown
 from raykv.model.checkpoint import configure, with_stop_tokens
 from raykv.model.tokenizer import Tokenizer, missing_tokenizer
 from raykv.workload.requests import RequestSpec
@@ -42,8 +43,8 @@ class Output:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS), "length" (max tokens) or "rejected"
-    error: str | None = None  # why it was refused
+    finish_reason: str  # "stop" (EOS), "length" (max tokens), "error" or "rejected"
+    error: str | None = None  # why it was refused, or failed
     logprobs: list[TokenLogprobs] | None = None  # per generated token, when asked for
 
     def as_dict(self) -> dict[str, Any]:
@@ -87,17 +88,11 @@ def read_prompt_file(path: str) -> list[Prompt]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
         except (ValueError, RecursionError) as exc:  # a number of too many digits, too deep a nest
-            raise ConfigError(f"{where}: not JSON ({str(exc).split(';')[0]})") from None
+            raise ConfigError(f"{where}: not JSON ({reason(exc)})") from None
         prompts.append(_prompt(item, where))
     if not prompts:
         raise ConfigError(f"--prompt-file {path}: no prompts")
     return prompts
-
-
-def _shown(value: object) -> str:
-    """``value`` as an error message shows it: a number of 400 digits would not fit a line."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _prompt(item: object, where: str) -> Prompt:
@@ -126,7 +121,7 @@ def _prompt(item: object, where: str) -> Prompt:
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ConfigError(
                 f"{where}: prompt_token_ids[{index}] must be a token id (an integer >= 0), "
-                f"got {_shown(token)}"
+                f"got {shown(token)}"
             )
     return Prompt(token_ids=list(value), source=where)
 
@@ -141,9 +136,9 @@ def _check_message(message: object, where: str) -> None:
             raise ConfigError(f"{where}: missing {field!r}")
     role, content = message["role"], message["content"]
     if not isinstance(role, str) or not role:
-        raise ConfigError(f"{where}: 'role' must be a non-empty string, got {_shown(role)}")
+        raise ConfigError(f"{where}: 'role' must be a non-empty string, got {shown(role)}")
     if not isinstance(content, str):
-        raise ConfigError(f"{where}: 'content' must be a string, got {_shown(content)}")
+        raise ConfigError(f"{where}: 'content' must be a string, got {shown(content)}")
 
 
 @dataclass(slots=True)
@@ -170,9 +165,12 @@ class Generation:
         if error is not None:
             return Output(index, prompt, [], "", REJECTED, error)
         reason = "stop" if status == RequestStatus.FINISHED_STOPPED.value else "length"
+        failed = None
+        if status == RequestStatus.FINISHED_ERROR.value:  # its sampling raised on a rank
+            reason, failed = "error", "the engine could not compute this prompt's next token"
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
         kept = list(logprobs or []) if self.logprobs else None
-        return Output(index, prompt, list(tokens), text, reason, None, kept)
+        return Output(index, prompt, list(tokens), text, reason, failed, kept)
 
 
 def prepare(

@@ -84,6 +84,7 @@ class Samples:
         self._random = random.Random(seed)  # seeded: a rerun keeps the same sample
 
     def add(self, value: float) -> None:
+        """Count ``value`` (and keep it, or by chance in place of a kept one)."""
         self.count += 1
         self.total += value
         if len(self.kept) < self.capacity:
@@ -96,6 +97,7 @@ class Samples:
             self.kept[slot] = value
 
     def __len__(self) -> int:
+        """How many values were added (not how many are kept)."""
         return self.count
 
     def summary(self) -> LatencySummary | None:

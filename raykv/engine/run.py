@@ -81,6 +81,19 @@ class StreamingDigest:
         return h.hexdigest()
 
 
+class _NoDigest(StreamingDigest):
+    """A digest that takes nothing in (a server's): it holds no output."""
+
+    def add(self, index: int, req_id: str, tokens: Sequence[int]) -> None:
+        pass
+
+    def skip(self, index: int) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return ""
+
+
 _MAX_ARRIVAL_WAIT_S = 0.05  # an idle driver sleeps at most this long for a timed arrival
 # refusals a server's report keeps (the latest); a batch run keeps every one
 REJECTED_KEPT = 1024
@@ -97,12 +110,16 @@ class Driver:
     ``engine.keep_finished: false``, which lets the engine forget them too).
     """
 
-    def __init__(self, engine: EngineCore, *, check_invariants: bool = False) -> None:
+    def __init__(
+        self, engine: EngineCore, *, check_invariants: bool = False, digest: bool = True
+    ) -> None:
+        """``digest``: keep the output digest (a server does not: its outputs went to their
+        clients, and one long request would make it hold every output that finished after)."""
         self.engine = engine
         self.check_invariants = check_invariants
         self.admitted = 0
         self._finished = 0
-        self._digest = StreamingDigest()
+        self._digest = StreamingDigest() if digest else _NoDigest()
         # refusals for the report: every one, or (an engine that forgets finished requests: a
         # server) the latest REJECTED_KEPT; ``rejected_count`` counts them all
         keep = None if engine.keep_finished else REJECTED_KEPT

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raykv.config import GroupConfig, RaykvConfig
+from raykv.error_text import first_line, reason
 from raykv.model.presets import PRESETS, preset_path
 from raykv.model.spec import KVPlacement, ModelSpec, UnsupportedModel, eos_token_ids
 
@@ -77,7 +78,7 @@ def read_json_object(file: Path) -> dict[str, Any]:
         where = f"line {exc.lineno} column {exc.colno}"
         raise UnsupportedModel(f"{file}: not valid JSON ({exc.msg} at {where})") from None
     except (ValueError, RecursionError) as exc:  # a number of too many digits, too deep a nest
-        raise UnsupportedModel(f"{file}: not valid JSON ({str(exc).split(';')[0]})") from None
+        raise UnsupportedModel(f"{file}: not valid JSON ({reason(exc)})") from None
     if not isinstance(value, dict):
         raise UnsupportedModel(f"{file}: expected a JSON object, got {type(value).__name__}")
     return value
@@ -107,10 +108,9 @@ def read_gguf(path: Path) -> Any:
         # the reader fails in many ways where its header runs past the end of the file or
         # holds nonsense (numpy's reshape and view, an index beyond the data, undecodable
         # text): each means the file is cut short or garbled
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UnsupportedModel(
             f"{path}: not a valid GGUF file, or no longer a whole one (truncated or corrupt: "
-            f"{reason})"
+            f"{first_line(exc)})"
         ) from None
 
 
@@ -255,8 +255,9 @@ def open_safetensors(file: Path, framework: str = "numpy") -> Any:
     try:
         return safe_open(str(file), framework=framework)
     except (SafetensorError, OSError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UnsupportedModel(f"{file}: not a valid safetensors file ({reason})") from None
+        raise UnsupportedModel(
+            f"{file}: not a valid safetensors file ({first_line(exc)})"
+        ) from None
 
 
 def check_safetensors(directory: Path) -> None:

@@ -74,6 +74,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
             outside = torch.cumsum(ordered, dim=-1) - ordered >= params.top_p
             ordered = ordered.masked_fill(outside, 0.0)
             probs = torch.zeros_like(probs).scatter(0, order, ordered)
+        if not bool(torch.isfinite(probs).all()):
+            # logits the model got wrong (NaN): refused here, where a GPU's multinomial would
+            # fail with a device-side assert that no caller can contain
+            raise ValueError("the model's probabilities are not finite")
         seed = params.seed if params.seed is not None else torch.seed()
         token = int(torch.multinomial(probs, 1, generator=_generator(seed, position)))
     top: dict[int, float] = {}

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from raykv.error_text import shown
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -79,7 +81,7 @@ class ModelSpec:
             raise UnsupportedModel(f"expected a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
         if model_type is not None and not isinstance(model_type, str):
-            raise UnsupportedModel(f"field 'model_type' must be a string, got {_shown(model_type)}")
+            raise UnsupportedModel(f"field 'model_type' must be a string, got {shown(model_type)}")
         if model_type not in SUPPORTED:
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
@@ -128,12 +130,6 @@ _REQUIRED: Any = object()
 MAX_SIZE = 2**31 - 1
 
 
-def _shown(value: object) -> str:
-    """``value`` as an error message shows it: a number of 400 digits would not fit a line."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
-
-
 def _is_integer(value: object) -> bool:
     # a bool is an int to Python, never to a config; 64.0 is no int either (transformers
     # refuses it too)
@@ -156,9 +152,9 @@ def _integer(
         return default
     if not _is_integer(value) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise UnsupportedModel(f"field {name!r}{where} must be {kind}, got {_shown(value)}")
+        raise UnsupportedModel(f"field {name!r}{where} must be {kind}, got {shown(value)}")
     if value > MAX_SIZE:
-        raise UnsupportedModel(f"field {name!r}{where} must be <= {MAX_SIZE}, got {_shown(value)}")
+        raise UnsupportedModel(f"field {name!r}{where} must be <= {MAX_SIZE}, got {shown(value)}")
     return value
 
 
@@ -174,7 +170,7 @@ def _positive_number(config: dict[str, Any], name: str, default: float, where: s
         or value <= 0
     ):
         raise UnsupportedModel(
-            f"field {name!r}{where} must be a finite number > 0, got {_shown(value)}"
+            f"field {name!r}{where} must be a finite number > 0, got {shown(value)}"
         )
     return float(value)
 
@@ -184,7 +180,7 @@ def _flag(config: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):  # bool("false") would be True
-        raise UnsupportedModel(f"field {name!r} must be true or false, got {_shown(value)}")
+        raise UnsupportedModel(f"field {name!r} must be true or false, got {shown(value)}")
     return value
 
 
@@ -194,7 +190,7 @@ def eos_token_ids(value: object) -> tuple[int, ...]:
     if not all(_is_integer(t) and t >= 0 for t in ids):
         raise UnsupportedModel(
             f"field 'eos_token_id' must be a token id (an integer >= 0) or a list of them, "
-            f"got {_shown(value)}"
+            f"got {shown(value)}"
         )
     return tuple(ids)
 
@@ -205,12 +201,12 @@ def _rope_section(config: dict[str, Any], name: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise UnsupportedModel(f"field {name!r} must be an object, got {_shown(value)}")
+        raise UnsupportedModel(f"field {name!r} must be an object, got {shown(value)}")
     where = f" of {name}"
     for key in ("rope_type", "type"):
         if value.get(key) is not None and not isinstance(value[key], str):
             raise UnsupportedModel(
-                f"field {key!r}{where} must be a string, got {_shown(value[key])}"
+                f"field {key!r}{where} must be a string, got {shown(value[key])}"
             )
     for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"):
         _positive_number(value, key, 1.0, where)
@@ -246,13 +242,13 @@ def _windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     types = config.get("layer_types")
     if types is not None:
         if not isinstance(types, list):
-            raise UnsupportedModel(f"field 'layer_types' must be a list, got {_shown(types)}")
+            raise UnsupportedModel(f"field 'layer_types' must be a list, got {shown(types)}")
         if len(types) != layers:
             raise UnsupportedModel(f"layer_types lists {len(types)} layers, the model has {layers}")
         for index, kind in enumerate(types):
             if kind not in ("full_attention", "sliding_attention"):
                 raise UnsupportedModel(
-                    f"field 'layer_types': layer type {_shown(kind)} (layer {index}) is not "
+                    f"field 'layer_types': layer type {shown(kind)} (layer {index}) is not "
                     "supported (full_attention, sliding_attention)"
                 )
         if "sliding_attention" in types and not window:

@@ -5,8 +5,10 @@ the weights cache: the conversion reads the whole vocabulary, seconds for a 49k-
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +90,28 @@ class Tokenizer:
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs ``bytes``: the two halves of a
+        character split over two tokens each carry theirs). A byte-level vocabulary spells each
+        byte as one character; a SentencePiece one spells a space as U+2581 and a byte it has no
+        piece for as ``<0xNN>``; anything else is the token's text."""
+        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        if not isinstance(piece, str):
+            return b""
+        if self._byte_level:
+            spelled = _byte_spelling()
+            if all(ch in spelled for ch in piece):
+                return bytes(spelled[ch] for ch in piece)
+        fallback = _BYTE_PIECE.fullmatch(piece)
+        if fallback is not None:
+            return bytes([int(fallback[1], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        return backend is not None and type(backend.decoder).__name__ == "ByteLevel"
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token can stand for: its vocabulary string's length (a
@@ -97,18 +121,96 @@ class Tokenizer:
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text))`` from the text's length alone, so a prompt
-        that cannot fit a context is refused without encoding it: no token stands for more
-        than ``max_token_chars`` characters of the text, or of the normalized text where the
-        tokenizer normalizes first (Unicode composition shortens a text by up to about a
-        third: counted with room to spare)."""
-        backend = getattr(self._tok, "backend_tokenizer", None)
-        normalizes = backend is None or backend.normalizer is not None
-        per_token = self.max_token_chars * (NORMALIZED_SHRINK if normalizes else 1)
+        that cannot fit a context is refused without encoding it (0 where this tokenizer
+        allows no sound bound). No token stands for more than ``max_token_chars`` characters,
+        of the text or of what its normalizer makes of it (``_shrink``); a special token that
+        absorbs the whitespace beside it stands for a run of it as if it were one character."""
+        bound = self._length_bound
+        if bound is None:
+            return 0
+        per_token, absorbs = bound
+        if absorbs:
+            text = _WHITESPACE_RUN.sub(" ", text)
         return -(-len(text) // per_token)
 
+    @functools.cached_property
+    def _length_bound(self) -> tuple[int, bool] | None:
+        """(characters one token stands for at most, whether special tokens absorb the
+        whitespace beside them), or None: runs of unknown characters fuse into one token, or
+        the normalizer may delete characters."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        described = json.loads(backend.to_str())
+        model = described.get("model") or {}
+        if model.get("fuse_unk") and not model.get("byte_fallback"):
+            return None
+        shrink = _shrink(described.get("normalizer"))
+        if shrink is None or not _keeps_characters(described.get("pre_tokenizer")):
+            return None
+        absorbs = any(t.get("lstrip") or t.get("rstrip") for t in described["added_tokens"])
+        return self.max_token_chars * shrink + absorbs, absorbs
 
-# how many times shorter normalization may make a text, at most, for ``min_tokens``
-NORMALIZED_SHRINK = 4
+
+def _shrink(normalizer: dict[str, Any] | None) -> int | None:
+    """How many times shorter a normalizer (its JSON description) may make a text, at most;
+    None where it may delete characters (stripping, accents, control characters) or its effect
+    is not known here. Unicode composition (NFC, NFKC) joins at most four code points into one:
+    the longest canonical decomposition is four."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            shrink = _shrink(part)
+            if shrink is None:
+                return None
+            factor *= shrink
+        return factor
+    if kind in ("NFC", "NFKC"):
+        return 4
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
+        return 1  # these only keep or lengthen a text
+    if kind == "Replace":
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        content = normalizer.get("content") or ""
+        if pattern is None or not content:
+            return None  # a regular expression, or a deletion
+        return max(1, -(-len(pattern) // len(content)))
+    return None
+
+
+def _keeps_characters(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer (its JSON description) only splits the text, deleting nothing
+    (BERT's whitespace splitting drops the whitespace: a run of it would be no token at all)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts")
+
+
+_WHITESPACE_RUN = re.compile(r"\s+")
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_spelling() -> dict[str, int]:
+    """How a byte-level vocabulary spells each byte as one character (GPT-2's scheme): the
+    printable Latin-1 bytes as themselves, the other 68 as the characters from U+0100 on, in
+    byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    spelled = {chr(b): b for b in kept}
+    others = sorted(set(range(256)) - set(kept))
+    for offset, byte in enumerate(others):
+        spelled[chr(256 + offset)] = byte
+    return spelled
 
 
 class ChatTemplateError(ValueError):

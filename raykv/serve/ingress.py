@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from raykv.core.step import SamplingError, SamplingSpec
+from raykv.error_text import reason
 from raykv.model.tokenizer import ChatTemplateError, Tokenizer
 from raykv.serve.protocol import (
     ApiError,
@@ -58,7 +59,7 @@ class IngressLimits:
 
     max_positions: int | None = None
     vocab_size: int | None = None
-    max_request_bytes: int = 8 * 2**20
+    max_request_bytes: int = 4 * 2**20
 
 
 class OpenAIIngress:
@@ -97,15 +98,28 @@ class OpenAIIngress:
     # each raises ApiError for an error answer (the app's handler turns it into OpenAI's shape)
 
     async def health(self) -> Response:
-        """200 while a replica answers that it serves (asked every time: a replica whose
-        engine stopped says so, and Serve replaces it), else 503."""
+        """200 while a replica serves, else 503: a replica is asked every time (one whose
+        engine stopped says so at once, and Serve replaces it); where the ask waits behind
+        replicas busy with their full share of requests, Serve's own view of them (each
+        replica's ``check_health``) decides."""
         try:
             serving = await asyncio.wait_for(self.engine.ping.remote(), READY_WAIT_S)
+        except asyncio.TimeoutError:
+            serving = await asyncio.to_thread(self._replicas_running)
         except Exception:
             serving = False
         if not serving:
             raise ApiError(503, "no replica is serving yet; retry shortly")
         return JSONResponse({"status": "ok"})
+
+    def _replicas_running(self) -> bool:
+        """Whether Serve counts a replica of the engine deployment as running (healthy)."""
+        try:
+            status = serve.status().applications[self.engine.app_name]
+            engines = status.deployments[self.engine.deployment_name]
+        except Exception:
+            return False
+        return engines.replica_states.get("RUNNING", 0) > 0
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -138,10 +152,11 @@ class OpenAIIngress:
         if isinstance(body.prompt, str):
             text = body.prompt
             ids = self._encode(text, "prompt")
+            self._check_prompt(ids, body.max_tokens, "prompt", "max_tokens")
         else:
             ids = list(body.prompt)
+            self._check_prompt(ids, body.max_tokens, "prompt", "max_tokens")  # before decoding
             text = self._decode(ids) if self._text_prompts else ""
-        self._check_prompt(ids, body.max_tokens, "prompt", "max_tokens")
         sampling = SamplingSpec(body.temperature, body.top_p, 0, body.seed, body.logprobs)
         _check_sampling(sampling, {})
         engine_request = EngineRequest(
@@ -280,7 +295,7 @@ class OpenAIIngress:
         """The body, read no further than ``max_request_bytes`` (413 beyond)."""
         limit = self.limits.max_request_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"the request body is {int(declared)} bytes; at most {limit}")
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -415,10 +430,11 @@ class _Shape:
                     {
                         "token": i.text,
                         "logprob": i.logprob,
-                        "bytes": list(i.text.encode()),
+                        # the token's own bytes: a split character's halves each carry theirs
+                        "bytes": list(i.raw or i.text.encode()),
                         "top_logprobs": [
-                            {"token": t, "logprob": v, "bytes": list(t.encode())}
-                            for _, t, v in i.top
+                            {"token": t, "logprob": v, "bytes": list(raw or t.encode())}
+                            for _, t, v, raw in i.top
                         ],
                     }
                     for i in infos
@@ -432,7 +448,7 @@ class _Shape:
         return {
             "tokens": [i.text for i in infos],
             "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [{t: v for _, t, v in i.top} for i in infos],
+            "top_logprobs": [{t: v for _, t, v, _ in i.top} for i in infos],
             "text_offset": offsets,
         }
 
@@ -481,6 +497,8 @@ def _json(raw: bytes) -> Any:
         raise ApiError(400, "the request body is not JSON") from None
     except RecursionError:
         raise ApiError(400, "the request body nests too deeply") from None
+    except ValueError as exc:  # a number of more digits than Python converts
+        raise ApiError(400, f"the request body is not JSON: {reason(exc)}") from None
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -136,18 +136,19 @@ class FeedPusher:
                     continue
                 heard = time.monotonic()
                 last = (load.prefill_tokens, load.decoding)
-            except ray.exceptions.RayActorError:  # the feed actor is dead: replace it
+            except ray.exceptions.ActorDiedError:  # the feed is gone for good: replace it
                 if self._stop.is_set():
                     return
                 if self._recreate is not None:
                     self.feed = None
                 whole = True
-            except Exception:  # slow, or a name not yet free: start again from a snapshot
+            except Exception:  # slow or unavailable for now: start again from a snapshot
                 if self._stop.is_set():
                     return
                 whole = True
 
     def stop(self) -> None:
+        """End the thread (waiting for a push in flight at most ``PUSH_TIMEOUT_S``)."""
         self._stop.set()
         with contextlib.suppress(RuntimeError):
             self._thread.join(timeout=PUSH_TIMEOUT_S + 1)

@@ -21,6 +21,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,8 +48,9 @@ log = logging.getLogger(__name__)
 FIRST_RANK_BUNDLE = 1
 # how often a waiting stream checks that the engine's loop is still alive
 ENGINE_CHECK_S = 1.0
-# threads turning tokens into text: the tokenizer's decode releases the GIL, and two keep a long
-# stream's text from waiting behind another's
+# threads turning tokens into text. Decoding holds the GIL, but in a thread the interpreter
+# switches every few milliseconds: a stream's text work (a long logprobs answer) never holds
+# the loop all its streams share for longer; two keep one stream from waiting on another's
 TEXT_THREADS = 2
 
 # what a client is told when the engine is at fault (the details are in the replica's log)
@@ -71,14 +74,16 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class TokenInfo:
-    """One generated token with its log-probability and the top alternatives (text, logprob).
-    ``text`` is what the token added to the answer's text (a character split over two tokens
-    comes whole with the second, the first adds ""), so the tokens' texts join into the text."""
+    """One generated token with its log-probability and the top alternatives (id, text,
+    logprob, bytes). ``text`` is what the token added to the answer's text (a character split
+    over two tokens comes whole with the second, the first adds ""), so the tokens' texts join
+    into the text; ``raw`` is the bytes the token itself stands for (each half its own)."""
 
     token_id: int
     text: str
     logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)
+    top: list[tuple[int, str, float, bytes]] = field(default_factory=list)
+    raw: bytes = b""
 
 
 @dataclass(slots=True)
@@ -115,11 +120,16 @@ class _Stream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
+    request_id: str  # the client's id (the engine's is it with this replica's counter)
     delivered: int = 0  # output tokens handed to the queue
 
     def put(self, item: Any) -> None:
         """From the engine's loop thread."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def public(self, message: str) -> str:
+        """An engine message as the client may read it: its request under the client's id."""
+        return re.sub(re.escape(self.request_id) + r"#\d+", self.request_id, message)
 
 
 class EngineReplica:
@@ -140,12 +150,19 @@ class EngineReplica:
         self.replica = _replica_id()
         labels = {"replica": self.replica} if self.replica else None
         self.server = EngineServer(
-            cfg_json, workers, placement=pg, first_bundle=FIRST_RANK_BUNDLE, metric_labels=labels
+            cfg_json,
+            workers,
+            placement=pg,
+            first_bundle=FIRST_RANK_BUNDLE,
+            metric_labels=labels,
+            digest=False,  # the outputs went to their clients
         )
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._closed = False
         self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="raykv-text")
+        # admissions, aborts and stream ends: each waits for the engine's lock, in order
+        self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="raykv-admit")
         self._pusher: FeedPusher | None = None
         self.server.on_step = self._pump
         self.server.on_stopped = self._fail_all
@@ -163,7 +180,10 @@ class EngineReplica:
         namespace = ray.get_runtime_context().namespace
 
         def create() -> Any:
-            return start_feed(name, namespace, pg)
+            try:
+                return start_feed(name, namespace, pg)
+            except ValueError:  # the name is taken: a feed that lives after all, or the dead
+                return ray.get_actor(name, namespace)  # one not yet released (its push fails)
 
         self._pusher = FeedPusher(create(), self._collect_kv, recreate=create)
 
@@ -184,11 +204,15 @@ class EngineReplica:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineUpdate]:
         """The request's updates as the engine produces them (a Serve streaming method)."""
         engine_id = f"{request.request_id}#{next(self._ids)}"  # unique even if a client reuses
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        try:
-            self._admit(engine_id, request, stream)
-        except _RefusedNow as refused:
-            yield _error_update(refused.refusal)
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), request.request_id)
+        # the engine's lock is held for whole steps: what takes it runs in a thread of its own,
+        # never on the loop every stream of this replica shares
+        refusal = await loop.run_in_executor(
+            self._engine_calls, self._admit, engine_id, request, stream
+        )
+        if refusal is not None:
+            yield _error_update(refusal)
             return
         text = TextStream(self._decode, list(request.stop))
         finished = False
@@ -207,7 +231,7 @@ class EngineReplica:
                 tokens, logprobs, status, cached = item
                 update = await self._in_text_thread(self._text_of, text, tokens, logprobs)
                 if text.stopped:
-                    self.server.abort(engine_id)
+                    await loop.run_in_executor(self._engine_calls, self.server.abort, engine_id)
                     update.finish_reason = "stop"
                 elif status is not None:
                     if status == RequestStatus.FINISHED_ERROR.value:
@@ -227,10 +251,15 @@ class EngineReplica:
                 if update.text or update.token_ids:
                     yield update
         finally:
-            with self.server.lock:
-                self._streams.pop(engine_id, None)
-            if not finished:  # the client went away
-                self.server.abort(engine_id)
+            # not awaited: a generator closed by a client that went away cannot wait
+            self._engine_calls.submit(self._end_stream, engine_id, finished)
+
+    def _end_stream(self, engine_id: str, finished: bool) -> None:
+        """A stream is over: forget it, and stop its request if its client went away."""
+        with self.server.lock:
+            self._streams.pop(engine_id, None)
+        if not finished:
+            self.server.abort(engine_id)
 
     async def _in_text_thread(self, work: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._text, work, *args)
@@ -251,14 +280,15 @@ class EngineReplica:
             ]
         return update
 
-    def _admit(self, engine_id: str, request: EngineRequest, stream: _Stream) -> None:
-        """Check the request against the engine and submit it; ``_RefusedNow`` says why not."""
+    def _admit(self, engine_id: str, request: EngineRequest, stream: _Stream) -> _Refusal | None:
+        """Check the request against the engine and submit it (in a thread: it waits for the
+        engine's lock); the refusal, if it is refused."""
         engine = self.server.engine
         with self.server.lock:
             if self._closed:
-                raise _RefusedNow(_Refusal("the replica is shutting down", 503))
+                return _Refusal("the replica is shutting down", 503)
             if not self.server.serving:
-                raise _RefusedNow(_Refusal(ENGINE_STOPPED, 503))
+                return _Refusal(ENGINE_STOPPED, 503)
             try:
                 max_tokens = request.max_tokens or self._room(engine_id, request.token_ids)
                 engine.check_request(
@@ -268,25 +298,28 @@ class EngineReplica:
                 )
             except ValueError as exc:
                 field = exc.field if isinstance(exc, RequestRefused) else "prompt"
-                message = str(exc).replace(engine_id, request.request_id)
-                raise _RefusedNow(_Refusal(message, 400, field)) from None
+                return _Refusal(stream.public(str(exc)), 400, field)
             spec = RequestSpec(engine_id, tuple(request.token_ids), max_tokens, 0, request.sampling)
             self._streams[engine_id] = stream
             self.server.submit([spec])
+        return None
 
     def _room(self, engine_id: str, token_ids: list[int]) -> int:
         """The most output tokens the engine accepts after this prompt (a request without
-        ``max_tokens``); ValueError naming the limit when not even one fits."""
+        ``max_tokens``): what the context leaves, cut to what the GPU pool holds beside the
+        prompt; ValueError naming the limit when not even one fits."""
         engine = self.server.engine
-        engine.check_request(Request(engine_id, 0, list(token_ids), 1))
-        lo, hi = 1, 1 << 20
-        while lo < hi:  # the largest n the engine's own checks accept
-            mid = (lo + hi + 1) // 2
+        probe = Request(engine_id, 0, list(token_ids), 1)
+        engine.check_request(probe)  # the prompt itself, scanned once
+        context = engine.cfg.model.max_positions
+        lo, hi = 1, (context - probe.num_prompt) if context is not None else 1 << 20
+        while lo < hi:  # the pool's bound is block arithmetic: no scan of the prompt
+            probe.max_tokens = (lo + hi + 1) // 2
             try:
-                engine.check_request(Request(engine_id, 0, list(token_ids), mid))
-                lo = mid
+                engine.scheduler.check_fits(probe)
+                lo = probe.max_tokens
             except ValueError:
-                hi = mid - 1
+                hi = probe.max_tokens - 1
         return lo
 
     def _decode(self, token_ids: Any) -> str:
@@ -310,12 +343,18 @@ class EngineReplica:
         for item in driver.take_rejected():
             stream = streams.get(item["request"])
             if stream is not None:
-                stream.put(_Refusal(item["error"], 400, item.get("field")))
+                stream.put(_Refusal(stream.public(item["error"]), 400, item.get("field")))
 
     def _fail_all(self) -> None:
-        """The engine's loop ended on an error: every stream ends in a 503 now."""
+        """The engine's loop ended on an error: every stream ends in a 503 now, and the KV
+        feed goes (routers then count this replica's KV as empty and its load as unknown,
+        instead of sending it the prompts it held until Serve replaces it)."""
         for stream in list(self._streams.values()):
             stream.put(_Refusal(ENGINE_STOPPED, 503))
+        if self._pusher is not None:
+            self._pusher.stop()
+            with contextlib.suppress(Exception):
+                ray.kill(self._pusher.feed)
 
     def _hand(self, stream: _Stream, req: Request, status: str | None) -> None:
         """The request's tokens since the last hand-over (with their logprobs, when it asked
@@ -333,7 +372,13 @@ class EngineReplica:
 
     def _token_info(self, token_id: int, text: str, lp: TokenLogprobs) -> TokenInfo:
         top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        return TokenInfo(token_id, text, lp.logprob, [(t, self._decode([t]), v) for t, v in top])
+        alternatives = [(t, self._decode([t]), v, self._bytes_of(t)) for t, v in top]
+        return TokenInfo(token_id, text, lp.logprob, alternatives, self._bytes_of(token_id))
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        if self.tokenizer is None:
+            return b""
+        return self.tokenizer.token_bytes(token_id)
 
     # ---- routing and health -----------------------------------------------------------------
 
@@ -405,6 +450,7 @@ class EngineReplica:
         with contextlib.suppress(Exception):
             self.server.shutdown()
         self._text.shutdown(wait=False, cancel_futures=True)
+        self._engine_calls.shutdown(wait=False, cancel_futures=True)
         workers = self.server.group.workers  # replacements included
         with contextlib.suppress(Exception):
             ray.get([w.shutdown.remote() for w in workers], timeout=60)
@@ -415,22 +461,12 @@ class EngineReplica:
             self._pool_files.remove()
 
 
-class _RefusedNow(Exception):
-    """A request refused before it reached the engine."""
-
-    def __init__(self, refusal: _Refusal) -> None:
-        super().__init__(refusal.message)
-        self.refusal = refusal
-
-
 def _error_update(refusal: _Refusal) -> EngineUpdate:
     return EngineUpdate(error=refusal.message, status=refusal.status, param=refusal.param)
 
 
 def _resident_bytes() -> int:
     """This process's resident memory (Linux's /proc; 0 where there is none)."""
-    import os
-
     try:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
+from raykv.core.step import BlockCopy
+
 NO_CHECKSUM = -1  # a row nothing vouches for (never stored, or being rewritten)
 
 
@@ -29,6 +31,17 @@ def flip_rows(rows: torch.Tensor, row_ids: Iterable[int]) -> None:
     for row_id in row_ids:
         row = rows[row_id].view(torch.uint8)
         row[len(row) // 2] ^= 0x5A
+
+
+def flip_copied_rows(rows: torch.Tensor, copy: BlockCopy, blocks_per_chunk: int) -> None:
+    """``flip_rows`` on every pool row a store job's ``copy`` wrote (slot, position in chunk)."""
+    flip_rows(
+        rows,
+        (
+            slot * blocks_per_chunk + sub
+            for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True)
+        ),
+    )
 
 
 class RowChecksums:

@@ -22,7 +22,7 @@ import torch
 
 from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
-from raykv.transfer.checksums import RowChecksums, flip_rows
+from raykv.transfer.checksums import RowChecksums, flip_copied_rows
 from raykv.transfer.copy_plan import Gather, Slice, check_range, plan_copies, wide_dtype
 from raykv.transfer.layout import KVLayout, pool_rows
 
@@ -364,11 +364,7 @@ class CpuTransferEngine(TransferEngineBase):
 
     def corrupt_rows(self, copy: BlockCopy) -> None:
         """Fault hook (``corrupt-cpu``): flip one byte in every pool row ``copy`` wrote."""
-        bpc = self.layout.blocks_per_chunk
-        flip_rows(
-            self._pool_rows,
-            (slot * bpc + sub for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True)),
-        )
+        flip_copied_rows(self._pool_rows, copy, self.layout.blocks_per_chunk)
 
     def take_corrupt(self) -> list[int]:
         with self._cond:

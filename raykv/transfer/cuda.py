@@ -41,7 +41,7 @@ import torch
 
 from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
-from raykv.transfer.checksums import RowChecksums, flip_rows
+from raykv.transfer.checksums import RowChecksums, flip_copied_rows
 from raykv.transfer.copy_plan import host_runs
 from raykv.transfer.layout import KVLayout, pool_rows
 
@@ -199,11 +199,7 @@ class CudaTransferEngine(TransferEngineBase):
     def corrupt_rows(self, copy: BlockCopy) -> None:
         """Fault hook (``corrupt-cpu``): flip one byte in every pool row ``copy`` wrote (host
         memory, after the store landed: the FaultyBackend calls it once a poll reported it)."""
-        bpc = self.layout.blocks_per_chunk
-        flip_rows(
-            self._rows,
-            (slot * bpc + sub for slot, sub in zip(copy.cpu_slots, copy.sub_blocks, strict=True)),
-        )
+        flip_copied_rows(self._rows, copy, self.layout.blocks_per_chunk)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the engine. ``wait``: issue held jobs and let everything finish; otherwise held

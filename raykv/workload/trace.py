@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from raykv.error_text import reason, shown
+
 MOONCAKE_BLOCK_TOKENS = 512
 
 
@@ -43,12 +45,6 @@ MAX_LENGTH = 2**31 - 1
 MAX_HASH_ID = 2**64 - 1
 
 
-def _shown(value: object) -> str:
-    """``value`` as an error message shows it: a number of 400 digits would not fit a line."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
-
-
 def _field(
     obj: dict, name: str, where: str, *, kind: type, minimum: int, maximum: int
 ) -> int | float:
@@ -57,14 +53,14 @@ def _field(
     value = obj[name]
     ok_types = (int, float) if kind is float else (int,)
     if isinstance(value, bool) or not isinstance(value, ok_types):
-        raise TraceError(f"{where}: field {name!r} must be {kind.__name__}, got {_shown(value)}")
+        raise TraceError(f"{where}: field {name!r} must be {kind.__name__}, got {shown(value)}")
     # json reads NaN, Infinity and 1e999 as floats; every comparison with NaN is false
     if isinstance(value, float) and not math.isfinite(value):
         raise TraceError(f"{where}: field {name!r} must be a finite number, got {value!r}")
     if value < minimum:
-        raise TraceError(f"{where}: field {name!r} must be >= {minimum}, got {_shown(value)}")
+        raise TraceError(f"{where}: field {name!r} must be >= {minimum}, got {shown(value)}")
     if value > maximum:
-        raise TraceError(f"{where}: field {name!r} must be <= {maximum}, got {_shown(value)}")
+        raise TraceError(f"{where}: field {name!r} must be <= {maximum}, got {shown(value)}")
     return value
 
 
@@ -74,10 +70,10 @@ def _hash_ids(obj: dict, where: str) -> tuple[int, ...]:
     ids = obj["hash_ids"]
     wanted = f"{where}: field 'hash_ids' must be a list of non-negative integers below 2**64"
     if not isinstance(ids, list):
-        raise TraceError(f"{wanted}, got {_shown(ids)}")
+        raise TraceError(f"{wanted}, got {shown(ids)}")
     for index, h in enumerate(ids):
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_HASH_ID:
-            raise TraceError(f"{wanted}; hash_ids[{index}] is {_shown(h)}")
+            raise TraceError(f"{wanted}; hash_ids[{index}] is {shown(h)}")
     return tuple(ids)
 
 
@@ -90,8 +86,7 @@ def parse_trace_line(
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
     except (ValueError, RecursionError) as exc:  # a number of too many digits, too deep a nest
-        reason = str(exc).split(";")[0]
-        raise TraceError(f"{where}: not valid JSON ({reason})") from None
+        raise TraceError(f"{where}: not valid JSON ({reason(exc)})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     timestamp = _field(obj, "timestamp", where, kind=float, minimum=0, maximum=MAX_TIMESTAMP_MS)

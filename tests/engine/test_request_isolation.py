@@ -42,6 +42,7 @@ PROMPT = 9
         (SamplingSpec(top_p=float("nan")), "top_p"),
         (SamplingSpec(top_p=0.0), "top_p"),
         (SamplingSpec(top_k=-1), "top_k"),
+        (SamplingSpec(top_k=2**64), "top_k"),  # past what the step message carries
         (SamplingSpec(logprobs=21), "logprobs"),
         (SamplingSpec(logprobs=-1), "logprobs"),
     ],
@@ -142,6 +143,7 @@ def test_issue28_1_generate_names_a_seed_past_64_bits_and_a_temperature_it_canno
         (["--temperature", "nan"], "--temperature"),
         (["--temperature", "inf"], "--temperature"),
         (["--logprobs", "50"], "--logprobs"),
+        (["--top-k", str(2**64)], "--top-k"),
     ):
         assert main([*base, *flags]) == 2
         err = capsys.readouterr().err

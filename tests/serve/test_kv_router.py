@@ -159,3 +159,22 @@ def test_a_queue_the_next_step_takes_beside_the_prompt_costs_nothing(ray_session
     assert out["a queues 30"] == [["a"], ["b"]]
     # 60 queued + 21 spill 17 tokens past the step: a costs 38, more than b's 29
     assert out["a queues 60"] == [["b"], ["a"]]
+
+
+def test_issue28_3_a_replica_whose_load_is_unknown_counts_as_the_known_ones_mean(ray_session):
+    async def run() -> tuple[float, float, float]:
+        router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(4, 2, [0], WEIGHTS)
+        a, b, c = (FakeReplica(ReplicaID(n, DEPLOYMENT)) for n in "abc")
+        follow(router, [a, b, c])
+        router.followed[b.replica_id].load = Load(prefill_tokens=100)
+        router.followed[c.replica_id].load = Load(prefill_tokens=300)
+        router.followed[a.replica_id].load = None  # its feed was lost: heard nothing since
+        unknown = router._queue_of(a)
+        for replica in (a, b, c):
+            router.followed[replica.replica_id].load = None
+        return unknown, router._queue_of(b), router._queue_of(c)
+
+    unknown, b_none, c_none = asyncio.run(run())
+    assert unknown == 200  # not the 0 of an idle replica, nor a load it last had
+    assert b_none == c_none == 0  # nothing known anywhere: all alike

@@ -21,7 +21,9 @@ class Replica:
     """What ``EngineReplica._text_of`` reads of a replica (its decoder, its id)."""
 
     replica = "r"
+    tokenizer = None
     _token_info = EngineReplica._token_info
+    _bytes_of = EngineReplica._bytes_of
 
     def _decode(self, token_ids):
         return decode(list(token_ids))
