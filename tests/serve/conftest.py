@@ -11,14 +11,12 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:
+def tiny_llama(out: Path, tokenizer, context: int, seed: int) -> Path:
+    """Random two-layer Llama weights for ``tokenizer``'s vocabulary, saved with it in ``out``."""
     import torch
 
-    out = tmp_path_factory.mktemp("tiny-chat-model")
-    tokenizer = smollm2_hf_tokenizer
     tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -26,13 +24,19 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokeniz
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:
+    out = tmp_path_factory.mktemp("tiny-chat-model")
+    return tiny_llama(out, smollm2_hf_tokenizer, context=2048, seed=0)
 
 
 # A chat template of the kind Mistral's and Llama 2's are: it raises on roles that do not
@@ -58,24 +62,6 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_toke
     from its length) and a chat template that raises on roles that do not alternate."""
     import copy
 
-    import torch
-
-    out = tmp_path_factory.mktemp("long-context-model")
     tokenizer = copy.deepcopy(smollm2_hf_tokenizer)
     tokenizer.chat_template = ALTERNATING_TEMPLATE
-    tokenizer.save_pretrained(out)
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=131072,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return tiny_llama(tmp_path_factory.mktemp("long-context-model"), tokenizer, 131072, seed=1)
