@@ -185,6 +185,12 @@ def prepare(
     spec_in = sampling or SamplingSpec()
     spec_in.check()
     cfg, _, path = configure(cfg)
+    context = cfg.model.max_positions
+    if context is not None and max_tokens >= context:  # no prompt leaves room for it
+        raise ConfigError(
+            f"max_tokens {max_tokens} (--max-tokens): the model's context is {context} tokens, "
+            "prompt included"
+        )
     tokenizer = Tokenizer.of(path, cfg.model.cache_dir)
     if tokenizer is not None:
         cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])

@@ -144,6 +144,7 @@ def test_issue28_1_generate_names_a_seed_past_64_bits_and_a_temperature_it_canno
         (["--temperature", "inf"], "--temperature"),
         (["--logprobs", "50"], "--logprobs"),
         (["--top-k", str(2**64)], "--top-k"),
+        (["--max-tokens", str(10**30)], "--max-tokens"),
     ):
         assert main([*base, *flags]) == 2
         err = capsys.readouterr().err
