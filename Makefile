@@ -33,6 +33,8 @@ bench-policy: install
 lint: install
 	$(BIN)/ruff check raykv tests scripts
 	$(BIN)/ruff format --check raykv tests scripts
+	# no import circle, torch and ray only in their layers (../shared/DESIGN.md)
+	$(BIN)/python scripts/import_graph.py
 
 test: lint
 	$(BIN)/python -m pytest

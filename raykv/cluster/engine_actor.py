@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from raykv.cluster.control_plane import make_worker_group
 from raykv.cluster.rank_actor import (
     READY_TIMEOUT_S,
     RankInfo,
     spawn_rank_worker,
 )
-from raykv.cluster.worker_group import make_worker_group
 from raykv.config import RaykvConfig
 from raykv.core.request import REJECTED, Request
 from raykv.core.step import TokenLogprobs

@@ -65,9 +65,9 @@ class RankWorker:
         rank gets its predecessor's path and process: once that process is gone it maps the file
         and finds the finished chunks intact (see
         :func:`raykv.transfer.pool_files.successor_path`)."""
-        import torch  # pay the import here, not in the first step
-
+        # torch is imported here (by the devices module), not in the first step
         from raykv.engine.workers import LocalWorker
+        from raykv.transfer.devices import use_cpu_threads
 
         if pool_path is not None and predecessor is not None:
             pool_path = successor_path(pool_path, predecessor, PREDECESSOR_EXIT_S)
@@ -83,7 +83,7 @@ class RankWorker:
         self.rank = rank
         par = self.cfg.parallel
         if par.device == "cpu":  # TP ranks on one node share its cores instead of each taking all
-            torch.set_num_threads(rank_threads(par.cpu_threads_per_rank, par.tensor_parallel_size))
+            use_cpu_threads(rank_threads(par.cpu_threads_per_rank, par.tensor_parallel_size))
         self._last_reply: tuple[int, bytes] | None = None  # (step, encoded report)
         self._rendezvous: Rendezvous | None = None
         self._group: TPGroup | None = None

@@ -18,8 +18,7 @@ from typing import Any
 import ray
 
 from raykv.cluster import wire
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo, needs_tp_group
-from raykv.config import RaykvConfig
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo
 from raykv.core.step import StepPlan, StepReport
 from raykv.engine.core import RankFailed, SentStep, StepHandle
 
@@ -136,29 +135,3 @@ class RayWorkerGroup:
 
     def shutdown(self) -> None:
         """Nothing to release: plain calls hold nothing between steps."""
-
-
-def make_worker_group(
-    cfg: RaykvConfig, workers: list[Any], spawn: Callable[[int, int, RankInfo], Any]
-) -> RayWorkerGroup:
-    """The ranks behind the control plane ``parallel.control_plane`` names: a compiled graph
-    (plain calls where it cannot be compiled) or plain calls."""
-    par = cfg.parallel
-    args = (workers, par.step_timeout_s, spawn, needs_tp_group(cfg))
-    if resolved_control_plane(cfg) == "graph":
-        from raykv.cluster.compiled_group import CompiledWorkerGroup
-
-        return CompiledWorkerGroup(*args)
-    return RayWorkerGroup(*args)
-
-
-def resolved_control_plane(cfg: RaykvConfig) -> str:
-    """``graph`` or ``calls``; ``auto`` is the graph for CUDA ranks only. A compiled graph's
-    channel readers spin while they wait (the scheduler during a step, each rank between
-    steps), each holding a core: nothing where ranks wait on their GPUs and the host has cores
-    to spare, but on CPU ranks it takes cores from the model (measured on 2 cores: a SmolLM2
-    decode step of 16 at TP 1 took 316 ms through the graph against 222 ms with plain calls)."""
-    plane = cfg.parallel.control_plane
-    if plane == "auto":
-        return "graph" if cfg.parallel.device == "cuda" else "calls"
-    return plane

@@ -21,3 +21,8 @@ def device_problem(device: str, gpus: int = 1) -> str | None:
     if found < gpus:
         return f"{gpus} ranks need one GPU each; this machine has {found}"
     return None
+
+
+def use_cpu_threads(count: int) -> None:
+    """Have this process's torch use ``count`` threads (a CPU rank's share of its node)."""
+    torch.set_num_threads(count)

@@ -133,7 +133,7 @@ def test_a_graph_that_cannot_be_compiled_leaves_plain_calls(ray_session, monkeyp
     [("cpu", "auto", "calls"), ("cuda", "auto", "graph"), ("cpu", "graph", "graph")],
 )
 def test_auto_takes_the_graph_for_cuda_ranks_only(device, plane, expected) -> None:
-    from raykv.cluster.worker_group import resolved_control_plane
+    from raykv.cluster.control_plane import resolved_control_plane
 
     cfg = load_config(None, [f"parallel.device={device}", f"parallel.control_plane={plane}"])
     assert resolved_control_plane(cfg) == expected
