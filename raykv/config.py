@@ -87,7 +87,9 @@ class _Strict(BaseModel):
 class OffloadConfig(_Strict):
     """The CPU tier."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        default=True, description="Use the CPU tier at all (--no-offload sets it false)."
+    )
     cpu_bytes: ByteSize | None = Field(
         default=None, description="CPU tier size in bytes across all ranks (e.g. 8GiB)."
     )
@@ -209,11 +211,25 @@ class ModelConfig(_Strict):
         """``weights_cache_dir``, None where it is off ('')."""
         return self.weights_cache_dir or None
 
-    num_layers: int = Field(default=4, gt=0)
+    num_layers: int = Field(
+        default=4,
+        gt=0,
+        description="Layers, split evenly over the KV groups (a checkpoint's go by attention "
+        "kind; set from the checkpoint).",
+    )
     num_kv_heads: int = Field(default=4, gt=0, description="KV heads in total, split over ranks.")
-    head_dim: int = Field(default=32, gt=0)
-    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    vocab_size: int = Field(default=32000, ge=16)
+    head_dim: int = Field(
+        default=32, gt=0, description="Size of one head (set from the checkpoint)."
+    )
+    dtype: Literal["float16", "bfloat16", "float32"] = Field(
+        default="float16", description="The KV cache's (and a real model's) element type."
+    )
+    vocab_size: int = Field(
+        default=32000,
+        ge=16,
+        description="The vocabulary: token ids a prompt may hold (the synthetic sampler's top "
+        "id is EOS; set from the checkpoint).",
+    )
     eos_every: int = Field(
         default=0, ge=0, description="EOS is sampled about once per this many tokens (0: never)."
     )
@@ -222,8 +238,15 @@ class ModelConfig(_Strict):
 class GroupConfig(_Strict):
     """One KV-cache group: layers sharing an attention pattern."""
 
-    kind: Literal["full_attention", "sliding_window"] = "full_attention"
-    window_tokens: int | None = Field(default=None, gt=0)
+    kind: Literal["full_attention", "sliding_window"] = Field(
+        default="full_attention", description="The attention pattern of the group's layers."
+    )
+    window_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="A sliding window's length in tokens, the current one included (only for "
+        "sliding_window).",
+    )
 
     @model_validator(mode="after")
     def _window(self) -> GroupConfig:
@@ -243,8 +266,16 @@ class CacheConfig(_Strict):
 
 
 class ParallelConfig(_Strict):
-    tensor_parallel_size: int = Field(default=1, gt=0)
-    device: Literal["cpu", "cuda"] = "cpu"
+    tensor_parallel_size: int = Field(
+        default=1,
+        gt=0,
+        description="Ranks (each holds num_kv_heads / tp heads of every block).",
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu",
+        description="cpu (the CPU transfer engine) or cuda (CUDA streams, events, a pinned "
+        "pool; one GPU per rank on Ray).",
+    )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         default="STRICT_PACK", description="Ray placement group strategy for the rank workers."
     )
@@ -277,8 +308,12 @@ SchedulePolicy = Literal["fcfs", "shortest-prefill"]  # the engine scheduler's a
 
 
 class EngineConfig(_Strict):
-    max_num_seqs: int = Field(default=32, gt=0)
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    max_num_seqs: int = Field(default=32, gt=0, description="Requests running or loading at once.")
+    max_num_batched_tokens: int = Field(
+        default=2048,
+        gt=0,
+        description="Tokens computed per step (longer prompts prefill in chunks).",
+    )
     schedule_policy: SchedulePolicy = Field(
         default="fcfs",
         description="Order of admission. fcfs: arrival order. shortest-prefill: the waiting "
@@ -347,8 +382,10 @@ class WorkloadConfig(_Strict):
     )
     trace: str | None = Field(default=None, description="Mooncake JSONL file (kind: trace).")
     chat_turns: int = Field(default=4, gt=0, description="Questions per conversation (chat).")
-    num_requests: int = Field(default=200, gt=0)
-    seed: int = 0
+    num_requests: int = Field(default=200, gt=0, description="Requests to run (--num-requests).")
+    seed: int = Field(
+        default=0, description="Seeds the synthetic generator and the trace's token ids."
+    )
     arrival_rate: float | None = Field(
         default=None,
         ge=0,
@@ -357,12 +394,20 @@ class WorkloadConfig(_Strict):
         "budget and GPU pool), its own timestamps setting the gaps.",
     )
     max_tokens: int = Field(default=24, gt=0, description="Tokens generated per request.")
-    system_prompts: int = Field(default=6, gt=0)
-    system_prompt_tokens: int = Field(default=192, gt=0)
+    system_prompts: int = Field(
+        default=6, gt=0, description="Shared system prompts (picked with a skew to the first)."
+    )
+    system_prompt_tokens: int = Field(
+        default=192, gt=0, description="Mean system prompt length in tokens."
+    )
     user_tokens: int = Field(default=48, gt=0, description="Mean new user tokens per turn.")
     answer_tokens: int = Field(default=32, gt=0, description="Answer tokens kept in history.")
-    mean_turns: float = Field(default=4.0, ge=1)
-    concurrent_conversations: int = Field(default=16, gt=0)
+    mean_turns: float = Field(default=4.0, ge=1, description="Mean turns per conversation.")
+    concurrent_conversations: int = Field(
+        default=16,
+        gt=0,
+        description="Conversations open at once, taking turns at random.",
+    )
     trace_time_scale: float | None = Field(
         default=None,
         gt=0,
@@ -409,7 +454,7 @@ class ServeConfig(_Strict):
     is never read from a file: ``--api-key`` or RAYKV_API_KEY."""
 
     host: str = Field(default="127.0.0.1", description="Where to listen (loopback by default).")
-    port: int = Field(default=8000, gt=0, lt=65536)
+    port: int = Field(default=8000, gt=0, lt=65536, description="Where to listen.")
     replicas: int = Field(default=1, gt=0, description="Engine replicas.")
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
