@@ -429,8 +429,8 @@ class RouterWeightsConfig(_Strict):
     """The KV-aware router's cost of sending a request to a replica, in prompt tokens to
     compute: ``computed + cpu_hit_cost * loaded_from_cpu + spilled_queue + decode_cost *
     decoding`` (a GPU hit costs nothing; ``spilled_queue`` is the queued prefill that does not
-    fit in the replica's next step beside the prompt); see README "The KV-aware router" for how
-    each was measured."""
+    fit in the replica's next step beside the prompt); docs/serving.md ("The KV-aware router")
+    says how each was measured."""
 
     cpu_hit_cost: float = Field(
         default=0.02, ge=0, description="A prompt token loaded from the CPU tier, in computed ones."

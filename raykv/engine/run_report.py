@@ -2,7 +2,7 @@
 
 It is built once from an engine's stats snapshot when a run ends; whoever drives the run fills
 in what only it knows (the engine kind, the refused requests, the config, the per-rank detail
-and the scheduler restarts of the Ray client). ``as_dict`` gives the JSON shape the README
+and the scheduler restarts of the Ray client). ``as_dict`` gives the JSON shape docs/running.md
 documents.
 """
 

@@ -207,7 +207,7 @@ def test_each_replicas_metrics_carry_its_id(client, ray_session) -> None:
 def test_while_serving_only_serves_own_replica_ports_are_beyond_loopback(server) -> None:
     """Everything raykv and Ray start listens on loopback, the HTTP server too; the exception is
     Ray Serve 2.60's inter-deployment gRPC server in each replica, bound to ``[::]:0`` in
-    Serve's own code (``serve/_private/replica.py``), behind Ray's token auth (README)."""
+    Serve's own code (``serve/_private/replica.py``), behind Ray's token auth (docs/serving.md)."""
     import ipaddress
 
     psutil = pytest.importorskip("psutil")
