@@ -32,8 +32,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, name: str) -> set[str]:
-    """Every module ``path`` imports (absolute names; relative imports resolved)."""
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """Every module ``path`` imports (absolute names; relative imports resolved). ``from
+    package import module`` depends on that module, not on the package's ``__init__`` (which
+    Python runs first, but which does not depend on what imports it)."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -45,8 +47,9 @@ def imports_of(path: Path, name: str) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in modules else base)
     return found
 
 
@@ -56,7 +59,7 @@ def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     edges: dict[str, set[str]] = {}
     outside: dict[str, set[str]] = {}
     for name, path in paths.items():
-        found = imports_of(path, name)
+        found = imports_of(path, name, set(paths))
         edges[name] = {m for m in found if m in paths and m != name}
         outside[name] = {m.split(".")[0] for m in found if not m.startswith("raykv")}
     return edges, outside

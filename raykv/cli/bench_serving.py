@@ -1,0 +1,308 @@
+"""``raykv bench`` of whole runs and of serving: the CPU tier on and off, TTFT from the tier
+against recompute, the routers behind real replicas, the router's weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from raykv.cli.common import (
+    add_real_model_args,
+    add_workload_options,
+    check_device,
+    check_output,
+    check_real_model_engine,
+    int_list,
+    interrupt_on_sigterm,
+    load_real_model_config,
+    need_matplotlib,
+    positive_int,
+    real_model_config,
+    workload_overrides,
+)
+from raykv.cli.run import execute_run, prepared_run
+from raykv.config import ConfigError
+
+
+def _cmd_bench_offload(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.offload import compare_runs, format_comparison, plot_ttft_distributions
+
+    check_output("--json", args.json)
+    check_output("--plot", args.plot)
+    if args.plot:
+        need_matplotlib()
+    args.no_offload, args.verify = False, False
+    cfg = prepared_run(args)
+    err = Console(stderr=True)
+    # the first run in a process pays for warming up (allocator, thread pools, the weights'
+    # page cache): a few requests first, unmeasured, so that neither way is charged for it
+    workload = cfg.workload.model_copy(update={"num_requests": min(4, cfg.workload.num_requests)})
+    execute_run(
+        cfg.model_copy(update={"workload": workload}), args.engine, args.address, err, "warm-up"
+    )
+    runs = {}
+    for way, enabled in (("with_tier", True), ("without_tier", False)):
+        offload = cfg.offload.model_copy(update={"enabled": enabled})
+        this = cfg.model_copy(update={"offload": offload})
+        runs[way] = execute_run(this, args.engine, args.address, err, way.replace("_", " "))
+    result = compare_runs(runs["with_tier"].as_dict(), runs["without_tier"].as_dict())
+    console.print(format_comparison(result), highlight=False)
+    if args.json:
+        shape = {**result, "runs": {k: v.as_dict() for k, v in runs.items()}}
+        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    if args.plot:
+        plot_ttft_distributions(
+            runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), args.plot
+        )
+        err.print(f"wrote {args.plot}")
+    return 1 if any(r.integrity.mismatches for r in runs.values()) else 0
+
+
+def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.ttft import (
+        LocalTTFTEngine,
+        TTFTReport,
+        bench_config,
+        format_ttft_table,
+        plot_ttft,
+        run_ttft_bench,
+        transformers_forward,
+    )
+    from raykv.model.checkpoint import configure
+
+    check_output("--json", args.json)
+    check_output("--plot", args.plot)
+    if args.plot:
+        need_matplotlib()
+    lengths = args.prompt_tokens
+    cfg, spec, path = configure(bench_config(real_model_config(args), lengths))
+    too_long = [n for n in lengths if n + 1 > spec.max_positions]
+    if too_long:
+        raise ConfigError(
+            f"--prompt-tokens {too_long[0]}: longer than the model's context of "
+            f"{spec.max_positions}"
+        )
+    err = Console(stderr=True)
+    with err.status("loading the model...") as status:
+        reference = None
+        if not args.no_transformers:
+            reference = transformers_forward(path, cfg.model.dtype, cfg.parallel.device)
+        if args.engine == "local":
+            engine = LocalTTFTEngine(cfg)
+        else:
+            from raykv.cluster.bench import RayTTFTEngine
+
+            engine = RayTTFTEngine(cfg)
+        try:
+            results = run_ttft_bench(
+                cfg,
+                engine,
+                lengths,
+                args.repeat,
+                reference,
+                progress=lambda what: status.update(f"measuring: {what}"),
+            )
+        finally:
+            engine.close()
+    report = TTFTReport(
+        cfg.model.path or "",
+        cfg.parallel.device,
+        args.engine,
+        cfg.parallel.tensor_parallel_size,
+        results,
+    )
+    console.print(format_ttft_table(report), highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    if args.plot:
+        plot_ttft(report, args.plot)
+        err.print(f"wrote {args.plot}")
+    return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.serve import bench_router, format_serve_table, reuse_bounds
+    from raykv.cluster.runtime import connect
+    from raykv.report import progress_bar
+    from raykv.serve.app import ROUTERS, kv_layout, ray_resources, served_config
+    from raykv.workload.requests import make_workload
+
+    check_output("--json", args.json)
+    routers = [r.strip() for r in args.router.split(",") if r.strip()]
+    for router in routers:
+        if router not in ROUTERS:
+            raise ConfigError(f"--router {router!r}: expected some of {', '.join(ROUTERS)}")
+    kind, _, trace = args.workload.partition(":")
+    if kind == "trace" and not Path(trace).is_file():  # before a model loads, not after
+        raise ConfigError(f"--workload {args.workload}: no trace file at {trace!r}")
+    args.set = [*(args.set or []), *workload_overrides(args.workload, args.num_requests)]
+    cfg = load_real_model_config(args)
+    check_device(cfg, "ray", args.address)
+    served, _ = served_config(cfg)
+    specs = make_workload(served)
+    bounds = reuse_bounds(specs, kv_layout(served), args.replicas)
+    err = Console(stderr=True)
+    cpus, gpus = ray_resources(cfg, args.replicas)
+    ray_handle = connect(args.address, num_cpus=cpus, num_gpus=gpus)
+    # after Ray's own handlers: the finally blocks then take the replicas and shard files down
+    interrupt_on_sigterm()
+    results = []
+    try:
+        for router in routers:
+            with progress_bar(err, len(specs), f"{router}: {len(specs)} requests") as advance:
+                result = bench_router(
+                    cfg,
+                    router,
+                    args.replicas,
+                    specs,
+                    args.concurrency,
+                    args.port,
+                    on_done=lambda _: advance(1),
+                )
+            results.append(result)
+            err.print(
+                f"{router}: TTFT mean {result.ttft_s['mean']:.3f} s, "
+                f"{result.cached_tokens:,} prompt tokens cached, {result.errors} errors",
+                highlight=False,
+            )
+            failed = [r for r in result.requests_list if r.error is not None]
+            if failed:  # e.g. prompts longer than the model's context: scale a trace down
+                err.print(
+                    f"  first error ({failed[0].request_id}): {failed[0].error}",
+                    markup=False,
+                    highlight=False,
+                )
+    finally:
+        ray_handle.shutdown()
+    title = (
+        f"raykv bench serve: {cfg.model.path}, {args.replicas} replicas, {args.workload} "
+        f"({len(specs)} requests, concurrency {args.concurrency})"
+    )
+    console.print(format_serve_table(results, title))
+    console.print(
+        f"what the workload allows (unbounded caches, in its order): {bounds.affinity:,} prompt "
+        f"tokens reused with each request where most of its prompt is, {bounds.random:,} with "
+        f"replicas at random ({bounds.ratio:.2f}x)",
+        highlight=False,
+    )
+    if args.json:
+        shape = {
+            "model": str(cfg.model.path),
+            "replicas": args.replicas,
+            "workload": args.workload,
+            "num_requests": len(specs),
+            "concurrency": args.concurrency,
+            "reuse_bounds": {"affinity": bounds.affinity, "random": bounds.random},
+            "results": [r.as_dict(with_requests=args.per_request) for r in results],
+        }
+        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
+        err.print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
+    from raykv.bench.route_weights import measure_route_weights
+    from raykv.bench.ttft import bench_config
+    from raykv.model.checkpoint import configure
+
+    check_output("--json", args.json)
+    if len(args.prompt_tokens) != 2 or args.prompt_tokens[0] >= args.prompt_tokens[1]:
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens}: two lengths, shorter first")
+    cfg = load_real_model_config(args)
+    check_real_model_engine(cfg, "local")
+    cfg, _, _ = configure(bench_config(cfg, list(args.prompt_tokens)))
+    with Console(stderr=True).status("measuring computing, loading and decoding..."):
+        m = measure_route_weights(cfg, tuple(args.prompt_tokens), tuple(args.decoders), args.repeat)
+    console.print(
+        f"computed prompt token: {m.compute_s_per_token * 1e3:.3f} ms; loaded from the CPU "
+        f"tier: {m.load_s_per_token * 1e3:.4f} ms; decoding requests delay a prompt by "
+        + ", ".join(f"{v * 1e3:.1f} ms ({k})" for k, v in m.decode_delay_s.items()),
+        highlight=False,
+    )
+    console.print(
+        f"serve.router_weights.cpu_hit_cost={m.cpu_hit_cost:.4f} "
+        f"serve.router_weights.decode_cost={m.decode_cost:.2f}",
+        highlight=False,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(m.as_dict(), indent=2) + "\n")
+    return 0
+
+
+def register(bench: Any) -> None:
+    """``raykv bench offload|ttft|serve|route-weights``."""
+    off = bench.add_parser(
+        "offload",
+        help="one workload with the CPU tier and without: TTFT, throughput, hits, ratios",
+    )
+    add_workload_options(off)
+    off.add_argument("--json", help="write the comparison and both run reports to this file")
+    off.add_argument("--plot", help="draw both TTFT distributions to this PNG file")
+    off.set_defaults(func=_cmd_bench_offload, fault=None)
+
+    tt = bench.add_parser(
+        "ttft",
+        help="time to first token of one prompt, recomputed vs loaded from the CPU tier",
+    )
+    tt.add_argument("--config", help="YAML config (default: built-in defaults)")
+    tt.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
+    tt.add_argument(
+        "--model", help="a preset (smollm2-135m-instruct, the default), a directory or a .gguf"
+    )
+    tt.add_argument(
+        "--prompt-tokens", type=int_list, default=[256, 512, 1024, 2048, 4096], metavar="N,N"
+    )
+    tt.add_argument("--repeat", type=positive_int, default=3, help="fastest of R each way")
+    tt.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process, TP 1 (default); ray: the rank actors",
+    )
+    tt.add_argument(
+        "--no-transformers", action="store_true", help="skip transformers' forward pass"
+    )
+    tt.add_argument("--json", help="write the results to this JSON file")
+    tt.add_argument("--plot", help="draw TTFT against prompt length to this PNG file")
+    tt.set_defaults(func=_cmd_bench_ttft)
+
+    bs = bench.add_parser(
+        "serve", help="one workload through the HTTP API behind each request router in turn"
+    )
+    add_real_model_args(bs)
+    bs.add_argument("--replicas", type=positive_int, default=2, help="engine replicas")
+    bs.add_argument(
+        "--router", default="kv,pow2,prefix", help="routers to compare, comma-separated"
+    )
+    bs.add_argument(
+        "--workload",
+        default="synthetic",
+        help="synthetic (multi-turn conversations; workload.*) or trace:FILE (Mooncake JSONL)",
+    )
+    bs.add_argument("--num-requests", type=positive_int, help="workload.num_requests")
+    bs.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
+    bs.add_argument("--port", type=int, default=8000, help="where the server listens")
+    bs.add_argument(
+        "--address", help="the Ray cluster to join; default: RAY_ADDRESS, else an embedded Ray"
+    )
+    bs.add_argument("--json", help="write the results to this JSON file")
+    bs.add_argument(
+        "--per-request", action="store_true", help="with --json: every request's numbers too"
+    )
+    bs.set_defaults(func=_cmd_bench_serve)
+
+    rw = bench.add_parser(
+        "route-weights", help="measure the KV-aware router's weights on the serving model"
+    )
+    add_real_model_args(rw)
+    rw.add_argument("--prompt-tokens", type=int_list, default=[256, 512], metavar="N,N")
+    rw.add_argument("--decoders", type=int_list, default=[8, 16], metavar="K,K")
+    rw.add_argument("--repeat", type=positive_int, default=3, help="fastest of R")
+    rw.add_argument("--json", help="write the measurement to this JSON file")
+    rw.set_defaults(func=_cmd_bench_route_weights)
