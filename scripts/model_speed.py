@@ -40,8 +40,8 @@ def engine_times(cfg: Any, lengths: list[int], decode: int, repeat: int) -> dict
     vocab = cfg.model.vocab_size
     if cfg.parallel.tensor_parallel_size == 1:
         from raykv.engine.core import EngineCore
-        from raykv.engine.run import run_engine
         from raykv.engine.workers import LocalWorkerGroup
+        from raykv.runs.driver import run_engine
 
         workers = LocalWorkerGroup(cfg, cfg.cpu_slots())
         engine = EngineCore(cfg, workers, keep_finished=False)

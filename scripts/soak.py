@@ -25,9 +25,9 @@ import psutil
 
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver
 from raykv.engine.stats import drain_books
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import Driver
 from raykv.workload.requests import make_workload
 
 DEFAULT_FAULTS = [

@@ -17,7 +17,6 @@ from raykv.core.step import (
     TransferSpec,
 )
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.faults import (
     FaultSpecError,
@@ -27,6 +26,7 @@ from raykv.faults import (
     RankFaults,
     parse_fault,
 )
+from raykv.runs.driver import run_workload
 from raykv.workload.requests import make_workload
 
 BASE = [

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rich.table import Table
+
 from raykv.offload import Directory, make_key
 from raykv.workload.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -340,3 +342,32 @@ def run_policy_bench(
 def bench_work(n_accesses: int, capacities: int, policies: int, repeat: int) -> int:
     """Total requests a ``run_policy_bench`` call replays (for a progress bar)."""
     return n_accesses * capacities * ((policies + 1) * repeat + 1)
+
+
+def policy_table(report: PolicyBenchReport) -> Table:
+    """One row per (capacity, policy): hit rates, ratio to Belady, speed against the bare LRU."""
+    table = Table(
+        title=f"raykv bench policy: {report.trace} ({report.requests} requests, "
+        f"{report.block_tokens}-token blocks)",
+        title_justify="left",
+    )
+    for col in ("capacity", "policy", "token hit", "x belady", "block hit"):
+        table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
+    for col in ("evictions", "seconds", "x bare-LRU time"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for cap, row in report.rows.items():
+        best = row[BELADY].token_hit_rate or 1.0
+        base = row[BASELINE_LRU].seconds or 1e-9
+        for i, (name, r) in enumerate(row.items()):
+            table.add_row(
+                f"{cap:,} tokens" if i == 0 else "",
+                name,
+                f"{r.token_hit_rate:.2%}",
+                f"{r.token_hit_rate / best:.3f}",
+                f"{r.block_hit_rate:.2%}",
+                f"{r.evictions:,}",
+                f"{r.seconds:.3f}",
+                "-" if name == BELADY else f"{r.seconds / base:.2f}",
+                end_section=i == len(row) - 1,
+            )
+    return table

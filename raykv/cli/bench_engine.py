@@ -22,9 +22,9 @@ from raykv.config import ConfigError, load_config
 
 
 def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.policy import bench_work, prepare_accesses, run_policy_bench
+    from raykv.bench.policy import bench_work, policy_table, prepare_accesses, run_policy_bench
     from raykv.offload.policies import policy_names, resolve_policy
-    from raykv.report import policy_table, progress_bar
+    from raykv.runs.terminal import progress_bar
     from raykv.workload.trace import read_trace
 
     names = policy_names() if args.policies.strip() == "all" else args.policies.split(",")

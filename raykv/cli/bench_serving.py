@@ -129,7 +129,7 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.serve import bench_router, format_serve_table, reuse_bounds
     from raykv.cluster.runtime import connect
-    from raykv.report import progress_bar
+    from raykv.runs.terminal import progress_bar
     from raykv.serve.app import ROUTERS, kv_layout, ray_resources, served_config
     from raykv.workload.requests import make_workload
 

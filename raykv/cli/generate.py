@@ -15,7 +15,7 @@ from raykv.config import ConfigError
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     from raykv.core.step import SamplingError, SamplingSpec
-    from raykv.engine.generate import Prompt, generate, read_prompt_file
+    from raykv.runs.generate import Prompt, generate, read_prompt_file
 
     check_output("--json", args.json)
     cfg = real_model_config(args)
@@ -41,7 +41,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         report_shape = report.as_dict()
     else:
         from raykv.cluster.client import RaykvClient
-        from raykv.engine.generate import prepare
+        from raykv.runs.generate import prepare
 
         gen = prepare(cfg, prompts, args.max_tokens, sampling)  # bad input refused here
         with err.status(f"starting Ray and {model} on its rank actors..."):

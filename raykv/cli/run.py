@@ -20,7 +20,7 @@ from raykv.cli.common import (
 from raykv.config import ConfigError, RaykvConfig, load_config
 
 if TYPE_CHECKING:
-    from raykv.engine.run_report import RunReport
+    from raykv.runs.report import RunReport
     from raykv.workload.chat import ChatSession
 
 
@@ -59,7 +59,7 @@ def execute_run(
     cfg: RaykvConfig, engine: str, address: str | None, err: Console, label: str = "running"
 ) -> RunReport:
     """Run ``cfg``'s workload to the end on the local engine or a Ray deployment."""
-    from raykv.report import run_progress
+    from raykv.runs.terminal import run_progress
     from raykv.workload.requests import make_workload
 
     session = None
@@ -68,10 +68,10 @@ def execute_run(
     specs = make_workload(cfg) if session is None else []
     total = len(specs) or cfg.workload.num_requests
     if engine == "local":
-        from raykv.engine.chat_run import run_chat
         from raykv.engine.core import EngineCore
-        from raykv.engine.run import run_engine
         from raykv.engine.workers import LocalWorkerGroup
+        from raykv.runs.chat import run_chat
+        from raykv.runs.driver import run_engine
 
         with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
             core = EngineCore(cfg, workers)
@@ -137,7 +137,7 @@ def _chat_session(cfg: RaykvConfig) -> tuple[ChatSession, RaykvConfig]:
 
 
 def _cmd_run(args: argparse.Namespace, console: Console) -> int:
-    from raykv.report import print_run_report
+    from raykv.runs.terminal import print_run_report
 
     check_output("--json-report", args.json_report)
     cfg = prepared_run(args)

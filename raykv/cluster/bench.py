@@ -75,8 +75,8 @@ class _Rank:
 def record_plans(cfg: RaykvConfig, limit: int) -> list[StepPlan]:
     """The plans of a real run of the one-process engine (up to ``limit`` steps)."""
     from raykv.engine.core import EngineCore
-    from raykv.engine.run import Driver
     from raykv.engine.workers import LocalWorkerGroup
+    from raykv.runs.driver import Driver
     from raykv.workload.requests import make_workload
 
     plans: list[StepPlan] = []

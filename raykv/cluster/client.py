@@ -22,8 +22,8 @@ from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
 if TYPE_CHECKING:
-    from raykv.engine.generate import Generation, Output, Prompt
-    from raykv.engine.run_report import RunReport
+    from raykv.runs.generate import Generation, Output, Prompt
+    from raykv.runs.report import RunReport
     from raykv.workload.chat import ChatSession
 
 log = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ class RaykvClient:
         All prompts are submitted at once, or with ``sequential`` each once the previous one
         finished, so that it can reuse their KV. A refused prompt comes out with
         ``finish_reason`` ``rejected`` and the reason."""
-        from raykv.engine.generate import prepare
+        from raykv.runs.generate import prepare
 
         if self.cfg.model.path is None:
             raise ValueError("generate needs a real model (model.path)")

@@ -30,7 +30,7 @@ import ray
 from raykv.cluster import wire
 from raykv.cluster.worker_group import RayWorkerGroup
 from raykv.core.step import StepPlan, StepReport
-from raykv.engine.core import RankFailed, SentStep, StepHandle
+from raykv.engine.ranks import RankFailed, SentStep, StepHandle
 
 log = logging.getLogger(__name__)
 # Ray narrates every teardown at INFO (four lines per run, more per restart): keep its warnings

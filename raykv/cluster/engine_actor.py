@@ -30,7 +30,7 @@ from raykv.core.step import TokenLogprobs
 from raykv.faults import SchedulerFault, parse_fault, scheduler_dies_at, scheduler_fails_at
 
 if TYPE_CHECKING:
-    from raykv.engine.run_report import RunReport
+    from raykv.runs.report import RunReport
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class EngineServer:
         server does not: ``Driver``)."""
         from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
-        from raykv.engine.run import Driver
+        from raykv.runs.driver import Driver
 
         self.cfg = RaykvConfig.model_validate(cfg)
         self._cfg_json = cfg
@@ -137,7 +137,7 @@ class EngineServer:
             raise SchedulerFault(f"fail-scheduler: step {steps} failed (an injected fault)")
 
     def progress(self) -> dict[str, Any]:
-        from raykv.engine.run import progress_of
+        from raykv.runs.driver import progress_of
 
         return {**progress_of(self.driver), "error": self._error}
 

@@ -20,7 +20,7 @@ import ray
 from raykv.cluster import wire
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo
 from raykv.core.step import StepPlan, StepReport
-from raykv.engine.core import RankFailed, SentStep, StepHandle
+from raykv.engine.ranks import RankFailed, SentStep, StepHandle
 
 
 class RayWorkerGroup:

@@ -16,9 +16,10 @@ from typing import Any
 from raykv.config import RaykvConfig
 from raykv.connector.worker import ConnectorWorker
 from raykv.core.step import BlockContent, StepPlan, StepReport
-from raykv.engine.core import RankFailed, StepHandle, run_now
 from raykv.engine.rank_runner import ModelBackend, RankRunner
+from raykv.engine.ranks import RankFailed, StepHandle, run_now
 from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
+from raykv.model.synthetic import SyntheticModel
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.rank import build_rank
@@ -93,13 +94,15 @@ class LocalWorker:
         res = build_rank(
             self.layout,
             rank,
-            cfg.parallel.tensor_parallel_size,
             cfg.parallel.device,
             threaded=threaded and cfg.copy_thread(),
             exec_delay=exec_delay,
             pool_path=pool_path,
         )
-        self.kv, self.pool, self.engine, self.model = res.kv, res.pool, res.engine, res.model
+        self.kv, self.pool, self.engine = res.kv, res.pool, res.engine
+        # the synthetic model checks any run's bytes (a real model's rank runs beside it)
+        tp = cfg.parallel.tensor_parallel_size
+        self.model = SyntheticModel(self.layout, rank, tp, device=self.kv.device)
         self.shared = res.shared
         if pool_path is not None:
             remove_generations(pool_path, keep=True)

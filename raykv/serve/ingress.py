@@ -33,13 +33,14 @@ from ray import serve
 from raykv.core.step import SamplingError, SamplingSpec
 from raykv.error_text import reason
 from raykv.model.tokenizer import ChatTemplateError, Tokenizer
+from raykv.serve.answers import INTERNAL_ERROR, AnswerShape, update_error
+from raykv.serve.messages import EngineRequest, EngineUpdate
 from raykv.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     parse,
 )
-from raykv.serve.replica import EngineRequest, EngineUpdate, TokenInfo
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ READY_WAIT_S = 2.0
 # threads that parse and tokenize bodies: the tokenizer releases the GIL while it encodes, so a
 # few long prompts encode side by side and the event loop stays free
 PREPARE_THREADS = 4
-INTERNAL_ERROR = "internal server error (the server's log has the details)"
 
 
 @dataclass(slots=True, frozen=True)
@@ -196,7 +196,7 @@ class OpenAIIngress:
         await self._wait_ready()
         updates = self.engine.options(stream=True).generate.remote(engine_request)
         logprobs = engine_request.sampling.logprobs is not None
-        shape = _Shape(engine_request.request_id, self.model_name, chat, logprobs)
+        shape = AnswerShape(engine_request.request_id, self.model_name, chat, logprobs)
         params = _chat_params(body) if chat else {}
         stream = _updates(updates)
         first = await _first(stream, params)
@@ -210,7 +210,7 @@ class OpenAIIngress:
             pieces.append(update)
         last = pieces[-1]
         if last.error is not None:
-            raise _update_error(last, params)
+            raise update_error(last, params)
         return JSONResponse(shape.whole(pieces))
 
     # ---- checks -----------------------------------------------------------------------------
@@ -341,132 +341,6 @@ def _chat_params(body: ChatCompletionRequest) -> dict[str, str]:
     return {"prompt": "messages", "max_tokens": _output_param(body), "logprobs": "top_logprobs"}
 
 
-def _update_error(update: EngineUpdate, params: dict[str, str]) -> ApiError:
-    param = params.get(update.param, update.param) if update.param is not None else None
-    return ApiError(update.status, update.error or INTERNAL_ERROR, param)
-
-
-# ---- answers in OpenAI's shapes ---------------------------------------------------------------
-
-
-class _Shape:
-    """One request's answer, whole or as chunks."""
-
-    def __init__(self, request_id: str, model: str, chat: bool, logprobs: bool) -> None:
-        self.id = request_id
-        self.model = model
-        self.chat = chat
-        self.logprobs = logprobs  # the request asked for them
-        self.created = int(time.time())
-        self.offset = 0  # characters of text so far (completions' text_offset)
-
-    def _envelope(self, kind: str, update: EngineUpdate | None = None) -> dict[str, Any]:
-        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-        if update is not None and update.replica:  # which replica answered, as OpenAI's field
-            out["system_fingerprint"] = f"raykv-{update.replica}"
-        return out
-
-    def whole(self, pieces: list[EngineUpdate]) -> dict[str, Any]:
-        text = "".join(p.text for p in pieces)
-        infos = [i for p in pieces for i in p.logprobs or []] if self.logprobs else None
-        last = pieces[-1]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprob_shape(infos) if infos is not None else None
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(kind, last), "choices": [choice], "usage": _usage(last)}
-
-    async def events(
-        self,
-        first: EngineUpdate,
-        rest: AsyncIterator[EngineUpdate],
-        include_usage: bool,
-        params: dict[str, str],
-    ) -> AsyncIterator[str]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        if self.chat:  # the role comes first, as OpenAI sends it
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-            yield _sse({**self._envelope(kind), "choices": [{**role, "finish_reason": None}]})
-        update: EngineUpdate | None = first
-        last = first
-        try:
-            while update is not None:
-                if update.error is not None:
-                    yield _sse(_update_error(update, params).body())
-                    return
-                last = update
-                if update.text or update.finish_reason is not None or update.token_ids:
-                    chunk = {**self._envelope(kind, update), "choices": [self._chunk(update)]}
-                    yield _sse(chunk)
-                update = await anext(rest, None)
-        except ApiError as exc:  # a replica that died mid-stream
-            yield _sse(exc.body())
-            return
-        except Exception:
-            log.exception("a stream failed mid-answer")
-            yield _sse(ApiError(500, INTERNAL_ERROR).body())
-            return
-        if include_usage:
-            yield _sse({**self._envelope(kind), "choices": [], "usage": _usage(last)})
-        yield "data: [DONE]\n\n"
-
-    def _chunk(self, update: EngineUpdate) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": update.finish_reason}
-        if self.chat:
-            choice["delta"] = {"content": update.text} if update.text else {}
-        else:
-            choice["text"] = update.text
-        infos = update.logprobs if self.logprobs else None
-        choice["logprobs"] = self._logprob_shape(infos) if infos else None
-        return choice
-
-    def _logprob_shape(self, infos: list[TokenInfo]) -> dict[str, Any]:
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": i.text,
-                        "logprob": i.logprob,
-                        # the token's own bytes: a split character's halves each carry theirs
-                        "bytes": list(i.raw or i.text.encode()),
-                        "top_logprobs": [
-                            {"token": t, "logprob": v, "bytes": list(raw or t.encode())}
-                            for _, t, v, raw in i.top
-                        ],
-                    }
-                    for i in infos
-                ]
-            }
-        # each token's text is what it added to the answer's, so the offsets index that text
-        offsets = []
-        for i in infos:
-            offsets.append(self.offset)
-            self.offset += len(i.text)
-        return {
-            "tokens": [i.text for i in infos],
-            "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [{t: v for _, t, v, _ in i.top} for i in infos],
-            "text_offset": offsets,
-        }
-
-
-def _usage(last: EngineUpdate) -> dict[str, Any]:
-    return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-        # OpenAI's cached_tokens, and (raykv's own) where they came from
-        "prompt_tokens_details": {
-            "cached_tokens": last.cached_tokens,
-            "gpu_cache_tokens": last.cached_tokens - last.cpu_tier_tokens,
-            "cpu_tier_tokens": last.cpu_tier_tokens,
-        },
-    }
-
-
 async def _updates(responses: Any) -> AsyncIterator[EngineUpdate]:
     """The replica's updates; a replica lost on the way is a 503 (the request is not retried:
     part of its answer may already be out)."""
@@ -484,7 +358,7 @@ async def _first(stream: AsyncIterator[EngineUpdate], params: dict[str, str]) ->
     if first is None:
         raise ApiError(503, "the replica ended the request without an answer")
     if first.error is not None:
-        raise _update_error(first, params)
+        raise update_error(first, params)
     return first
 
 
@@ -499,10 +373,6 @@ def _json(raw: bytes) -> Any:
         raise ApiError(400, "the request body nests too deeply") from None
     except ValueError as exc:  # a number of more digits than Python converts
         raise ApiError(400, f"the request body is not JSON: {reason(exc)}") from None
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 def _request_id(prefix: str) -> str:

@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -34,10 +34,11 @@ from raykv.cluster.engine_actor import EngineServer
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_ranks
 from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestRefused, RequestStatus
-from raykv.core.step import SamplingSpec, TokenLogprobs
+from raykv.core.step import TokenLogprobs
 from raykv.model.tokenizer import Tokenizer
 from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
 from raykv.serve.kv_index import Snapshot, WireEvent, to_wire
+from raykv.serve.messages import EngineRequest, EngineUpdate, TokenInfo
 from raykv.serve.text_stream import TextStream
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
@@ -56,53 +57,6 @@ TEXT_THREADS = 2
 # what a client is told when the engine is at fault (the details are in the replica's log)
 ENGINE_STOPPED = "the engine of this replica stopped; it is being replaced, retry shortly"
 SAMPLING_FAILED = "the engine could not compute this request's next token"
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    """A request as the ingress hands it to a replica. ``prompt`` is the prompt as text (what
-    a text-prefix router such as Ray Serve LLM's ``PrefixCacheAffinityRouter`` reads);
-    ``max_tokens`` None: as many as the context and the GPU pool allow."""
-
-    request_id: str
-    token_ids: list[int]
-    max_tokens: int | None
-    sampling: SamplingSpec
-    stop: list[str] = field(default_factory=list)
-    prompt: str = ""
-
-
-@dataclass(slots=True)
-class TokenInfo:
-    """One generated token with its log-probability and the top alternatives (id, text,
-    logprob, bytes). ``text`` is what the token added to the answer's text (a character split
-    over two tokens comes whole with the second, the first adds ""), so the tokens' texts join
-    into the text; ``raw`` is the bytes the token itself stands for (each half its own)."""
-
-    token_id: int
-    text: str
-    logprob: float
-    top: list[tuple[int, str, float, bytes]] = field(default_factory=list)
-    raw: bytes = b""
-
-
-@dataclass(slots=True)
-class EngineUpdate:
-    """A piece of one request's stream. The last has ``finish_reason`` (stop, length, abort) or
-    ``error`` with its HTTP ``status`` and, for a 400, the request's ``param`` at fault."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenInfo] | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt: from the GPU prefix cache, then the CPU tier
-    cpu_tier_tokens: int = 0  # of those, from the CPU tier
-    error: str | None = None
-    status: int = 200
-    param: str | None = None
-    replica: str = ""  # the Serve replica that answered
 
 
 @dataclass(slots=True)

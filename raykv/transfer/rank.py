@@ -1,5 +1,5 @@
-"""Everything one rank holds, built for its device: KV shard, CPU-pool shard, transfer engine,
-model shard."""
+"""What one rank holds for its device: KV shard, CPU-pool shard and transfer engine (the model
+that computes on the KV is the engine's to choose: ``engine/workers.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
-from raykv.transfer.model import SyntheticModel
 from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable
 
 log = logging.getLogger(__name__)
@@ -23,7 +22,6 @@ class RankResources:
     kv: torch.Tensor
     pool: torch.Tensor
     engine: CpuTransferEngine | CudaTransferEngine
-    model: SyntheticModel
     shared: SharedPool | None = None  # the pool's file, when the shard is in shared memory
 
     @property
@@ -35,7 +33,6 @@ class RankResources:
 def build_rank(
     layout: KVLayout,
     rank: int,
-    tp_size: int,
     device: str,
     *,
     threaded: bool = True,
@@ -65,8 +62,7 @@ def build_rank(
         engine: CpuTransferEngine | CudaTransferEngine = CudaTransferEngine(
             kv, pool, layout, sums=sums
         )
-        model = SyntheticModel(layout, rank, tp_size, device=dev)
-        return RankResources(kv, pool, engine, model, shared)
+        return RankResources(kv, pool, engine, shared)
     if device != "cpu":
         raise ValueError(f"parallel.device must be cpu or cuda, got {device!r}")
     kv = allocate_kv(layout)
@@ -76,7 +72,7 @@ def build_rank(
     engine = CpuTransferEngine(
         kv, pool, layout, threaded=threaded, exec_delay=exec_delay, sums=sums
     )
-    return RankResources(kv, pool, engine, SyntheticModel(layout, rank, tp_size), shared)
+    return RankResources(kv, pool, engine, shared)
 
 
 def _shared_pool(path: str | None, layout: KVLayout, rank: int) -> SharedPool | None:

@@ -15,7 +15,7 @@ from raykv.cluster.client import RaykvClient
 from raykv.cluster.compiled_group import CompiledWorkerGroup
 from raykv.config import load_config
 from raykv.core.step import StepPlan, StepReport
-from raykv.engine.core import RankFailed
+from raykv.engine.ranks import RankFailed
 from raykv.workload.requests import make_workload
 from tests.cluster.test_ray_engine import SMALL, local_digest
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver, output_digest
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import Driver, output_digest
 from raykv.workload.requests import RequestSpec, make_workload
 from tests.cluster.test_ray_engine import SMALL
 

@@ -13,9 +13,9 @@ import pytest
 from raykv.cluster.client import RaykvClient
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.offload.events import BlockStored
+from raykv.runs.driver import run_workload
 from raykv.workload.requests import make_workload
 
 pytestmark = pytest.mark.timeout(600)

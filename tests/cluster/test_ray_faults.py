@@ -65,8 +65,8 @@ def test_a_silent_rank_is_killed_and_its_successor_maps_its_shard_once_it_exited
 
 def expected_outputs(cfg, specs) -> dict[str, list[int]]:
     from raykv.engine.core import EngineCore
-    from raykv.engine.run import run_workload
     from raykv.engine.workers import LocalWorkerGroup
+    from raykv.runs.driver import run_workload
 
     with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
         engine = EngineCore(cfg, workers)

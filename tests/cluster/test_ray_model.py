@@ -16,9 +16,9 @@ from raykv.cli import main  # noqa: E402
 from raykv.cluster.client import RaykvClient  # noqa: E402
 from raykv.config import load_config  # noqa: E402
 from raykv.core.step import SamplingSpec  # noqa: E402
-from raykv.engine.generate import Prompt, prepare  # noqa: E402
 from raykv.model.presets import preset_path  # noqa: E402
 from raykv.model.spec import UnsupportedModel  # noqa: E402
+from raykv.runs.generate import Prompt, prepare  # noqa: E402
 from tests.model.test_decoder import SHAPE, checkpoint  # noqa: E402
 from tests.model.test_generate import SMALL_CHAT, assert_matches_transformers  # noqa: E402
 

@@ -11,8 +11,8 @@ import pytest
 
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import Driver
 from raykv.workload.requests import make_workload
 from tests.cluster.test_ray_engine import SMALL
 

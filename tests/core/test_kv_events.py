@@ -10,8 +10,8 @@ from raykv.config import load_config
 from raykv.core.block_pool import BlockPool
 from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, EventLog
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import Driver
 from raykv.workload.requests import make_workload
 
 SMALL = [

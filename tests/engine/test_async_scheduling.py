@@ -12,9 +12,9 @@ from raykv.core.request import Request, RequestStatus
 from raykv.core.step import StepPlan, StepReport
 from raykv.engine.batch import PENDING_TOKEN
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_engine
 from raykv.engine.stats import drain_books
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import run_engine
 from raykv.workload.requests import make_workload
 
 BASE = [

@@ -13,8 +13,8 @@ from raykv.core.kv_events import EventLog
 from raykv.core.request import Request
 from raykv.engine.core import EngineCore
 from raykv.engine.latency import LatencyBook, Samples, percentile
-from raykv.engine.run import REJECTED_KEPT, Driver
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import REJECTED_KEPT, Driver
 from raykv.workload.requests import RequestSpec
 
 

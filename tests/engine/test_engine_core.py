@@ -12,9 +12,9 @@ from raykv.cli import main
 from raykv.config import load_config
 from raykv.core.request import Request
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.scheduler import RequestTooLarge
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import run_workload
 from raykv.workload.requests import make_workload
 
 SMALL = [

@@ -70,8 +70,8 @@ def test_the_run_report_has_a_ttft_per_request_and_itl_per_later_token() -> None
 def test_a_trace_replayed_at_its_timestamps_arrives_on_the_wall_clock(mooncake_trace) -> None:
     from raykv.config import load_config
     from raykv.engine.core import EngineCore
-    from raykv.engine.run import run_workload
     from raykv.engine.workers import LocalWorkerGroup
+    from raykv.runs.driver import run_workload
     from raykv.workload.requests import make_workload
     from raykv.workload.trace import read_trace
 

@@ -16,9 +16,9 @@ from raykv.core.step import (
     TransferSpec,
 )
 from raykv.engine.rank_runner import RankRunner
+from raykv.model.synthetic import SyntheticModel
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool, pool_rows
-from raykv.transfer.model import SyntheticModel
 
 
 def runner() -> tuple[RankRunner, CpuTransferEngine]:

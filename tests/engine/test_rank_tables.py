@@ -15,8 +15,8 @@ from raykv.core.step import ModelEntry, StepPlan
 from raykv.engine.core import EngineCore
 from raykv.engine.rank_runner import RankRunner
 from raykv.engine.rank_tables import RankTables, TableMismatch
-from raykv.engine.run import Driver
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import Driver
 from raykv.workload.requests import make_workload
 
 SETS = [

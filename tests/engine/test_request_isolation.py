@@ -18,11 +18,11 @@ from raykv.config import load_config
 from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import SEED_MAX, SamplingError, SamplingSpec
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.model import backend
 from raykv.model.checkpoint import configure
 from raykv.model.sampling import SamplingParams, sample_token
+from raykv.runs.driver import Driver
 from raykv.workload.requests import RequestSpec
 from tests.model.test_decoder import SHAPE, checkpoint
 

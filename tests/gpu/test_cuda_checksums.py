@@ -10,8 +10,8 @@ import torch
 from raykv.config import load_config
 from raykv.core.step import BlockCopy, TransferSpec
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import run_workload
 from raykv.transfer.checksums import NO_CHECKSUM, row_checksum
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool, pool_rows
@@ -95,7 +95,7 @@ def test_a_cuda_rank_keeps_its_checksums_in_the_shared_shard(tmp_path) -> None:
     from raykv.transfer.rank import build_rank
 
     layout = KVLayout(8, 4, 1, 2, 2, 64, "float16", 1, 8)
-    res = build_rank(layout, 0, 1, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
     try:
         assert res.shared is not None
         sums = res.engine._checksums.sums

@@ -5,8 +5,8 @@ from __future__ import annotations
 from raykv.bench.transfer import run_transfer_bench
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.run import run_workload
 from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import run_workload
 from raykv.workload.requests import make_workload
 
 SETS = [
@@ -58,7 +58,7 @@ def test_cuda_ranks_page_lock_their_shared_memory_shard(tmp_path) -> None:
 
     cfg = load_config(None, [*SETS, "parallel.device=cuda"])
     layout = make_layout(cfg, 16)
-    res = build_rank(layout, 0, 2, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
     try:
         assert res.shared is not None and res.pool.is_pinned()
     finally:

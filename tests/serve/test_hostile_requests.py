@@ -279,7 +279,7 @@ async def serve_requests(handle, first: int, count: int) -> int:
     """``count`` short requests (a few random prompt tokens, two or three out), up to
     ``CONCURRENT`` at once, through the engine deployment's handle (the ingress's path without
     HTTP's cost); returns how many tokens came back."""
-    from raykv.serve.replica import EngineRequest
+    from raykv.serve.messages import EngineRequest
 
     rng = random.Random(first)
     gate = asyncio.Semaphore(CONCURRENT)

@@ -20,7 +20,7 @@ from raykv.core.step import SamplingSpec
 from raykv.serve.kv_feed import Load
 from raykv.serve.kv_index import KVLayout, PromptKeys, Snapshot
 from raykv.serve.kv_router import KVAwareRouter
-from raykv.serve.replica import EngineRequest
+from raykv.serve.messages import EngineRequest
 
 DEPLOYMENT = DeploymentID(name="raykv-engine", app_name="router-test")
 LAYOUT = KVLayout(block_size=4, blocks_per_chunk=2)

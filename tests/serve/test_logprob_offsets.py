@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from raykv.core.step import TokenLogprobs
-from raykv.serve.ingress import _Shape
+from raykv.serve.answers import AnswerShape
 from raykv.serve.replica import EngineReplica
 from raykv.serve.text_stream import TextStream
 from tests.serve.test_text_stream import EURO, decode, ids
@@ -40,7 +40,7 @@ def test_issue28_10_split_characters_keep_tokens_and_offsets_on_the_text() -> No
     answer = "".join(u.text for u in updates) + text.finish()
     assert answer == f"a {EURO} b{EURO}!"
     infos = [i for u in updates for i in u.logprobs]
-    shape = _Shape("cmpl-x", "m", chat=False, logprobs=True)
+    shape = AnswerShape("cmpl-x", "m", chat=False, logprobs=True)
     out = shape._logprob_shape(infos)
     assert "".join(out["tokens"]) == answer
     assert "\ufffd" not in "".join(out["tokens"])

@@ -36,4 +36,4 @@ def test_cuda_ranks_without_cuda_are_a_clear_error() -> None:
 
     layout = KVLayout(4, 4, 1, 1, 1, 4, "float16", 1, 4)
     with pytest.raises(RuntimeError, match="sees no CUDA device"):
-        build_rank(layout, 0, 1, "cuda")
+        build_rank(layout, 0, "cuda")

@@ -110,7 +110,7 @@ def test_a_rank_without_room_in_shared_memory_falls_back_to_private_memory(
 
     monkeypatch.setattr(os, "statvfs", lambda _: Tiny())
     big = layout(num_slots=1000)
-    res = build_rank(big, 0, 1, "cpu", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    res = build_rank(big, 0, "cpu", pool_path=PoolFiles.new(str(tmp_path)).path(0))
     try:
         assert res.shared is None and not res.pool_attached
         assert tuple(res.pool.shape) == (1000, big.page_elems * 2)
@@ -149,7 +149,7 @@ def test_a_missing_directory_is_named_and_the_rank_still_serves(tmp_path, caplog
     path = PoolFiles.new(str(tmp_path / "no-such-dir")).path(0)
     with pytest.raises(SharedPoolUnavailable, match="no-such-dir"):
         SharedPool(path, layout())
-    res = build_rank(layout(), 0, 1, "cpu", pool_path=path)  # e.g. macOS: no /dev/shm
+    res = build_rank(layout(), 0, "cpu", pool_path=path)  # e.g. macOS: no /dev/shm
     try:
         assert res.shared is None and "private memory" in caplog.text
     finally:

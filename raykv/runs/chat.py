@@ -4,8 +4,8 @@ submits the turns it unblocks, until the session has none left."""
 from __future__ import annotations
 
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver, Progress, progress_of
-from raykv.engine.run_report import RunReport
+from raykv.runs.driver import Driver, Progress, progress_of
+from raykv.runs.report import RunReport
 from raykv.workload.chat import ChatSession
 
 

@@ -18,12 +18,12 @@ from raykv.config import ConfigError, RaykvConfig
 from raykv.core.request import REJECTED, RequestStatus
 from raykv.core.step import SEED_MAX, SEED_MIN, SamplingSpec, TokenLogprobs
 from raykv.engine.core import EngineCore
-from raykv.engine.run import Driver
-from raykv.engine.run_report import RunReport
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.error_text import reason, shown
 from raykv.model.checkpoint import configure, with_stop_tokens
 from raykv.model.tokenizer import Tokenizer, missing_tokenizer
+from raykv.runs.driver import Driver
+from raykv.runs.report import RunReport
 from raykv.workload.requests import RequestSpec
 
 

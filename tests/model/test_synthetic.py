@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raykv.core.step import BlockContent, WriteSpan
+from raykv.model.synthetic import SyntheticModel, mix64, mix64_tensor
 from raykv.transfer.layout import KVLayout, allocate_kv
-from raykv.transfer.model import SyntheticModel, mix64, mix64_tensor
 
 BS = 4
 
@@ -240,7 +240,7 @@ def content_of(block: int) -> BlockContent:
 
 
 def test_checksum_independent_of_batching(monkeypatch: pytest.MonkeyPatch) -> None:
-    import raykv.transfer.model as model_module
+    import raykv.model.synthetic as model_module
 
     model = SyntheticModel(make_layout())
     kv = filled_kv(model)

@@ -11,8 +11,8 @@ from typing import Any
 
 from raykv.core.request import Request
 from raykv.engine.core import EngineCore
-from raykv.engine.run_report import RunReport
 from raykv.engine.stats import snapshot
+from raykv.runs.report import RunReport
 from raykv.workload.requests import RequestSpec
 
 Progress = Callable[[dict[str, Any]], None]  # called after every step with progress_of()
