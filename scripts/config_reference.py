@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from raykv.config_docs import render
+from raykv.config.reference import render
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from raykv.config import RaykvConfig
-from raykv.config_docs import render, sections
+from raykv.config.reference import render, sections
 
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -17,7 +17,7 @@ from raykv.config import RaykvConfig
 HEADER = """# Configuration reference
 
 Every key of a raykv YAML config (or of `--set KEY.PATH=VALUE`), by section. Generated from the
-pydantic models in `raykv/config.py` by `python scripts/config_reference.py`; a test fails when
+pydantic models in `raykv/config/` by `python scripts/config_reference.py`; a test fails when
 this file and the models disagree. Sizes take bytes or a number with a unit (`512MiB`, `2GiB`,
 `1.5GB`); unknown keys are errors naming their path.
 """
