@@ -4,8 +4,6 @@ the streaming detokenizer."""
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -17,6 +15,7 @@ from raykv.cli.common import (
     int_list,
     load_real_model_config,
     positive_int,
+    write_json,
 )
 from raykv.config import ConfigError, load_config
 
@@ -48,8 +47,7 @@ def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(policy_table(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report.as_json(), indent=2) + "\n")
-        console.print(f"wrote {args.json}")
+        write_json(args.json, report.as_json(), console)
     return 0
 
 
@@ -70,8 +68,7 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(format_transfer_table(result), highlight=False)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
+        write_json(args.json, result, console)
     return 0
 
 
@@ -99,8 +96,7 @@ def _cmd_bench_step(args: argparse.Namespace, console: Console) -> int:
         result = run_step_bench(args.cached, args.steps, args.repeat, args.policy)
         console.print(format_step_table(result), highlight=False)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
+        write_json(args.json, result, console)
     return 0
 
 
@@ -122,8 +118,7 @@ def _cmd_bench_plan(args: argparse.Namespace, console: Console) -> int:
                 )
     console.print(format_plan_table(rows), highlight=False)
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": rows}, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
+        write_json(args.json, {"results": rows}, console)
     return 0
 
 
@@ -146,8 +141,7 @@ def _cmd_bench_detokenize(args: argparse.Namespace, console: Console) -> int:
         )
     console.print("\n".join(report_lines(result)), highlight=False, markup=False)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"wrote {args.json}")
+        write_json(args.json, result, console)
     return 0
 
 

@@ -4,7 +4,6 @@ against recompute, the routers behind real replicas, the router's weights."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from raykv.cli.common import (
     positive_int,
     real_model_config,
     workload_overrides,
+    write_json,
 )
 from raykv.cli.run import execute_run, prepared_run
 from raykv.config import ConfigError
@@ -53,8 +53,7 @@ def _cmd_bench_offload(args: argparse.Namespace, console: Console) -> int:
     console.print(format_comparison(result), highlight=False)
     if args.json:
         shape = {**result, "runs": {k: v.as_dict() for k, v in runs.items()}}
-        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
-        err.print(f"wrote {args.json}")
+        write_json(args.json, shape, err)
     if args.plot:
         plot_ttft_distributions(
             runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), args.plot
@@ -118,8 +117,7 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
     )
     console.print(format_ttft_table(report), highlight=False)
     if args.json:
-        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-        err.print(f"wrote {args.json}")
+        write_json(args.json, report.as_dict(), err)
     if args.plot:
         plot_ttft(report, args.plot)
         err.print(f"wrote {args.plot}")
@@ -201,8 +199,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
             "reuse_bounds": {"affinity": bounds.affinity, "random": bounds.random},
             "results": [r.as_dict(with_requests=args.per_request) for r in results],
         }
-        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
-        err.print(f"wrote {args.json}")
+        write_json(args.json, shape, err)
     return 0
 
 
@@ -231,7 +228,7 @@ def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
         highlight=False,
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(m.as_dict(), indent=2) + "\n")
+        write_json(args.json, m.as_dict())
     return 0
 
 

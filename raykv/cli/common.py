@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
+from typing import Any
+
+from rich.console import Console
 
 from raykv.config import ConfigError, RaykvConfig, load_config
 
@@ -168,3 +172,11 @@ def interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def write_json(path: str, shape: Any, console: Console | None = None) -> None:
+    """``shape`` as indented JSON in ``path`` (checked writable by ``check_output`` before the
+    work), saying so on ``console`` when given."""
+    Path(path).write_text(json.dumps(shape, indent=2) + "\n")
+    if console is not None:
+        console.print(f"wrote {path}")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from raykv.cli.common import add_real_model_args, check_output, positive_int, real_model_config
+from raykv.cli.common import (
+    add_real_model_args,
+    check_output,
+    positive_int,
+    real_model_config,
+    write_json,
+)
 from raykv.config import ConfigError
 
 
@@ -57,8 +61,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[{out.index}] {out.text}", highlight=False, markup=False)
     if args.json:
         shape = {"outputs": [o.as_dict() for o in outputs], "report": report_shape}
-        Path(args.json).write_text(json.dumps(shape, indent=2) + "\n")
-        err.print(f"wrote {args.json}")
+        write_json(args.json, shape, err)
     return 0
 
 

@@ -4,8 +4,6 @@ report."""
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -16,6 +14,7 @@ from raykv.cli.common import (
     check_output,
     check_real_model_engine,
     workload_overrides,
+    write_json,
 )
 from raykv.config import ConfigError, RaykvConfig, load_config
 
@@ -153,8 +152,7 @@ def _cmd_run(args: argparse.Namespace, console: Console) -> int:
         )
     print_run_report(console, shape, verify=cfg.offload.verify)
     if args.json_report:
-        Path(args.json_report).write_text(json.dumps(shape, indent=2) + "\n")
-        console.print(f"wrote {args.json_report}")
+        write_json(args.json_report, shape, console)
     return 1 if report.integrity.mismatches else 0
 
 

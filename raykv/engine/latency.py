@@ -48,12 +48,13 @@ class LatencySummary:
         if not values:
             return None
         ordered = sorted(values)
-        return cls(
-            sum(ordered) / len(ordered),
-            percentile(ordered, 50),
-            percentile(ordered, 90),
-            percentile(ordered, 99),
-        )
+        return cls.of_sorted(ordered, sum(ordered) / len(ordered))
+
+    @classmethod
+    def of_sorted(cls, ordered: Sequence[float], mean: float) -> LatencySummary:
+        """Percentiles of sorted values beside a mean known apart (that of more values than
+        were kept, for a sample)."""
+        return cls(mean, percentile(ordered, 50), percentile(ordered, 90), percentile(ordered, 99))
 
 
 def percentile(ordered: Sequence[float], q: float) -> float:
@@ -104,13 +105,7 @@ class Samples:
         """Mean (exact) and percentiles (of the sample); None for no values."""
         if not self.count:
             return None
-        ordered = sorted(self.kept)
-        return LatencySummary(
-            self.total / self.count,
-            percentile(ordered, 50),
-            percentile(ordered, 90),
-            percentile(ordered, 99),
-        )
+        return LatencySummary.of_sorted(sorted(self.kept), self.total / self.count)
 
 
 # TTFT and ITL values a book keeps for percentiles unless the config says otherwise

@@ -102,15 +102,22 @@ class OpenAIIngress:
         engine stopped says so at once, and Serve replaces it); where the ask waits behind
         replicas busy with their full share of requests, Serve's own view of them (each
         replica's ``check_health``) decides."""
-        try:
-            serving = await asyncio.wait_for(self.engine.ping.remote(), READY_WAIT_S)
-        except asyncio.TimeoutError:
+        serving = await self._ping()
+        if serving is None:
             serving = await asyncio.to_thread(self._replicas_running)
-        except Exception:
-            serving = False
         if not serving:
             raise ApiError(503, "no replica is serving yet; retry shortly")
         return JSONResponse({"status": "ok"})
+
+    async def _ping(self) -> bool | None:
+        """What a replica answers when asked whether it serves; None when no answer came
+        within ``READY_WAIT_S`` (False when the ask failed)."""
+        try:
+            return bool(await asyncio.wait_for(self.engine.ping.remote(), READY_WAIT_S))
+        except asyncio.TimeoutError:
+            return None
+        except Exception:
+            return False
 
     def _replicas_running(self) -> bool:
         """Whether Serve counts a replica of the engine deployment as running (healthy)."""
@@ -313,11 +320,7 @@ class OpenAIIngress:
         Serve does)."""
         if self._ready:
             return
-        try:
-            serving = await asyncio.wait_for(self.engine.ping.remote(), READY_WAIT_S)
-        except Exception:
-            serving = False
-        if not serving:
+        if not await self._ping():
             raise ApiError(503, "no replica is ready yet; retry shortly")
         self._ready = True
 
