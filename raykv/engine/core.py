@@ -34,7 +34,8 @@ from raykv.engine.batch import fill_pending, model_batch, pending_entries
 from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.ranks import RankFailed, StepHandle, Workers
 from raykv.engine.sampler import real_model_tokens, sample_batch
-from raykv.engine.scheduler import Scheduler, SchedulerOutput
+from raykv.engine.scheduler import Scheduler
+from raykv.engine.step_output import SchedulerOutput
 from raykv.offload.directory import Directory
 
 

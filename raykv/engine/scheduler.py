@@ -14,51 +14,19 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import get_args
 
-from raykv.config import SchedulePolicy
 from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
 from raykv.core.block_pool import BlockPool
 from raykv.core.kv_cache import KVCacheManager
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request, RequestRefused, RequestStatus
-from raykv.core.step import StepReport, TransferPlan
-
-SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
-REORDER_WINDOW = 64  # waiting requests the shortest-prefill policy orders each step
+from raykv.core.step import StepReport
+from raykv.engine.admission import AdmissionOrder
+from raykv.engine.step_output import SchedulerOutput, SchedulerStats
 
 
 class RequestTooLarge(RequestRefused):
     """A request needs more GPU blocks than the whole pool holds."""
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step computes: the requests and their token counts, the requests preempted to
-    make room, and the step's transfers."""
-
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    transfers: TransferPlan = field(default_factory=TransferPlan)
-    started_loads: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    preemptions: int = 0
-    gpu_hit_tokens: int = 0
-    cpu_hit_tokens: int = 0
-    recomputed_tokens: int = 0  # prompt tokens computed again after a preemption or failed load
-    # tokens each admission had to provide, from a cache or by computing them (re-admissions after
-    # a preemption, a failed load or a rank restart count again): what hits are a share of
-    admitted_tokens: int = 0
-    deferred: int = 0
 
 
 class Scheduler:
@@ -79,29 +47,11 @@ class Scheduler:
     ) -> None:
         """With a connector whose ``load_in_step`` is set, a request admitted with a CPU-tier hit
         also computes the rest of its prompt (as far as the step's budget goes) in the step that
-        loads it.
-
-        ``policy``: the order waiting requests are admitted in. ``fcfs``: arrival order.
-        ``shortest-prefill``: among the first ``REORDER_WINDOW`` waiting, the one with the
-        fewest prompt tokens left to compute once the GPU prefix cache and the CPU tier have
-        supplied theirs goes first (ties by arrival), so a request served from a cache is not
-        held behind a long prompt computed from scratch (shortest remaining work first: the
-        order that minimises mean time to first token); a request that has waited
-        ``max_bypass_steps`` steps goes before all of those, in arrival order, so none starves.
-
-        ``short_prefill_alone``: a step whose prompt work finishes a prompt and computes at most
-        this many tokens in all (a prompt the caches served, its last block computed beside its
-        load) leaves the running decodes to the next step, so that first token comes from a
-        short step instead of one carrying the decode batch; never two steps in a row, so a
-        decode waits at most one short step, and never while requests are left waiting, whom
-        the decodes' blocks and seats, held a step longer, would delay too (0: never).
-        """
-        if policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"unknown schedule policy {policy!r}; one of {SCHEDULE_POLICIES}")
-        self.policy = policy
-        self.max_bypass_steps = max_bypass_steps
-        self.short_prefill_alone = short_prefill_alone
-        self._decodes_waited = False  # the last step left the decodes out
+        loads it. ``policy``, ``max_bypass_steps`` and ``short_prefill_alone``: the admission
+        order and the decode hold-back (``engine/admission.py``)."""
+        self.admission = AdmissionOrder(
+            policy, max_bypass_steps, short_prefill_alone, self._prefill_left
+        )
         self._step = 0
         self.pool = pool
         self.groups = groups
@@ -184,55 +134,24 @@ class Scheduler:
             i += 1
         if not out.preempted:  # no admissions in a step that had to take blocks back
             self._admit_waiting(out, budget)
-        self._decodes_waited = self._leave_decodes(out)
+        held = self.admission.hold_decodes(out.scheduled, bool(self.waiting))
+        if held is not None:
+            out.scheduled = held
         if self.connector is not None:
             out.transfers = self.connector.plan(step, out.scheduled, out.preempted)
         return out
 
-    def _leave_decodes(self, out: SchedulerOutput) -> bool:
-        """Take the decodes out of a step whose prompt work is short and gives a first token
-        (``short_prefill_alone``); whether it did. A decode left out keeps the block it may
-        have been given for its next position and is scheduled again next step."""
-        if self.short_prefill_alone <= 0 or self._decodes_waited or self.waiting:
-            # with requests left waiting, a decode held back holds its blocks and seat a step
-            # longer, and each of them waits that step too: not worth one first token
-            return False
-        decodes = [s for s in out.scheduled if not s.loading and s.start >= s.req.num_prompt]
-        prompts = [s for s in out.scheduled if s.loading or s.start < s.req.num_prompt]
-        if not decodes or not any(s.start + s.num_tokens == s.req.num_tokens for s in prompts):
-            return False
-        if sum(s.num_tokens for s in prompts) > self.short_prefill_alone:
-            return False
-        out.scheduled = prompts
-        return True
-
-    def _admission_order(self) -> None:
-        """Reorder the head of the waiting queue as the policy says (``__init__``)."""
-        if self.policy == "fcfs" or len(self.waiting) < 2:
-            return
-        head = [self.waiting.popleft() for _ in range(min(REORDER_WINDOW, len(self.waiting)))]
-
-        def key(req: Request) -> tuple[int, int, int]:
-            if self._starved(req):
-                return (0, 0, req.index)
-            return (1, self._prefill_left(req, self.kv.local_hit(req)[0]), req.index)
-
-        head.sort(key=key)
-        self.waiting.extendleft(reversed(head))
-
-    def _starved(self, req: Request) -> bool:
-        return self._step - req.queued_step >= self.max_bypass_steps
-
-    def _prefill_left(self, req: Request, num_local: int) -> int:
-        """About how many prompt tokens ``req`` computes once the GPU prefix cache (its first
-        ``num_local``) and the CPU tier have supplied theirs."""
+    def _prefill_left(self, req: Request) -> int:
+        """About how many prompt tokens ``req`` computes once the GPU prefix cache and the
+        tiers have supplied theirs (a peek: nothing changes)."""
+        num_local = self.kv.local_hit(req)[0]
         cached = num_local
         if self.connector is not None:
             cached += self.connector.peek(req, num_local)
         return req.num_tokens - max(req.num_computed, cached)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self._admission_order()
+        self.admission.reorder(self.waiting, self._step)
         skipped: list[Request] = []
         while self.waiting and budget > 0:
             if len(self.running) + len(self.loading) >= self.max_num_seqs:

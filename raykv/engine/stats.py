@@ -13,7 +13,7 @@ from msgspec import structs
 from raykv.connector.jobs import AckStats
 from raykv.connector.stats import ConnectorStats
 from raykv.core.step import TransferStats
-from raykv.engine.scheduler import SchedulerStats
+from raykv.engine.step_output import SchedulerStats
 from raykv.offload.directory import DirectoryStats
 
 if TYPE_CHECKING:
