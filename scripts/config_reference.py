@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write the configuration reference, ``docs/configuration.md``, from the pydantic models
-(``raykv/config_docs.py``); ``--check`` only says whether the file is current (exit 1 if not).
+(``raykv/config/reference.py``); ``--check`` only says whether the file is current (exit 1 if not).
 
 Usage: python scripts/config_reference.py [--check]
 """

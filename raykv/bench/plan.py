@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from raykv.cluster import wire
-from raykv.connector.scheduler import ScheduledRequest
+from raykv.connector.scheduled import ScheduledRequest
 from raykv.core.arith import cdiv
 from raykv.core.block_pool import BlockPool
 from raykv.core.kv_cache import KVCacheManager

@@ -27,7 +27,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
+from raykv.connector.scheduled import ScheduledRequest
+from raykv.connector.scheduler import ConnectorScheduler
 from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import block_hashes
 from raykv.core.keys import make_key

@@ -159,6 +159,10 @@ class RankWorker:
     def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
         return self.worker.verify_cpu_tier(items)
 
+    def disk_index(self) -> list[int]:
+        """The keys whose files this rank's disk-tier directory holds (a warm restart)."""
+        return self.worker.disk_index()
+
     def shutdown(self) -> None:
         if self._group is not None:
             self._group.close()

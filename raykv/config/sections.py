@@ -12,7 +12,8 @@ from pydantic import (
     model_validator,
 )
 
-from raykv.config.base import _POLICY_RE, ByteSize, _Strict
+from raykv.config.base import ByteSize, _Strict
+from raykv.config.disk import DiskTierConfig, check_policy
 
 
 class OffloadConfig(_Strict):
@@ -77,22 +78,12 @@ class OffloadConfig(_Strict):
         "waiting would stall the whole batch for one request's load.",
     )
 
+    disk: DiskTierConfig = DiskTierConfig()
+
     @field_validator("policy")
     @classmethod
     def _policy_spec(cls, value: str) -> str:
-        if not _POLICY_RE.match(value):
-            raise ValueError("neither a policy name nor a module:Class import path")
-        # checked now, not when the CPU tier is built (in a Ray actor, after deployment). The
-        # import is deferred: the policies package is plain Python, but config is the top layer.
-        from raykv.offload.policies import resolve_policy
-
-        try:
-            resolve_policy(value)
-        except ValueError:
-            raise
-        except Exception as exc:  # a custom policy's module failed while importing
-            raise ValueError(f"cannot load policy {value!r}: {type(exc).__name__}: {exc}") from None
-        return value
+        return check_policy(value)
 
     @model_validator(mode="after")
     def _one_size(self) -> OffloadConfig:

@@ -1,12 +1,14 @@
 """Transfer jobs and their acknowledgements.
 
-A job is one request's transfer in one direction for one step. It is final only when every rank
-has reported it (success or failure): a rank that failed still holds a claim on the job's CPU
-slots until every other rank is done with them too.
+A job is one request's transfer in one direction for one step, or one move between the CPU tier
+and the disk tier (a demotion or a promotion, which belongs to the tiers, not to a request). It
+is final only when every rank has reported it (success or failure): a rank that failed still
+holds a claim on the job's CPU slots until every other rank is done with them too.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from raykv.core.request import Request
@@ -17,11 +19,12 @@ class TransferJobStatus:
     """One in-flight job, as the scheduler tracks it."""
 
     job_id: int
-    # the one admission of a request this job belongs to (never just its id: ids come back)
-    request: Request
+    # the one admission of a request this job belongs to (never just its id: ids come back);
+    # None for a move between tiers
+    request: Request | None
     pending_count: int  # ranks that have not reported yet
     keys: list[int]
-    is_store: bool
+    is_store: bool  # a move: True for a demotion (it stores into the disk tier)
     # GPU source blocks in the fence since the job was created (sliding-window groups, and every
     # block of a store built after its request finished)
     fenced_block_ids: list[int] = field(default_factory=list)
@@ -31,10 +34,12 @@ class TransferJobStatus:
     acked_ranks: int = 0  # bitmask: a rank counts at most once
     failed: bool = False
     created_step: int = 0
+    move: str = ""  # "demote" or "promote" for a move between tiers; "" for a GPU job
+    created_s: float = 0.0  # wall clock when planned (how long the tiers take, measured)
 
     @property
     def req_id(self) -> str:
-        return self.request.req_id
+        return self.request.req_id if self.request is not None else f"<{self.move}>"
 
 
 @dataclass(slots=True)
@@ -64,17 +69,20 @@ class JobTable:
 
     def create(
         self,
-        request: Request,
+        request: Request | None,
         keys: list[int],
         is_store: bool,
         fenced: list[int] | None = None,
         deferred: list[int] | None = None,
         step: int = 0,
+        move: str = "",
     ) -> TransferJobStatus:
         job = TransferJobStatus(
             self.next_id, request, self.num_ranks, keys, is_store, fenced or [], deferred or []
         )
         job.created_step = step
+        job.move = move
+        job.created_s = time.perf_counter()
         self.jobs[job.job_id] = job
         self.next_id += 1
         return job

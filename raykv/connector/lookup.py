@@ -1,9 +1,14 @@
-"""The lookup: how much of a waiting request the CPU tier can supply, over every KV group.
+"""The lookup: how much of a waiting request the tiers can supply, over every KV group.
 
 A full-attention group needs the whole prefix; a sliding-window group only the W chunks before
 the boundary where computing resumes. The answer is the largest chunk boundary every group can
 resume at ("convergence"), or "ask again next step" (None) while those chunks are still being
 written or another request is loading them, bounded per request.
+
+With a disk tier the boundary is found twice: over the CPU tier alone, and over the CPU and
+disk tiers together (``connector/tier_view.py``). Where the second reaches further, the chunks
+only the disk holds are promoted into the CPU tier (``DiskMoves.promote``) and the request asks
+again until they have landed; then it loads them like any CPU hit (one load per admission).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections.abc import Mapping, Sequence
 
 from raykv.connector.state import RequestOffloadState
 from raykv.connector.stats import ConnectorStats
+from raykv.connector.tier_moves import DiskMoves
+from raykv.connector.tier_view import UnionView
 from raykv.core.kv_groups import KVGroup
 from raykv.offload.directory import Directory
 
@@ -33,6 +40,9 @@ class PrefixLookup:
         stats: ConnectorStats,
     ) -> None:
         self.directory = directory
+        self.moves: DiskMoves | None = None  # the disk tier's moves, where there is one
+        # promotion job -> the request that waits for it (told if it fails)
+        self.promoting: dict[int, RequestOffloadState] = {}
         self.groups = list(groups)
         self.block_size = block_size
         self.bpc = blocks_per_chunk
@@ -70,8 +80,10 @@ class PrefixLookup:
         tpc = self.tpc
         start = num_local // tpc
         end = (state.req.num_tokens - 1) // tpc
+        moves = self.moves
+        view = UnionView(self.directory, moves.disk) if moves and not state.disk_failed else None
         for gs in state.groups:
-            present, _ = self.directory.match_prefix(gs.keys[start:end], count=False)
+            present, _ = (view or self.directory).match_prefix(gs.keys[start:end], count=False)
             end = start + present
         return max(0, end * tpc - num_local)
 
@@ -101,16 +113,37 @@ class PrefixLookup:
         start = num_local // tpc
         if max_chunks <= start:
             return 0
-        end, used, pending = self._converge(state, start, max_chunks)
+        cpu = self.directory
+        end, used, pending = self._converge(state, start, max_chunks, cpu)
+        view: Directory | UnionView = cpu
+        promote: list[int] = []
+        moves = self.moves
+        union = UnionView(cpu, moves.disk) if moves is not None else None
+        if union is not None and not state.disk_failed and end < max_chunks:
+            far, far_used, far_pending = self._converge(state, start, max_chunks, union)
+            if far > end:
+                end, used, pending, view = far, far_used, far_pending, union
+                promote = union.disk_only(used)
         # refresh what resuming at ``end`` needs: a full-attention group's whole prefix, a
         # sliding-window group's last window only (older chunks of it are never read again)
         touched: list[int] = []
         for group, gs in zip(self.groups, state.groups, strict=True):
             lo = max(0, end - group.window_chunks(tpc)) if group.is_sliding else 0
             touched.extend(gs.keys[lo:end])
-        self.directory.touch(touched)
+        view.touch(touched)
         if pending or any(k in loading for k in used):
             return self._defer(state)
+        if promote:
+            assert moves is not None
+            job = moves.promote(promote)
+            if job is not None:  # ask again once the chunks have landed in the CPU tier
+                self.promoting[job] = state
+                self.stats.promotions_waited += 1
+                return self._defer(state)
+            # no room in the CPU tier for them: what the CPU tier alone holds
+            end, used, pending = self._converge(state, start, max_chunks, cpu, count=False)
+            if pending or any(k in loading for k in used):
+                return self._defer(state)
         return max(0, end * tpc - num_local)
 
     def _defer(self, state: RequestOffloadState) -> int | None:
@@ -124,17 +157,23 @@ class PrefixLookup:
         return None
 
     def _converge(
-        self, state: RequestOffloadState, start: int, max_chunks: int
+        self,
+        state: RequestOffloadState,
+        start: int,
+        max_chunks: int,
+        d: Directory | UnionView,
+        count: bool = True,
     ) -> tuple[int, list[int], bool]:
-        """The largest chunk boundary every group can resume at, the keys a load would read, and
-        whether any of them is still being written."""
-        d = self.directory
+        """The largest chunk boundary every group can resume at in ``d`` (a tier, or the tiers
+        together), the keys a load would read, and whether any of them is still being written.
+        ``count``: the keys examined count as looked up (once per lookup: not on a second
+        pass)."""
         end = max_chunks
         for g, group in enumerate(self.groups):
             if group.is_sliding:
                 continue
             keys = state.groups[g].keys
-            present, _ = d.match_prefix(keys[start:end])
+            present, _ = d.match_prefix(keys[start:end], count=count)
             end = start + present
             if end <= start:
                 return start, [], False
@@ -159,7 +198,8 @@ class PrefixLookup:
             if ok:
                 break
             end -= 1
-        d.count_lookups(examined)
+        if count:
+            d.count_lookups(examined)
         if end <= start:
             return start, [], False
         used: list[int] = []

@@ -1,51 +1,30 @@
 """The connector's scheduler half: what to load, what to store, what to flush, and the books.
 
 It never touches tensors, and its only caller is the engine scheduler, in the protocol's order:
-``lookup`` (how much of a waiting request the CPU tier can supply, ``connector/lookup.py``),
+``lookup`` (how much of a waiting request the tiers can supply, ``connector/lookup.py``),
 ``on_allocated`` / ``on_released`` (every GPU block allocation and sliding-window release, from
 every path; an admission with a hit brings its load), ``plan`` (the step's flushes, loads and
-stores), ``process_reports`` (the ranks' acks), ``request_finished`` and ``reset``. Per-request
-state and its changes are ``connector/state.py``'s.
+stores, and the disk tier's moves), ``process_reports`` (the ranks' acks), ``request_finished``
+and ``reset``. Per-request state and its changes are ``connector/state.py``'s; the moves between
+the CPU tier and the disk tier, ``connector/tier_moves.py``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from raykv.connector.fence import Fence, FenceError
+from raykv.connector.invariants import check_connector
 from raykv.connector.jobs import JobTable, TransferJobStatus
 from raykv.connector.lookup import PrefixLookup
+from raykv.connector.scheduled import FinishedLoad, ScheduledRequest
 from raykv.connector.state import ReleasedBlocks, RequestOffloadState
 from raykv.connector.stats import ConnectorStats
+from raykv.connector.tier_moves import DiskMoves
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request
-from raykv.core.step import BlockCopy, StepReport, TransferPlan, TransferSpec
+from raykv.core.step import BlockCopy, ChunkKeys, StepReport, TransferPlan, TransferSpec
 from raykv.offload.directory import Directory
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """A request computing ``num_tokens`` tokens this step. ``loading``: its load from the CPU
-    tier lands in this same step, before the model runs (``offload.load_in_step``), and the
-    tokens come after the loaded ones; they count only if every rank acks that load in this
-    step's reports."""
-
-    req: Request
-    num_tokens: int
-    loading: bool = False
-
-    @property
-    def start(self) -> int:
-        """Position of the first token computed this step."""
-        req = self.req
-        return req.num_computed + (req.load_tokens if self.loading else 0)
-
-
-@dataclass(slots=True)
-class FinishedLoad:
-    req: Request
-    ok: bool
 
 
 class ConnectorScheduler:
@@ -64,6 +43,8 @@ class ConnectorScheduler:
             its request can compute in the step that loads it (``TransferSpec.same_step``).
         max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
+        disk: the disk tier under the CPU tier, and ``disk_reserve`` the CPU slots its
+            demotions keep free (``offload.disk``).
     """
 
     def __init__(
@@ -78,6 +59,9 @@ class ConnectorScheduler:
         ack_timeout_steps: int = 32,
         check_sums: bool = False,
         load_in_step: bool = False,
+        disk: Directory | None = None,
+        disk_reserve: int = 0,
+        retry_full_steps: int = 512,
     ) -> None:
         self.directory = directory
         self.load_in_step = load_in_step
@@ -87,15 +71,23 @@ class ConnectorScheduler:
         self.tpc = block_size * blocks_per_chunk
         self.verify = verify
         self.check_sums = check_sums
-        self._corrupt: set[int] = set()  # loads a rank found corrupt, until they finalize
+        self._corrupt: set[int] = set()  # jobs a rank found corrupt, until they finalize
+        self._full: set[int] = set()  # demotions a rank found the disk full for
         self.ack_timeout_steps = ack_timeout_steps
         self.step = 0  # the step being scheduled: jobs created now belong to it
         self.jobs = JobTable(num_ranks)
         self.fence = Fence()
         self.stats = ConnectorStats()
+        self.disk = disk
+        self.moves = (
+            DiskMoves(directory, disk, self.jobs, disk_reserve, check_sums, retry_full_steps)
+            if disk is not None
+            else None
+        )
         self._lookup = PrefixLookup(
             directory, groups, block_size, blocks_per_chunk, max_deferred_steps, self.stats
         )
+        self._lookup.moves = self.moves
         # keyed by the request object: state belongs to one admission, never to an id (serving
         # forgets finished requests, and a new request may come with an old one's id)
         self._reqs: dict[Request, RequestOffloadState] = {}
@@ -116,7 +108,7 @@ class ConnectorScheduler:
     # ---- lookups --------------------------------------------------------------------------
 
     def lookup(self, req: Request, num_local: int) -> int | None:
-        """How many tokens after the ``num_local`` already on the GPU the CPU tier can supply.
+        """How many tokens after the ``num_local`` already on the GPU the tiers can supply.
 
         None means "ask again next step": the request has transfers in flight (one load xor
         stores, and a preempted request's flushed stores may not be acked yet), or the chunks it
@@ -216,9 +208,13 @@ class ConnectorScheduler:
         for why in self._flush.values():
             setattr(self.stats, f"flushes_{why}", getattr(self.stats, f"flushes_{why}") + 1)
         reack = sorted(j for j, why in self._flush.items() if why == "timeout")
-        plan = TransferPlan(sorted(self._flush), reack, self._loads, stores)
+        moves, drops = self.moves.plan(step) if self.moves is not None else ([], ChunkKeys())
+        plan = TransferPlan(sorted(self._flush), reack, self._loads, stores, moves, drops)
         self._loads, self._flush, self._allocated = [], {}, set()
-        self.step = step + 1  # jobs created from now on (loads at admission) belong to the next
+        # jobs created from now on (loads and promotions at admission) belong to the next
+        self.step = step + 1
+        if self.moves is not None:
+            self.moves.step = self.step
         return plan
 
     def carry_flushes(self, plan: TransferPlan) -> None:
@@ -341,6 +337,7 @@ class ConnectorScheduler:
         for report in reports:
             t = report.transfers
             self._corrupt.update(t.corrupt)
+            self._full.update(t.full)
             for ok, ids in ((True, t.completed), (False, t.failed)):
                 for job_id in ids:
                     job = self.jobs.ack(job_id, report.rank, ok)
@@ -352,6 +349,9 @@ class ConnectorScheduler:
 
     def _finalize(self, job: TransferJobStatus) -> FinishedLoad | None:
         d = self.directory
+        if job.move:
+            self._finalize_move(job)
+            return None
         if job.is_store:
             d.complete_store(job.keys, success=not job.failed)
             self.stats.failed_stores += job.failed
@@ -380,6 +380,16 @@ class ConnectorScheduler:
                 del self._reqs[state.req]
         return None if job.is_store else FinishedLoad(job.request, not job.failed)
 
+    def _finalize_move(self, job: TransferJobStatus) -> None:
+        assert self.moves is not None
+        corrupt, full = job.job_id in self._corrupt, job.job_id in self._full
+        self._corrupt.discard(job.job_id)
+        self._full.discard(job.job_id)
+        self.moves.finalize(job, corrupt, full, self.step)
+        waiting = self._lookup.promoting.pop(job.job_id, None)
+        if waiting is not None and job.failed:
+            waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
+
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.
 
@@ -392,6 +402,10 @@ class ConnectorScheduler:
         cancelled = [s.req for s in self._reqs.values() if s.has_load]
         for job in self.jobs.reset():
             self._flush[job.job_id] = "reset"
+            if job.move:
+                assert self.moves is not None
+                self.moves.abandon(job, keep_cpu=keep_tier)
+                continue
             if not keep_tier:
                 continue
             if job.is_store:
@@ -410,6 +424,7 @@ class ConnectorScheduler:
             self.directory.reset()
         self.fence.clear()
         self._loading_keys.clear()
+        self._lookup.promoting.clear()
         return cancelled
 
     # ---- queries ---------------------------------------------------------------------------
@@ -427,19 +442,4 @@ class ConnectorScheduler:
 
     def check_invariants(self) -> None:
         """The scheduler-side invariants of DESIGN.md (fence, acks, one load xor stores)."""
-        fenced: dict[int, set[int]] = {}
-        for job in self.jobs.jobs.values():
-            assert 0 < job.pending_count <= self.jobs.num_ranks
-            blocks = list(job.fenced_block_ids)
-            if job.deferred_fenced:
-                blocks += job.deferred_fence_block_ids
-            for b in blocks:
-                fenced.setdefault(b, set()).add(job.job_id)
-            state = self._reqs.get(job.request)
-            assert state is not None and job.job_id in state.jobs, f"orphan job {job.job_id}"
-        assert fenced == {b: self.fence.jobs_on([b]) for b in self.fence.blocks()}
-        assert set(fenced) == self.fence.blocks()
-        for state in self._reqs.values():
-            kinds = {self.jobs.jobs[j].is_store for j in state.jobs}
-            assert not (state.has_load and len(state.jobs) != 1), "a load beside other jobs"
-            assert state.has_load == (kinds == {False}), "load flag disagrees with jobs"
+        check_connector(self.jobs, self.fence, self._reqs, self.moves)

@@ -42,6 +42,9 @@ class RequestOffloadState:
     # a load of this request failed on some rank: it recomputes from then on, or a copy path
     # that fails every time would have it load, fail and load again for ever
     load_failed: bool = False
+    # the same for the disk tier: a promotion it waited for failed, so it looks past the CPU
+    # tier no more
+    disk_failed: bool = False
 
     @classmethod
     def new(cls, req: Request, num_groups: int) -> RequestOffloadState:

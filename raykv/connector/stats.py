@@ -22,3 +22,4 @@ class ConnectorStats:
     flushes_reset: int = 0
     flushes_timeout: int = 0  # re-ack requests for jobs unacked too long
     deferral_timeouts: int = 0  # requests that stopped waiting and recomputed
+    promotions_waited: int = 0  # lookups that started a promotion from disk and waited for it

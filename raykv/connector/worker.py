@@ -1,12 +1,14 @@
 """The connector's worker half: one per rank, it moves KV and nothing else.
 
 The rank runner calls it around the model step: ``before_model`` flushes (finishes the listed
-jobs now, submitting any of them that arrive in this very plan first) and submits the loads
-(finishing those the model reads in this same step);
-``after_model`` queues the stores and polls finished jobs without blocking. Before the model
-writes a block, or a load is queued into one, the rank asks ``check_writable``: no unfinished
-store on this rank may still read that block (the fence invariant, checked where it matters),
-and no unfinished load may still write it.
+jobs now, submitting any of them that arrive in this very plan first), deletes the disk files
+the plan drops and submits the loads (finishing those the model reads in this same step);
+``after_model`` queues the stores and the moves between the CPU tier and the disk tier, and
+polls finished jobs without blocking. Before the model writes a block, or a load is queued into
+one, the rank asks ``check_writable``: no unfinished store on this rank may still read that
+block (the fence invariant, checked where it matters), and no unfinished load may still write
+it. A store into a CPU slot, or a load out of one, must find no unfinished move between the
+tiers still reading or writing that slot (``check_slots``).
 
 No torch here: the copy backend and the verifier of loaded blocks are passed in.
 """
@@ -17,7 +19,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from raykv.core.step import BlockContent, TransferPlan, TransferReport, TransferSpec, TransferStats
+from raykv.core.step import (
+    BlockContent,
+    TierMove,
+    TransferPlan,
+    TransferReport,
+    TransferSpec,
+    TransferStats,
+)
 
 # (GPU block, what it must hold) -> whether it does: the synthetic model's check of a load
 BlockVerifier = Callable[[int, BlockContent], bool]
@@ -43,6 +52,21 @@ class TransferBackend(Protocol):
     def take_corrupt(self) -> list[int]: ...
 
 
+class DiskBackend(Protocol):
+    """What a rank's disk transfer engine (possibly wrapped in a fault) offers."""
+
+    def submit(self, move: TierMove) -> None: ...
+    def drop(self, keys: list[int]) -> None: ...
+    def flush(self, job_ids: list[int]) -> None: ...
+    def poll(self) -> tuple[list[int], list[int]]: ...
+    def wait(self, timeout_s: float) -> None: ...
+    def in_flight(self) -> int: ...
+    def pending_slots(self) -> tuple[set[int], set[int]]: ...
+    def take_stats(self) -> TransferStats: ...
+    def take_corrupt(self) -> list[int]: ...
+    def take_full(self) -> list[int]: ...
+
+
 class FenceViolation(RuntimeError):
     """A rank was asked to write a GPU block that an unfinished store still reads, or to read or
     write one a load has not finished writing. Always a protocol bug."""
@@ -52,10 +76,15 @@ class ConnectorWorker:
     """The worker half for one rank."""
 
     def __init__(
-        self, rank: int, backend: TransferBackend, verify: BlockVerifier | None = None
+        self,
+        rank: int,
+        backend: TransferBackend,
+        verify: BlockVerifier | None = None,
+        disk: DiskBackend | None = None,
     ) -> None:
         self.rank = rank
         self.backend = backend
+        self.disk = disk
         self.verify = verify
         self._verify: dict[int, TransferSpec] = {}  # loads to check once finished
         self._checked: dict[int, tuple[int, int]] = {}  # checked, not yet reported: (n, bad)
@@ -76,10 +105,15 @@ class ConnectorWorker:
                 backend.submit(spec)
         if plan.flush:
             backend.flush(plan.flush)
+            if self.disk is not None:
+                self.disk.flush(plan.flush)
             # a flushed load is finished now, and its blocks may be handed to a new owner later
             # in this very step (its request was restarted): check its bytes before that, and
             # count the result once the poll says whether the copy succeeded
             self._check_loads(plan.flush)
+        if plan.disk_drops and self.disk is not None:
+            self.disk.drop(plan.disk_drops.unpack())
+        self.check_slots(plan.loads, "load from")
         for spec in plan.loads:
             self.check_writable(spec.copy.gpu_blocks, "load into")
             backend.submit(spec)
@@ -93,15 +127,27 @@ class ConnectorWorker:
 
     def after_model(self, plan: TransferPlan, idle: bool) -> TransferReport:
         """Queue the stores, poll, and report what ended (and what the plan asks again)."""
-        backend = self.backend
+        backend, disk = self.backend, self.disk
         flush = set(plan.flush)
+        self.check_slots([s for s in plan.stores if s.job_id not in flush], "store into")
         for spec in plan.stores:
             if spec.job_id not in flush:
                 backend.submit(spec)
+        if disk is not None:
+            for move in plan.tier_moves:
+                disk.submit(move)
         if idle:
             backend.wait(IDLE_WAIT_S)
+            if disk is not None and disk.in_flight():
+                disk.wait(IDLE_WAIT_S)
         completed, failed = backend.poll()
         stats = backend.take_stats()
+        corrupt, full = backend.take_corrupt(), []
+        if disk is not None:
+            moved, not_moved = disk.poll()
+            completed, failed = completed + moved, failed + not_moved
+            stats.add(disk.take_stats())
+            corrupt, full = corrupt + disk.take_corrupt(), disk.take_full()
         self._verify_loads(completed, failed, stats)
         self._remember(completed, failed)
         # a job the scheduler has waited for too long: if this rank reported it already (and
@@ -110,7 +156,7 @@ class ConnectorWorker:
             ok = self._reported.get(job_id)
             if ok is not None and job_id not in completed and job_id not in failed:
                 (completed if ok else failed).append(job_id)
-        return TransferReport(completed, failed, stats, backend.take_corrupt())
+        return TransferReport(completed, failed, stats, corrupt, full)
 
     def check_writable(self, blocks: list[int], what: str = "write") -> None:
         """Raise unless no unfinished transfer on this rank uses ``blocks``."""
@@ -122,6 +168,21 @@ class ConnectorWorker:
             raise FenceViolation(
                 f"rank {self.rank} step {self._step}: asked to {what} GPU blocks {bad} "
                 "that unfinished transfers still use"
+            )
+
+    def check_slots(self, specs: list[TransferSpec], what: str) -> None:
+        """Raise if an unfinished move between the tiers still uses a CPU slot these copies
+        use: a demotion reads its slots, a promotion writes them (a store into either, or a load
+        out of a slot being promoted into, would race it)."""
+        if self.disk is None or not specs or not self.disk.in_flight():
+            return
+        reads, writes = self.disk.pending_slots()
+        busy = (reads | writes) if what == "store into" else writes
+        bad = busy.intersection(s for spec in specs for s in spec.copy.cpu_slots)
+        if bad:
+            raise FenceViolation(
+                f"rank {self.rank} step {self._step}: asked to {what} CPU slots {sorted(bad)} "
+                "that unfinished moves between the CPU and disk tiers still use"
             )
 
     def check_readable(self, blocks: Iterable[int]) -> None:

@@ -1,5 +1,5 @@
 """KV events: which keys became readable or went away, on the GPU prefix cache and in the CPU
-tier, in one stream per engine with gap-detectable sequence numbers.
+and disk tiers, in one stream per engine with gap-detectable sequence numbers.
 
 A consumer (the serving layer's KV-aware router) mirrors what an engine holds from these alone:
 ``BlockStored`` adds keys to a medium, ``BlockRemoved`` takes them out, and a jump in ``seq``
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
 
 
 @dataclass(slots=True, frozen=True)

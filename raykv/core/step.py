@@ -10,11 +10,13 @@ Ranks see job ids, GPU block ids and CPU slots; they never see requests' fence b
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import msgspec
 from msgspec import field
 
 from raykv.core.block_pool import NULL_BLOCK
+from raykv.core.keys import key_group, key_hash, make_key
 
 
 class BlockCopy(msgspec.Struct, array_like=True):
@@ -56,6 +58,46 @@ class TransferSpec(msgspec.Struct, array_like=True):
     # a load whose blocks the model reads in this very step: every rank finishes it before its
     # model step runs (otherwise the request runs only after every rank has acked the load)
     same_step: bool = False
+
+
+class ChunkKeys(msgspec.Struct, array_like=True):
+    """Offload keys on the wire: a key is a 64-bit block hash and a KV-group index packed into
+    one int of up to 72 bits (``core/keys.py``), more than MessagePack's ints carry, so keys
+    travel as their two parts."""
+
+    hashes: list[int] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, keys: Sequence[int]) -> ChunkKeys:
+        return cls([key_hash(k) for k in keys], [key_group(k) for k in keys])
+
+    def unpack(self) -> list[int]:
+        return [make_key(h, g) for h, g in zip(self.hashes, self.groups, strict=True)]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+class TierMove(msgspec.Struct, array_like=True):
+    """One job between the CPU tier and the disk tier, on every rank: a demotion writes each
+    chunk's CPU slot to the rank's file of its key; a promotion reads each file into its CPU
+    slot. Ranks see keys (their file names) and slots, never requests."""
+
+    job_id: int
+    promote: bool  # disk -> CPU slot (else CPU slot -> disk)
+    chunks: ChunkKeys
+    cpu_slots: list[int]  # one per key, same order
+    # a demotion checks each page's bytes against the CPU pool's recorded checksum before
+    # writing it (a corrupt chunk never reaches the disk); a promotion records the checksums it
+    # verified for the CPU tier's loads (offload.verify)
+    check_sums: bool = False
+
+    @classmethod
+    def of(
+        cls, job_id: int, promote: bool, keys: Sequence[int], slots: list[int], check: bool
+    ) -> TierMove:
+        return cls(job_id, promote, ChunkKeys.of(keys), slots, check)
 
 
 class WriteSpan(msgspec.Struct, array_like=True):
@@ -218,6 +260,10 @@ class TransferPlan(msgspec.Struct, array_like=True):
     reack: list[int] = field(default_factory=list)
     loads: list[TransferSpec] = field(default_factory=list)
     stores: list[TransferSpec] = field(default_factory=list)
+    # the disk tier: demotions and promotions (queued after the stores), and the keys whose
+    # files go (evicted or found corrupt), removed before anything of this plan is queued
+    tier_moves: list[TierMove] = field(default_factory=list)
+    disk_drops: ChunkKeys = field(default_factory=ChunkKeys)
 
 
 class StepPlan(msgspec.Struct, array_like=True):
@@ -250,6 +296,14 @@ class TransferStats(msgspec.Struct, array_like=True):
     mismatches: int = 0
     chunks_checked: int = 0  # CPU-pool rows whose checksum a load checked
     corrupt_detected: int = 0  # of those, rows whose bytes no longer matched
+    # the disk tier, per direction: chunks, bytes and seconds of the I/O threads' work
+    disk_write_chunks: int = 0
+    disk_write_bytes: int = 0
+    disk_write_seconds: float = 0.0
+    disk_read_chunks: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_corrupt: int = 0  # chunk files that failed their checks (torn, changed, missing)
 
     def add(self, other: TransferStats) -> None:
         for name in self.__struct_fields__:
@@ -263,6 +317,8 @@ class TransferReport(msgspec.Struct, array_like=True):
     failed: list[int] = field(default_factory=list)
     stats: TransferStats = field(default_factory=TransferStats)
     corrupt: list[int] = field(default_factory=list)  # failed loads that read corrupt bytes
+    # failed demotions that found the disk full (ENOSPC): the tier stops admitting for a while
+    full: list[int] = field(default_factory=list)
 
 
 class StepReport(msgspec.Struct, array_like=True):
@@ -274,3 +330,4 @@ class StepReport(msgspec.Struct, array_like=True):
     samples: list[int] = field(default_factory=list)  # per sampling batch entry: this rank's part
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # a real model's, if asked
     busy_s: float = 0.0  # wall seconds the rank spent on the step: its copies and its model
+    model_s: float = 0.0  # of those, the model's own (what a prefill costs, for the tiers)

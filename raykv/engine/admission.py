@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import get_args
 
 from raykv.config import SchedulePolicy
-from raykv.connector.scheduler import ScheduledRequest
+from raykv.connector.scheduled import ScheduledRequest
 from raykv.core.request import Request
 
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from raykv.connector.scheduler import ScheduledRequest
+from raykv.connector.scheduled import ScheduledRequest
 from raykv.core.block_pool import NULL_BLOCK
 from raykv.core.hashing import parent_hash
 from raykv.core.kv_cache import KVCacheManager

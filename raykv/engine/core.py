@@ -18,7 +18,7 @@ from raykv.connector.scheduler import ConnectorScheduler
 from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
-from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, EventLog
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, EventLog
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import (
@@ -31,6 +31,7 @@ from raykv.core.step import (
     TransferStats,
 )
 from raykv.engine.batch import fill_pending, model_batch, pending_entries
+from raykv.engine.disk_tier import disk_directory, reserve_slots, warm_start
 from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.ranks import RankFailed, StepHandle, Workers
 from raykv.engine.sampler import real_model_tokens, sample_batch
@@ -105,6 +106,7 @@ class EngineCore:
         self.pool = BlockPool(cfg.cache.num_gpu_blocks, self.events)
         use_offload = cfg.offload.enabled if offload is None else offload
         self.connector: ConnectorScheduler | None = None
+        self.disk_warm_chunks = 0  # chunks a warm start found in the disk tier's files
         if use_offload:
             o = cfg.offload
             checked = cfg.offload.verify if verify is None else verify
@@ -117,6 +119,7 @@ class EngineCore:
                     events=self.events,
                 )
             self.directory = directory
+            disk = disk_directory(cfg, self.events)
             self.connector = ConnectorScheduler(
                 self.directory,
                 self.groups,
@@ -129,7 +132,13 @@ class EngineCore:
                 ack_timeout_steps=cfg.engine.ack_timeout_steps,
                 check_sums=checked,
                 load_in_step=cfg.load_in_step(),
+                disk=disk,
+                disk_reserve=reserve_slots(cfg) if disk is not None else 0,
+                retry_full_steps=o.disk.retry_full_steps,
             )
+            if disk is not None and self.connector.moves is not None:
+                self.disk_warm_chunks, drops = warm_start(cfg, disk, workers)
+                self.connector.moves.drop_files(drops)
         self.scheduler = Scheduler(
             self.pool,
             self.groups,
@@ -381,6 +390,8 @@ class EngineCore:
         held = {MEDIUM_GPU: self.pool.cached_keys()}
         if self.connector is not None:
             held[MEDIUM_CPU] = list(self.directory.readable_keys())
+            if self.connector.disk is not None:
+                held[MEDIUM_DISK] = list(self.connector.disk.readable_keys())
         return self.events.next_seq, held
 
     def reset_offload(self) -> None:

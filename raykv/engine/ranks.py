@@ -71,3 +71,7 @@ class Workers(Protocol):
     def restart(self, ranks: list[int]) -> bool:
         """Replace the ranks; True when each new one found its CPU-pool shard intact."""
         ...
+
+    def disk_index(self) -> list[list[int]]:
+        """Each rank's keys in its disk-tier directory (empty lists: no disk tier)."""
+        ...

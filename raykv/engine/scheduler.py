@@ -15,7 +15,8 @@ from collections import deque
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from raykv.connector.scheduler import ConnectorScheduler, ScheduledRequest
+from raykv.connector.scheduled import ScheduledRequest
+from raykv.connector.scheduler import ConnectorScheduler
 from raykv.core.block_pool import BlockPool
 from raykv.core.kv_cache import KVCacheManager
 from raykv.core.kv_groups import KVGroup

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raykv.connector.scheduler import ScheduledRequest
+from raykv.connector.scheduled import ScheduledRequest
 from raykv.core.request import Request
 from raykv.core.step import TransferPlan
 

@@ -1,9 +1,10 @@
 """An in-process worker group: every tensor-parallel rank in this process, one after another.
 
 Each rank owns its shard of the KV cache (its KV heads of every block), its shard of the CPU
-pool, a transfer engine, the model's shard, the connector's worker half and the rank runner
-that orders a step; the configured faults are wrapped around the transfer engine and the rank
-here, once. The Ray deployment wraps exactly these objects in actors.
+pool, a transfer engine (and with a disk tier its directory of chunk files and a disk engine),
+the model's shard, the connector's worker half and the rank runner that orders a step; the
+configured faults are wrapped around the transfer engines and the rank here, once. The Ray
+deployment wraps exactly these objects in actors.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from raykv.connector.worker import ConnectorWorker
 from raykv.core.step import BlockContent, StepPlan, StepReport
 from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.engine.ranks import RankFailed, StepHandle, run_now
+from raykv.engine.tier_namespace import describe, disk_rank_root
 from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
 from raykv.model.synthetic import SyntheticModel
+from raykv.transfer.checksums import RowChecksums
+from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.rank import build_rank
@@ -72,6 +76,26 @@ def make_layout(cfg: RaykvConfig, num_slots: int) -> KVLayout:
     )
 
 
+def disk_engine(
+    cfg: RaykvConfig, rank: int, pool: Any, layout: KVLayout, sums: RowChecksums
+) -> DiskTransferEngine | None:
+    """This rank's disk engine over its directory of the namespace (None: no disk tier)."""
+    d = cfg.offload.disk
+    if not (cfg.offload.enabled and d.enabled):
+        return None
+    if rank == 0:
+        describe(cfg)
+    return DiskTransferEngine(
+        disk_rank_root(cfg, rank),
+        pool,
+        layout,
+        io_threads=d.io_threads,
+        direct_io=d.direct_io,
+        fsync=d.fsync,
+        sums=sums,
+    )
+
+
 class LocalWorker:
     """One rank, in this process."""
 
@@ -113,13 +137,18 @@ class LocalWorker:
         step_model: ModelBackend = model
         if cfg.model.path is not None:
             step_model, verify = real_model(cfg, rank, kv.device, all_reduce), None
-        self.connector = ConnectorWorker(rank, backend, verify)
+        self.disk = disk_engine(cfg, rank, self.pool, self.layout, self.engine.checksums)
+        self.connector = ConnectorWorker(rank, backend, verify, self.disk)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)
 
     def execute(self, plan: StepPlan) -> StepReport:
         return self.runner.execute(plan)
+
+    def disk_index(self) -> list[int]:
+        """The keys whose files this rank's disk-tier directory holds (empty: no disk tier)."""
+        return self.disk.index() if self.disk is not None else []
 
     def held_jobs(self) -> list[int]:
         """Jobs whose completion this rank has not reported yet (late acks)."""
@@ -138,11 +167,15 @@ class LocalWorker:
         """What a crash leaves behind, in one process: queued copies dropped, the copy under
         way finished (no write to the pool after this returns), the pool file kept."""
         self.engine.shutdown(wait=False)
+        if self.disk is not None:
+            self.disk.shutdown(wait=False)
         if self.shared is not None:
             self.shared.unpin()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.disk is not None:
+            self.disk.shutdown()
         if self.shared is not None:
             self.shared.unpin()
             remove_generations(self.shared.path)
@@ -224,6 +257,10 @@ class LocalWorkerGroup:
             self.workers[rank] = self._make(rank)
             intact &= self.workers[rank].pool_attached
         return intact
+
+    def disk_index(self) -> list[list[int]]:
+        """Each rank's disk-tier keys (``LocalWorker.disk_index``)."""
+        return [w.disk_index() for w in self.workers]
 
     def verify_cpu_tier(self, items: list[tuple[int, int, BlockContent]]) -> tuple[int, int]:
         """Every rank's CPU-pool shard against ``EngineCore.cpu_tier_contents()``."""

@@ -10,6 +10,7 @@ sliding window), so the pages the ranks allocate are the pages the model reads a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -273,3 +274,28 @@ def with_stop_tokens(cfg: RaykvConfig, token_ids: Iterable[int | None]) -> Raykv
     None is skipped)."""
     stops = sorted({*cfg.model.stop_token_ids, *(t for t in token_ids if t is not None)})
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"stop_token_ids": stops})})
+
+
+# windows of a weights file read for its fingerprint: enough spread that two checkpoints of one
+# architecture (a fine-tune, a requantization) differ in what is read, little enough to read
+_FINGERPRINT_WINDOWS = 16
+_FINGERPRINT_WINDOW = 64 * 1024
+
+
+def fingerprint(path: Path) -> str:
+    """What identifies a checkpoint's weights (hex): each weights file's name and size and 16
+    windows of 64 KiB spread over it (its first and last included), and the config. The same on
+    every node that holds the same files, wherever they are and whenever they were copied; any
+    change to a header, a quantization or a layer's values changes it. About 1 MiB read per
+    file."""
+    files = [path] if not path.is_dir() else [*safetensors_files(path), config_file(path)]
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        step = max(0, size - _FINGERPRINT_WINDOW) // max(1, _FINGERPRINT_WINDOWS - 1)
+        with open(file, "rb") as fh:
+            for i in range(_FINGERPRINT_WINDOWS):
+                fh.seek(min(i * step, max(0, size - _FINGERPRINT_WINDOW)))
+                digest.update(fh.read(_FINGERPRINT_WINDOW))
+    return digest.hexdigest()

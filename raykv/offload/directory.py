@@ -17,68 +17,23 @@ common paths touch one table, and the busy ones use C-level set operations in bu
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
-from enum import IntEnum
 
-from raykv.offload.events import EventLog, KVEvent
+from raykv.offload.events import MEDIUM_CPU, EventLog, KVEvent
 from raykv.offload.filter import FrequencyFilter
 from raykv.offload.policies import CachePolicy, make_policy
+from raykv.offload.records import (
+    HIT,
+    HIT_PENDING,
+    MISS,
+    DirectoryStats,
+    LookupResult,
+    StorePlan,
+)
 from raykv.offload.slots import SlotAllocator
 
+__all__ = ["HIT", "HIT_PENDING", "MISS", "Directory", "DirectoryStats", "LookupResult", "StorePlan"]
+
 _NOTHING: frozenset[int] = frozenset()
-
-
-class LookupResult(IntEnum):
-    """What the CPU tier can do for one key right now."""
-
-    MISS = 0
-    HIT = 1
-    HIT_PENDING = 2
-
-
-MISS, HIT, HIT_PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
-
-
-@dataclass(slots=True)
-class StorePlan:
-    """The outcome of ``prepare_store``: the keys to copy, their slots (same order), and the keys
-    evicted to make room. An empty plan means nothing needs storing; it is not a failure."""
-
-    keys: list[int]
-    slots: list[int]
-    evicted: list[int]
-
-
-@dataclass(slots=True)
-class DirectoryStats:
-    """A snapshot of the directory's gauges and cumulative counters (counted in keys)."""
-
-    capacity: int
-    used: int
-    ready_idle: int
-    writing: int
-    reading: int
-    lookups: int
-    hits: int
-    hit_pending: int
-    misses: int
-    keys_offered: int
-    keys_stored: int
-    keys_deduped: int
-    keys_filtered: int
-    keys_not_admitted: int
-    evictions: int
-    allocation_failures: int
-    store_failures: int
-    loads: int
-    policy: str
-
-    @property
-    def usage(self) -> float:
-        return self.used / self.capacity
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 class Directory:
@@ -91,6 +46,11 @@ class Directory:
         max_tracker_size: how many keys the lookup-frequency tracker remembers.
         events: record ``BlockStored``/``BlockRemoved`` events for ``take_events``; or the
             engine's ``EventLog`` to record into, beside the GPU prefix cache's.
+        medium: the tier's name in those events (``CPU``, ``DISK``).
+
+    Keys *leaving* (``start_leaving``) were given up by the policy to be copied to the tier
+    below: they stay readable, and a load may still read them, until ``finish_leaving`` says
+    the copy ended and their last reader has left; then their slots are free.
     """
 
     def __init__(
@@ -101,7 +61,9 @@ class Directory:
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
         events: bool | EventLog = True,
+        medium: str = MEDIUM_CPU,
     ) -> None:
+        self.medium = medium
         self._slots = SlotAllocator(num_slots)
         self.policy = make_policy(policy, num_slots) if isinstance(policy, str) else policy
         self._filter = (
@@ -111,6 +73,7 @@ class Directory:
         self._slot: dict[int, int] = {}  # every resident key -> its slot
         self._writing: set[int] = set()
         self._readers: dict[int, int] = {}
+        self._leaving: set[int] = set()  # given up by the policy, copied below; being read
         self._admits = type(self.policy).admit is not CachePolicy.admit
         self._lookups = self._hits = self._pending = 0
         self._offered = self._stored = self._deduped = self._filtered = self._not_admitted = 0
@@ -121,6 +84,15 @@ class Directory:
     @property
     def capacity(self) -> int:
         return self._slots.capacity
+
+    @property
+    def num_free(self) -> int:
+        """Slots free now (not counting those that keys leaving will free)."""
+        return self._slots.num_free
+
+    @property
+    def num_leaving(self) -> int:
+        return len(self._leaving)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -229,16 +201,71 @@ class Directory:
         for key in keys:
             if key not in readers:
                 raise KeyError(f"complete_load for key {key:#x} that is not being read")
+        self._unread(keys)
+
+    def _unread(self, keys: Sequence[int]) -> None:
+        """One reader of each key left; a key's last one unpins it, or frees it if leaving."""
+        readers, leaving = self._readers, self._leaving
         last: list[int] = []
+        gone: list[int] = []
         for key in keys:
             n = readers[key] - 1
             if n:
                 readers[key] = n
+                continue
+            del readers[key]
+            if leaving and key in leaving:
+                leaving.discard(key)
+                gone.append(key)
             else:
-                del readers[key]
                 last.append(key)
         if last:
             self.policy.unpin(last)
+        if gone:
+            slot_pop = self._slot.pop
+            self._slots.release([slot_pop(k) for k in gone])
+            self._events.removed(gone, self.medium)
+
+    # ---- leaving for the tier below ---------------------------------------------------------
+
+    def start_leaving(self, n: int) -> list[int]:
+        """Up to ``n`` ready chunks nobody reads, the coldest by the policy, given up to be
+        copied to the tier below: each stays readable (a load may still read it) and holds its
+        slot until ``finish_leaving``. Returns them (fewer when fewer are idle)."""
+        idle = len(self._slot) - len(self._writing) - len(self._readers)
+        n = min(n, idle)
+        if n <= 0:
+            return []
+        victims = self.policy.evict(n, _NOTHING) or []
+        for key in victims:
+            self._readers[key] = 1
+        self._leaving.update(victims)
+        self._evictions += len(victims)
+        return victims
+
+    def finish_leaving(self, keys: Sequence[int]) -> None:
+        """The copies of these leaving keys ended (done or failed): each one's slot is freed as
+        soon as no load reads it any more."""
+        leaving = self._leaving
+        for key in keys:
+            if key not in leaving:
+                raise KeyError(f"finish_leaving for key {key:#x} that is not leaving")
+        self._unread(keys)
+
+    def adopt(self, keys: Iterable[int]) -> list[int]:
+        """Take in ready chunks found where this tier keeps them (a warm restart), as many as
+        there are free slots; returns those taken (one ``BlockStored`` announces them)."""
+        fresh = [k for k in dict.fromkeys(keys) if k not in self._slot]
+        fresh = fresh[: self._slots.num_free]
+        if not fresh:
+            return []
+        slots = self._slots.allocate(len(fresh))
+        self._slot.update(zip(fresh, slots, strict=True))
+        self.policy.insert(fresh)
+        self.policy.ready(fresh)
+        self._stored += len(fresh)
+        self._events.stored(fresh, self.medium)
+        return fresh
 
     def touch(self, keys: Sequence[int]) -> None:
         """Mark keys (in prefix order) as used now; absent keys are ignored."""
@@ -246,18 +273,19 @@ class Directory:
 
     # ---- stores ----------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[int]) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[int], admit_all: bool = False) -> StorePlan | None:
         """Allocate slots for the keys (prefix order) that need storing.
 
         Keys already present (ready or not) are dropped, as are keys the frequency filter or the
-        policy's admission rejects. Every input key, including the dropped ones, is protected from
-        the eviction that makes room. Eviction is atomic: returns None, with nothing changed, when
+        policy's admission rejects (unless ``admit_all``: a promotion from the tier below, which
+        a lookup asked for). Every input key, including the dropped ones, is protected from the
+        eviction that makes room. Eviction is atomic: returns None, with nothing changed, when
         enough room cannot be made. The new keys are being written until ``complete_store``.
         """
         self._offered += len(keys)
         slot = self._slot
         candidates: Sequence[int] = keys
-        if self._filter is not None:
+        if self._filter is not None and not admit_all:
             candidates = self._filter.passes(candidates)
             self._filtered += len(keys) - len(candidates)
         missing = [k for k in candidates if k not in slot]
@@ -269,7 +297,7 @@ class Directory:
         free = self._slots.num_free
         protected = set(keys) if len(missing) > free else _NOTHING
         to_store = missing
-        if self._admits:
+        if self._admits and not admit_all:
             to_store = self.policy.admit(missing, free, protected)
             self._not_admitted += len(missing) - len(to_store)
             if not to_store:
@@ -285,7 +313,7 @@ class Directory:
             slot_pop = slot.pop
             self._slots.release([slot_pop(k) for k in victims])
             self._evictions += len(victims)
-            self._events.removed(victims)
+            self._events.removed(victims, self.medium)
             evicted = victims
         slots = self._slots.allocate(len(to_store))
         slot.update(zip(to_store, slots, strict=True))
@@ -311,7 +339,7 @@ class Directory:
             writing.difference_update(done)
         if success:
             self.policy.ready(done)
-            self._events.stored(done)
+            self._events.stored(done, self.medium)
         else:
             self._store_failures += len(done)
             slot_pop = self._slot.pop
@@ -332,7 +360,7 @@ class Directory:
         slot_pop = self._slot.pop
         self._slots.release([slot_pop(k) for k in gone])
         self.policy.remove(gone)
-        self._events.removed(gone)
+        self._events.removed(gone, self.medium)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -340,10 +368,11 @@ class Directory:
         """Forget everything. Announced keys get one ``BlockRemoved``. The caller guarantees no
         completion for earlier work arrives afterwards (the connector's reset epoch)."""
         writing = self._writing
-        self._events.removed([k for k in self._slot if k not in writing])
+        self._events.removed([k for k in self._slot if k not in writing], self.medium)
         self._slot.clear()
         writing.clear()
         self._readers.clear()
+        self._leaving.clear()
         self._slots.reset()
         self.policy.clear()
         if self._filter is not None:
@@ -384,6 +413,7 @@ class Directory:
             store_failures=self._store_failures,
             loads=self._loads,
             policy=self.policy.name or type(self.policy).__name__,
+            leaving=len(self._leaving),
         )
 
     def check_invariants(self) -> None:
@@ -393,6 +423,7 @@ class Directory:
         assert readers.keys() <= slot.keys(), "a key being read has no slot"
         assert not writing & readers.keys(), "a key is written and read at once"
         assert all(n > 0 for n in readers.values()), "a reader count is not positive"
+        assert self._leaving <= readers.keys(), "a key leaving is not held by its copy or a load"
         slots = list(slot.values())
         assert len(set(slots)) == len(slots), "a slot is owned by two keys"
         assert all(0 <= s < self.capacity for s in slots), "slot id out of range"

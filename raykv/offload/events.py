@@ -3,6 +3,7 @@ cache records into the same log, so one sequence orders both media)."""
 
 from raykv.core.kv_events import (
     MEDIUM_CPU,
+    MEDIUM_DISK,
     MEDIUM_GPU,
     BlockRemoved,
     BlockStored,
@@ -10,4 +11,12 @@ from raykv.core.kv_events import (
     KVEvent,
 )
 
-__all__ = ["MEDIUM_CPU", "MEDIUM_GPU", "BlockRemoved", "BlockStored", "EventLog", "KVEvent"]
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_GPU",
+    "BlockRemoved",
+    "BlockStored",
+    "EventLog",
+    "KVEvent",
+]

@@ -89,7 +89,7 @@ class CpuTransferEngine(TransferEngineBase):
         self._completed: list[int] = []
         self._failed: list[int] = []
         self._errors: dict[int, str] = {}
-        self._checksums = RowChecksums(self._pool_rows, sums)
+        self.checksums = RowChecksums(self._pool_rows, sums)
         self._corrupt: list[int] = []
         self._stats = TransferStats()
         self._paused = False
@@ -349,11 +349,11 @@ class CpuTransferEngine(TransferEngineBase):
                 assert idx is not None
                 dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
         if spec.is_store and spec.check_sums:  # what the rows hold now, for the loads
-            self._checksums.record(rows)
+            self.checksums.record(rows)
 
     def _check_rows(self, job_id: int, rows: list[int]) -> None:
         """Raise ``ChunkCorrupt`` if a row's bytes no longer match its checksum."""
-        checked, bad = self._checksums.check(rows)
+        checked, bad = self.checksums.check(rows)
         with self._cond:
             self._stats.chunks_checked += checked
             self._stats.corrupt_detected += len(bad)

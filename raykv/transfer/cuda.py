@@ -91,7 +91,7 @@ class CudaTransferEngine(TransferEngineBase):
         self.pool = pool
         self.pinned = pool.is_pinned()  # unpinned pools still work, with staged (slower) DMA
         self._rows = pool_rows(pool, layout)
-        self._checksums = RowChecksums(self._rows, sums)
+        self.checksums = RowChecksums(self._rows, sums)
         self._corrupt: list[int] = []
         self._streams = {
             d: [torch.cuda.Stream(device=self.device) for _ in range(streams_per_direction)]
@@ -131,7 +131,7 @@ class CudaTransferEngine(TransferEngineBase):
             if job.error is None and job.spec.is_store and job.spec.check_sums:
                 # the end event is done: the rows hold what the store wrote, and no load reads
                 # them before this poll reports the store
-                self._checksums.record(job.host_rows)
+                self.checksums.record(job.host_rows)
             self._account(job)
             (failed if job.error else completed).append(job.spec.job_id)
         return completed, failed
@@ -303,9 +303,9 @@ class CudaTransferEngine(TransferEngineBase):
         their stores recorded (else the job fails as corrupt, copying nothing); a store's rows
         vouch for nothing until it lands."""
         if job.spec.is_store:
-            self._checksums.forget(job.host_rows)
+            self.checksums.forget(job.host_rows)
             return True
-        checked, bad = self._checksums.check(job.host_rows)
+        checked, bad = self.checksums.check(job.host_rows)
         self._stats.chunks_checked += checked
         self._stats.corrupt_detected += len(bad)
         if not bad:

@@ -11,9 +11,9 @@ class CountingDirectory(Directory):
         super().__init__(*args, **kwargs)
         self.match_calls = 0
 
-    def match_prefix(self, keys):
+    def match_prefix(self, keys, **kwargs):
         self.match_calls += 1
-        return super().match_prefix(keys)
+        return super().match_prefix(keys, **kwargs)
 
 
 def test_a_prefix_gone_from_the_gpu_is_loaded_back() -> None:

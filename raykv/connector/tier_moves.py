@@ -1,0 +1,208 @@
+"""Moves between the CPU tier and the disk tier: demotions, promotions, and the files to delete.
+
+Both are jobs of the connector's job table, acked by every rank like loads and stores, and
+belong to the tiers rather than to a request:
+
+- **Demotion.** Each plan keeps a share of the CPU tier free (``offload.disk.reserve_fraction``)
+  by giving up its coldest ready chunks (``Directory.start_leaving``). A chunk the disk tier
+  already holds leaves at once; one the disk tier admits (its own policy and frequency filter)
+  is written there by every rank from its own CPU-pool shard: its CPU slot stays pinned (being
+  read, still readable by a load) and its disk entry being written until every rank has acked,
+  then the slot is free and the disk copy readable. A chunk the disk tier refuses is dropped.
+  Keeping room ahead means a store never waits for the disk; a store that finds no room anyway
+  evicts from the CPU tier as it does without a disk (``DiskMoves.dropped_by_stores`` says how
+  often the reserve fell short).
+- **Promotion.** A lookup that reaches chunks only the disk tier holds has them read by every
+  rank into fresh CPU slots (being written until every rank acked, the disk entries being read);
+  the request waits (its lookup is deferred) and then loads them like any CPU hit. A promoted
+  chunk stays on disk too, so its later eviction from the CPU tier writes nothing.
+
+A move that fails leaves nothing readable that was not: a demotion's disk entry is dropped, a
+promotion's CPU slots are freed. A source found corrupt (a file's checksums, or CPU bytes that
+changed since their store) leaves its tier; a disk file any rank found bad is deleted on every
+rank. A demotion that found the disk full stops demotions for ``retry_full_steps`` steps,
+said once in the log; the run goes on with the CPU tier alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.core.step import ChunkKeys, TierMove
+from raykv.offload.directory import Directory
+
+log = logging.getLogger(__name__)
+
+DEMOTE, PROMOTE = "demote", "promote"
+
+
+@dataclass(slots=True)
+class DiskMoveStats:
+    """The disk tier's moves, counted in chunks (and jobs)."""
+
+    demotion_jobs: int = 0
+    demoted: int = 0  # chunks written to disk and readable there
+    demotions_failed: int = 0
+    promotion_jobs: int = 0
+    promoted: int = 0  # chunks read back into the CPU tier
+    promotions_failed: int = 0
+    corrupt: int = 0  # disk chunks found bad by a promotion (deleted)
+    already_on_disk: int = 0  # CPU chunks given up that the disk tier already held
+    not_admitted: int = 0  # CPU chunks given up that the disk tier refused (dropped)
+    full_events: int = 0  # demotions that found the disk full
+    dropped_by_stores: int = 0  # CPU evictions by a store that found no free slot
+
+
+class DiskMoves:
+    """Plans the disk tier's moves and closes them when their jobs are final."""
+
+    def __init__(
+        self,
+        cpu: Directory,
+        disk: Directory,
+        jobs: JobTable,
+        reserve_slots: int,
+        check_sums: bool = False,
+        retry_full_steps: int = 512,
+    ) -> None:
+        """``reserve_slots``: CPU slots kept free by demotions; ``check_sums``: moves check and
+        carry the pool rows' checksums (``offload.verify``); ``retry_full_steps``: steps
+        demotions stop after one found the disk full."""
+        self.cpu = cpu
+        self.disk = disk
+        self.jobs = jobs
+        self.reserve_slots = reserve_slots
+        self.check_sums = check_sums
+        self.retry_full_steps = retry_full_steps
+        self.stats = DiskMoveStats()
+        self.step = 0  # the step being scheduled: promotions started now belong to it
+        self._moves: list[TierMove] = []  # created since the last plan
+        self._drops: list[int] = []  # disk keys whose files go, since the last plan
+        self._paused_until = -1  # demotions stop until this step (the disk was full)
+        self._said_full = False
+
+    # ---- promotions (from a lookup) ------------------------------------------------------
+
+    def promote(self, keys: Sequence[int]) -> int | None:
+        """Start reading these disk-only chunks into CPU slots; the job's id, or None (nothing
+        started) when the CPU tier has no room for them."""
+        keys = list(dict.fromkeys(keys))
+        plan = self.cpu.prepare_store(keys, admit_all=True)
+        if plan is None:
+            return None
+        if plan.keys != keys:  # a key turned up in the CPU tier: never promote over it
+            self.cpu.complete_store(plan.keys, success=False)
+            return None
+        slots = self.disk.prepare_load(keys)
+        del slots  # a disk slot is only the tier's count of its room; files are named by key
+        job = self.jobs.create(None, keys, False, step=self.step, move=PROMOTE)
+        self._moves.append(TierMove.of(job.job_id, True, keys, plan.slots, self.check_sums))
+        self.stats.promotion_jobs += 1
+        return job.job_id
+
+    def drop_files(self, keys: Sequence[int]) -> None:
+        """Have every rank delete these keys' files with the next plan (none of them is in the
+        tier: a warm start's partial chunks, or those beyond its capacity)."""
+        self._drops.extend(keys)
+
+    # ---- the step's plan ---------------------------------------------------------------------
+
+    def plan(self, step: int) -> tuple[list[TierMove], ChunkKeys]:
+        """The moves to queue this step (demotions to keep room ahead, the promotions started
+        since the last plan) and the disk keys whose files go."""
+        if step >= self._paused_until:
+            self._demote(step)
+        moves, drops = self._moves, ChunkKeys.of(self._drops)
+        self._moves, self._drops = [], []
+        return moves, drops
+
+    def _demote(self, step: int) -> None:
+        cpu, disk = self.cpu, self.disk
+        want = self.reserve_slots - cpu.num_free - cpu.num_leaving
+        if want <= 0:
+            return
+        victims = cpu.start_leaving(want)
+        if not victims:
+            return
+        held = [k for k in victims if k in disk]
+        if held:  # written before (or being written): the CPU copy can go now
+            self.stats.already_on_disk += len(held)
+            disk.touch(held)
+            cpu.finish_leaving(held)
+        rest = [k for k in victims if k not in disk]
+        if not rest:
+            return
+        plan = disk.prepare_store(rest)
+        admitted = plan.keys if plan is not None else []
+        taken = set(admitted)
+        refused = [k for k in rest if k not in taken]
+        if refused:
+            self.stats.not_admitted += len(refused)
+            cpu.finish_leaving(refused)
+        if plan is None or not admitted:
+            return
+        self._drops.extend(plan.evicted)
+        job = self.jobs.create(None, list(admitted), True, step=step, move=DEMOTE)
+        slots = [cpu.slot_of(k) for k in admitted]
+        self._moves.append(TierMove.of(job.job_id, False, admitted, slots, self.check_sums))
+        self.stats.demotion_jobs += 1
+
+    # ---- the ranks' acks ---------------------------------------------------------------------
+
+    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool, step: int) -> None:
+        """Every rank reported this move (``corrupt``: some rank found its source bad;
+        ``full``: some rank found the disk full)."""
+        ok = not job.failed
+        if job.move == DEMOTE:
+            self.disk.complete_store(job.keys, success=ok)
+            self.cpu.finish_leaving(job.keys)
+            if ok:
+                self.stats.demoted += len(job.keys)
+            else:
+                self.stats.demotions_failed += len(job.keys)
+                # a rank may have renamed its file into place before another failed
+                self._drops.extend(job.keys)
+            if full:
+                self._on_full(step)
+            return
+        self.cpu.complete_store(job.keys, success=ok)
+        self.disk.complete_load(job.keys)
+        if ok:
+            self.stats.promoted += len(job.keys)
+            return
+        self.stats.promotions_failed += len(job.keys)
+        if corrupt:  # which chunk is not said: every one of them leaves, on every rank
+            self.stats.corrupt += len(job.keys)
+            self.disk.discard(job.keys)
+            self._drops.extend(k for k in job.keys if k not in self.disk)
+
+    def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
+        """A reset abandoned this move (its ranks flush it next step; late acks are stale):
+        nothing it was making becomes readable. ``keep_cpu``: the CPU tier keeps its contents
+        (else it is being emptied, and its books with it)."""
+        if job.move == DEMOTE:
+            self.disk.complete_store(job.keys, success=False)
+            self._drops.extend(job.keys)
+            if keep_cpu:
+                self.cpu.finish_leaving(job.keys)
+        else:
+            self.disk.complete_load(job.keys)
+            if keep_cpu:
+                self.cpu.complete_store(job.keys, success=False)
+
+    def _on_full(self, step: int) -> None:
+        self.stats.full_events += 1
+        self._paused_until = step + self.retry_full_steps
+        if not self._said_full:
+            self._said_full = True
+            log.warning(
+                "the disk tier's disk is full: demotions stop for %d steps at a time, the run "
+                "goes on with the CPU tier alone meanwhile",
+                self.retry_full_steps,
+            )
+
+    def check_invariants(self) -> None:
+        self.disk.check_invariants()

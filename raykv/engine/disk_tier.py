@@ -1,0 +1,98 @@
+"""The disk tier as the engine builds it: its directory, its size in chunks, and a warm start
+from the files an earlier run left.
+
+At start every rank lists the chunk files of its directory of the namespace
+(``LocalWorker.disk_index``; stale temporary files of crashed writers are swept on the way). A
+chunk is served only where every rank holds its part: those are taken into the directory as
+ready (as many as its capacity holds), and the files of the others (a part some rank lacks, or
+beyond the capacity) are deleted on every rank by the first step. The capacity must fit the file
+system: at most its free space plus what this namespace's files already take.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from raykv.config import ConfigError, RaykvConfig
+from raykv.config.disk import free_bytes
+from raykv.core.kv_events import MEDIUM_DISK, EventLog
+from raykv.engine.ranks import Workers
+from raykv.offload.directory import Directory
+from raykv.transfer.disk_files import ChunkFormat
+
+log = logging.getLogger(__name__)
+
+
+def file_bytes(cfg: RaykvConfig) -> int:
+    """Bytes of one chunk's file on one rank (header, pages, padding)."""
+    return ChunkFormat(cfg.page_bytes(), cfg.offload.blocks_per_chunk).file_bytes
+
+
+def disk_slots(cfg: RaykvConfig) -> int:
+    """Chunks the disk tier holds: its capacity over one chunk's files on every rank."""
+    per_chunk = file_bytes(cfg) * cfg.parallel.tensor_parallel_size
+    return cfg.offload.disk.capacity // per_chunk
+
+
+def disk_directory(cfg: RaykvConfig, events: EventLog) -> Directory | None:
+    """The disk tier's directory (None: no disk tier); ConfigError naming
+    ``offload.disk.capacity`` when it holds no chunk."""
+    o = cfg.offload
+    if not (o.enabled and o.disk.enabled):
+        return None
+    slots = disk_slots(cfg)
+    if slots < 1:
+        raise ConfigError(
+            f"offload.disk.capacity ({o.disk.capacity}) is smaller than one chunk's files "
+            f"({file_bytes(cfg) * cfg.parallel.tensor_parallel_size} bytes on all ranks)"
+        )
+    return Directory(
+        slots,
+        o.disk.policy,
+        store_threshold=o.disk.store_threshold,
+        max_tracker_size=o.max_tracker_size,
+        events=events,
+        medium=MEDIUM_DISK,
+    )
+
+
+def reserve_slots(cfg: RaykvConfig) -> int:
+    """CPU slots the disk tier's demotions keep free (``offload.disk.reserve_fraction``)."""
+    return max(1, int(cfg.cpu_slots() * cfg.offload.disk.reserve_fraction))
+
+
+def warm_start(cfg: RaykvConfig, disk: Directory, workers: Workers) -> tuple[int, list[int]]:
+    """Take in what the ranks' directories hold: the chunks every rank has, up to the tier's
+    capacity. Returns how many were taken and the keys whose files must go (on every rank)."""
+    per_rank = [set(keys) for keys in workers.disk_index()]
+    if not per_rank:
+        return 0, []
+    everywhere = set.intersection(*per_rank)
+    anywhere = set.union(*per_rank)
+    check_room(cfg, len(anywhere))
+    taken = disk.adopt(sorted(everywhere))
+    drop = sorted(anywhere - set(taken))
+    if taken or drop:
+        log.info(
+            "disk tier: %d chunks found and served (warm restart), %d partial or beyond the "
+            "capacity deleted",
+            len(taken),
+            len(drop),
+        )
+    return len(taken), drop
+
+
+def check_room(cfg: RaykvConfig, chunks_found: int) -> None:
+    """ConfigError naming ``offload.disk.capacity`` when the file system under
+    ``offload.disk.path`` (as this process sees it) cannot hold it: free space plus what the
+    namespace's files found there take."""
+    d = cfg.offload.disk
+    assert d.path is not None
+    held = chunks_found * file_bytes(cfg) * cfg.parallel.tensor_parallel_size
+    room = free_bytes(d.path) + held
+    if d.capacity > room:
+        raise ConfigError(
+            f"offload.disk.capacity ({d.capacity / 2**30:,.2f} GiB) is more than the file system "
+            f"of offload.disk.path {d.path!r} can give: {room / 2**30:,.2f} GiB (free space "
+            "plus this namespace's files); lower it or free space"
+        )

@@ -1,0 +1,85 @@
+"""What names a chunk's bytes across runs and nodes: the namespace of the persistent tiers.
+
+A chunk's key says which tokens it holds; whether its bytes are the KV a run would compute for
+them depends on everything else: the model (its weights' fingerprint for a checkpoint, the
+synthetic model's geometry otherwise), the dtype, the KV layout a rank's page has (groups, their
+attention kinds and windows, layers per page, heads per rank, head size), the block size, the
+blocks per chunk, the TP size (a rank's file holds its heads only) and the on-disk format's
+version. A run reads only chunk files under its own namespace, so a different model, dtype,
+layout or TP size never reads another's bytes, and two runs that agree on all of it share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from functools import lru_cache
+from typing import Any
+
+from raykv.config import RaykvConfig
+from raykv.transfer.disk_files import FORMAT_VERSION
+
+
+def namespace_parts(cfg: RaykvConfig) -> dict[str, Any]:
+    """Everything the namespace covers, as plain data (written beside the files for whoever
+    looks at the directory)."""
+    m, c, o = cfg.model, cfg.cache, cfg.offload
+    if m.path is not None:
+        from raykv.model.checkpoint import resolve
+
+        path = resolve(m.path)
+        model: dict[str, Any] = {"checkpoint": path.name, "weights": _fingerprint(str(path))}
+    else:
+        model = {"synthetic": 1, "layers": m.num_layers, "vocab_size": m.vocab_size}
+    return {
+        "format": FORMAT_VERSION,
+        "model": model,
+        "dtype": m.dtype,
+        "groups": [[g.kind, g.window_tokens] for g in c.groups],
+        "layers_per_page": cfg.layers_per_group,
+        "kv_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "block_size": c.block_size,
+        "blocks_per_chunk": o.blocks_per_chunk,
+        "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+    }
+
+
+def namespace(cfg: RaykvConfig) -> str:
+    """The namespace's directory name: a readable label and a digest of ``namespace_parts``."""
+    parts = namespace_parts(cfg)
+    digest = hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=10)
+    model = parts["model"].get("checkpoint", "synthetic")
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", str(model))[:48]
+    tp = parts["tensor_parallel_size"]
+    return f"{label}-{parts['dtype']}-tp{tp}-{digest.hexdigest()}"
+
+
+def disk_rank_root(cfg: RaykvConfig, rank: int) -> str:
+    """Where ``rank`` keeps its disk-tier files: ``<path>/<namespace>/rank-<rank>``."""
+    path = cfg.offload.disk.path
+    if path is None:
+        raise ValueError("offload.disk.path is not set")
+    return os.path.join(os.path.expanduser(path), namespace(cfg), f"rank-{rank}")
+
+
+def describe(cfg: RaykvConfig) -> None:
+    """Write ``namespace.json`` beside the ranks' directories (what the name stands for)."""
+    root = os.path.dirname(disk_rank_root(cfg, 0))
+    os.makedirs(root, exist_ok=True)
+    target = os.path.join(root, "namespace.json")
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(namespace_parts(cfg), fh, indent=2, sort_keys=True)
+    os.replace(tmp, target)
+
+
+@lru_cache(maxsize=8)
+def _fingerprint(path: str) -> str:
+    from pathlib import Path
+
+    from raykv.model.checkpoint import fingerprint
+
+    return fingerprint(Path(path))

@@ -1,0 +1,415 @@
+"""The disk transfer engine: one rank's chunk files read into and written from its CPU-pool shard.
+
+A demotion writes each of its chunks' CPU slots to the rank's file of the chunk's key; a
+promotion reads each file into its CPU slot. The copies run in a pool of ``io_threads`` threads
+(each chunk one large sequential ``pwritev``/``preadv`` of the whole file, header and pages, from
+or into the pool's own memory where the alignment allows, through one aligned bounce buffer per
+thread where ``O_DIRECT`` needs it and the pool's rows are not aligned), and are reported by a
+non-blocking :meth:`DiskTransferEngine.poll`, like the CPU engine's copies: the step never waits
+on the disk but to flush a job the scheduler abandoned. No Python loop touches the bytes: the
+CRC-32 of each page (``zlib``, which, like the reads and writes, releases the GIL) is the only
+pass over them besides the I/O.
+
+What can go wrong ends a job as failed, never as bytes from somewhere else: a file that is
+missing, of the wrong size, another key's or whose checksums fail is *corrupt* (the rank deletes
+it and reports the job in ``take_corrupt``: its key leaves the tier); a demotion whose CPU bytes
+no longer match the checksum their store recorded (``offload.verify``) is corrupt too, and
+writes nothing; a write that finds the disk full is reported in ``take_full``. File formats and
+paths: :mod:`raykv.transfer.disk_files`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from raykv.core.step import TierMove, TransferStats
+from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
+from raykv.transfer.disk_files import ALIGN, ChunkFileError, ChunkFormat, RankDirectory
+from raykv.transfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+DIRECT_IO_MODES = ("auto", "on", "off")
+
+
+class DiskUnavailable(RuntimeError):
+    """The disk tier cannot work where it was pointed (``offload.disk.*``): named in the
+    message."""
+
+
+class _Corrupt(Exception):
+    """A chunk's source bytes are bad (the file, or the CPU slot a demotion would write)."""
+
+
+class _Full(Exception):
+    """The disk had no room for a chunk's file."""
+
+
+@dataclass(slots=True)
+class _Job:
+    move: TierMove
+    left: int
+    outcome: str = "ok"  # ok | failed | corrupt | full (the worst of its chunks)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_RANK = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3}
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs and some network
+    file systems refuse it)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = os.path.join(directory, f".direct-probe.{os.getpid()}.{threading.get_ident()}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flag | os.O_CLOEXEC, 0o600)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
+    try:
+        buf = mmap.mmap(-1, ALIGN)
+        os.pwrite(fd, buf, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class DiskTransferEngine:
+    """Moves chunks between ``pool`` (this rank's CPU-pool shard, ``[num_slots, chunk elems]``)
+    and the chunk files under ``root``.
+
+    ``direct_io``: ``on`` opens every file with ``O_DIRECT`` (``DiskUnavailable`` where the file
+    system refuses it), ``off`` never, ``auto`` where the file system allows it (``io_mode``
+    says which ran). ``fsync``: each file reaches the device before it is renamed into place
+    (and the rename before the job is reported), so a power loss keeps every chunk reported
+    stored; without it a crash of the machine (not of raykv) may lose recent chunks, never serve
+    a torn one. ``sums``: the CPU pool's row checksums (``offload.verify``)."""
+
+    def __init__(
+        self,
+        root: str,
+        pool: torch.Tensor,
+        layout: KVLayout,
+        *,
+        io_threads: int = 4,
+        direct_io: str = "auto",
+        fsync: bool = False,
+        sums: RowChecksums | None = None,
+    ) -> None:
+        if direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
+        if io_threads <= 0:
+            raise ValueError(f"io_threads must be positive, got {io_threads}")
+        self.files = RankDirectory(root)
+        try:
+            self.files.make()
+        except OSError as exc:
+            raise DiskUnavailable(f"offload.disk.path: cannot create {root!r}: {exc}") from exc
+        direct = direct_io != "off" and probe_direct_io(root)
+        if direct_io == "on" and not direct:
+            raise DiskUnavailable(
+                f"offload.disk.direct_io: on, but the file system of {root!r} refuses O_DIRECT "
+                "(set auto or off)"
+            )
+        self.io_mode = "direct" if direct else "buffered"
+        self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
+        self.layout = layout
+        self.fsync = fsync
+        self.sums = sums
+        self._slots = pool.view(torch.uint8).numpy()  # [num_slots, chunk bytes], shared memory
+        if self._slots.shape[1] != self.format.data_bytes:
+            raise ValueError(f"pool rows of {self._slots.shape[1]} bytes, not one chunk each")
+        self._open_flags = os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        # the pool's own rows can be read and written directly where O_DIRECT's alignment holds
+        base = pool.data_ptr()
+        self._zero_copy = not direct or (base % ALIGN == 0 and self.format.data_bytes % ALIGN == 0)
+        self._local = threading.local()
+        self._pad = bytes(
+            self.format.file_bytes - self.format.header_bytes - self.format.data_bytes
+        )
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._completed: list[int] = []
+        self._failed: list[int] = []
+        self._corrupt: list[int] = []
+        self._full: list[int] = []
+        self._stats = TransferStats()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="raykv-disk")
+        self._closed = False
+
+    # ---------------------------------------------------------------- public API
+
+    def index(self) -> list[int]:
+        """The keys whose files this rank holds (stale temporary files swept on the way)."""
+        keys, swept = self.files.scan()
+        if swept:
+            log.info(
+                "disk tier %s: removed %d unfinished files of crashed writers",
+                self.files.root,
+                swept,
+            )
+        return keys
+
+    def submit(self, move: TierMove) -> None:
+        """Queue one job's chunks on the I/O threads."""
+        keys = move.chunks.unpack()
+        if len(keys) != len(move.cpu_slots):
+            raise ValueError(
+                f"tier move {move.job_id}: {len(keys)} keys, {len(move.cpu_slots)} slots"
+            )
+        job = _Job(move, len(keys))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("DiskTransferEngine is shut down")
+            if move.job_id in self._jobs:
+                raise ValueError(f"job {move.job_id} is already queued")
+            self._jobs[move.job_id] = job
+        if not keys:
+            self._finish(job)
+            return
+        task = self._read if move.promote else self._write
+        for key, slot in zip(keys, move.cpu_slots, strict=True):
+            future: Future[None] = self._pool.submit(task, key, slot, move.check_sums)
+            future.add_done_callback(lambda f, job=job: self._chunk_done(job, f))
+
+    def drop(self, keys: list[int]) -> None:
+        """Delete these keys' files now (evicted, or found corrupt by another rank). No job of
+        this rank still uses them: the directory evicts only chunks nobody reads or writes."""
+        for key in keys:
+            self.files.remove(key)
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        """``(completed, failed)`` job ids finished since the last poll; never blocks."""
+        with self._cond:
+            completed, self._completed = self._completed, []
+            failed, self._failed = self._failed, []
+        return completed, failed
+
+    def take_corrupt(self) -> list[int]:
+        """Failed jobs whose source was bad (the key leaves the tier it was read from)."""
+        with self._cond:
+            out, self._corrupt = self._corrupt, []
+        return out
+
+    def take_full(self) -> list[int]:
+        """Failed demotions that found the disk full."""
+        with self._cond:
+            out, self._full = self._full, []
+        return out
+
+    def take_stats(self) -> TransferStats:
+        with self._cond:
+            stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a job finishes or ``timeout_s`` passes (at once when none is queued)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._completed or self._failed or not self._jobs or self._closed,
+                timeout_s,
+            )
+
+    def flush(self, job_ids: list[int]) -> None:
+        """Block until every listed job still queued has finished (unknown ids are ignored)."""
+        with self._cond:
+            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+        for job in jobs:
+            job.done.wait()
+
+    def pending_slots(self) -> tuple[set[int], set[int]]:
+        """CPU slots that unfinished demotions read, and that unfinished promotions write."""
+        reads: set[int] = set()
+        writes: set[int] = set()
+        with self._cond:
+            for job in self._jobs.values():
+                (writes if job.move.promote else reads).update(job.move.cpu_slots)
+        return reads, writes
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._jobs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the I/O threads; ``wait``: finish every queued chunk first (else queued chunks
+        are dropped and their jobs never reported: what a crash leaves). Either way it returns
+        once no thread touches the pool or a file any more."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._pool.shutdown(wait=True, cancel_futures=not wait)
+
+    # ---------------------------------------------------------------- the I/O threads
+
+    def _chunk_done(self, job: _Job, future: Future[None]) -> None:
+        if future.cancelled():
+            return  # shut down without waiting: the job is never reported
+        exc = future.exception()
+        outcome = "ok"
+        if isinstance(exc, _Corrupt):
+            outcome = "corrupt"
+        elif isinstance(exc, _Full):
+            outcome = "full"
+        elif exc is not None:
+            outcome = "failed"
+            log.warning("disk job %d failed: %s: %s", job.move.job_id, type(exc).__name__, exc)
+        with self._cond:
+            if _RANK[outcome] > _RANK[job.outcome]:
+                job.outcome = outcome
+            job.left -= 1
+            last = job.left == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        job_id = job.move.job_id
+        with self._cond:
+            del self._jobs[job_id]
+            if job.outcome == "ok":
+                self._completed.append(job_id)
+            else:
+                self._failed.append(job_id)
+                if job.outcome == "corrupt":
+                    self._corrupt.append(job_id)
+                elif job.outcome == "full":
+                    self._full.append(job_id)
+            self._cond.notify_all()
+        job.done.set()
+
+    def _buffers(self) -> tuple[mmap.mmap, mmap.mmap | None]:
+        """This thread's aligned header buffer, and its bounce buffer for a whole file where
+        O_DIRECT cannot use the pool's rows."""
+        local = self._local
+        if not hasattr(local, "header"):
+            local.header = mmap.mmap(-1, self.format.header_bytes)
+            local.whole = None if self._zero_copy else mmap.mmap(-1, self.format.file_bytes)
+        return local.header, local.whole
+
+    def _page_crcs(self, data: memoryview) -> list[int]:
+        pb = self.format.page_bytes
+        return [zlib.crc32(data[i * pb : (i + 1) * pb]) for i in range(self.format.pages)]
+
+    def _rows(self, slot: int) -> list[int]:
+        pages = self.format.pages
+        return list(range(slot * pages, (slot + 1) * pages))
+
+    def _write(self, key: int, slot: int, check: bool) -> None:
+        start = time.perf_counter()
+        fmt = self.format
+        data = memoryview(self._slots[slot])
+        crcs = self._page_crcs(data)
+        if check and self.sums is not None:
+            recorded = self.sums.sums[self._rows(slot)].tolist()
+            if any(r != NO_CHECKSUM and r != c for r, c in zip(recorded, crcs, strict=True)):
+                raise _Corrupt(f"CPU slot {slot} changed since its store (key {key:#x})")
+        header, whole = self._buffers()
+        header[:] = fmt.header(key, crcs)
+        tmp = self.files.temporary(key)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags, 0o600)
+            try:
+                if whole is None:
+                    parts = [header, data] + ([self._pad] if self._pad else [])
+                    written = os.pwritev(fd, parts, 0)
+                else:
+                    whole[: fmt.header_bytes] = header
+                    end = fmt.header_bytes + fmt.data_bytes
+                    whole[fmt.header_bytes : end] = data
+                    whole[end:] = self._pad
+                    written = os.pwrite(fd, whole, 0)
+                if written != fmt.file_bytes:
+                    raise OSError(errno.EIO, f"short write: {written} of {fmt.file_bytes} bytes")
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.files.path(key))
+            if self.fsync:
+                self._sync_dir(os.path.dirname(tmp))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _Full(str(exc)) from exc
+            raise
+        self._count(False, fmt.data_bytes, time.perf_counter() - start)
+
+    def _read(self, key: int, slot: int, check: bool) -> None:
+        start = time.perf_counter()
+        fmt = self.format
+        path = self.files.path(key)
+        data = memoryview(self._slots[slot])
+        header, whole = self._buffers()
+        try:
+            fd = os.open(path, os.O_RDONLY | self._open_flags)
+        except FileNotFoundError:
+            raise _Corrupt(f"the file of key {key:#x} is gone") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != fmt.file_bytes:
+                raise ChunkFileError(f"{size} bytes, {fmt.file_bytes} expected")
+            if whole is None:
+                pad = bytearray(len(self._pad))
+                got = os.preadv(fd, [header, data, pad] if pad else [header, data], 0)
+                head, body = memoryview(header), data
+            else:
+                got = os.preadv(fd, [whole], 0)
+                head = memoryview(whole)[: fmt.header_bytes]
+                body = memoryview(whole)[fmt.header_bytes : fmt.header_bytes + fmt.data_bytes]
+            if got != fmt.file_bytes:
+                raise ChunkFileError(f"short read: {got} of {fmt.file_bytes} bytes")
+            crcs = fmt.parse_header(key, head)
+            if self._page_crcs(body) != crcs:
+                raise ChunkFileError("page checksum mismatch")
+        except ChunkFileError as exc:
+            self.files.remove(key)  # never served again, whatever the scheduler learns
+            with self._cond:
+                self._stats.disk_corrupt += 1
+            raise _Corrupt(f"the file of key {key:#x}: {exc}") from None
+        finally:
+            os.close(fd)
+        if whole is not None:
+            data[:] = body
+        if check and self.sums is not None:
+            self.sums.sums[self._rows(slot)] = torch.tensor(crcs, dtype=torch.int64)
+        self._count(True, fmt.data_bytes, time.perf_counter() - start)
+
+    def _count(self, read: bool, nbytes: int, seconds: float) -> None:
+        with self._cond:
+            s = self._stats
+            if read:
+                s.disk_read_chunks += 1
+                s.disk_read_bytes += nbytes
+                s.disk_read_seconds += seconds
+            else:
+                s.disk_write_chunks += 1
+                s.disk_write_bytes += nbytes
+                s.disk_write_seconds += seconds
+
+    @staticmethod
+    def _sync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,182 @@
+"""The disk tier's files: where a rank keeps its chunks, and what one chunk's file holds.
+
+A rank keeps its shard of every chunk the disk tier holds in a directory of its own,
+``<offload.disk.path>/<namespace>/rank-<r>/``, one file per chunk named by its key, in 256
+subdirectories by the key's hash (``ab/00ab12...cd00.kv``) so that no directory grows past a few
+thousand entries at a million chunks. The namespace (``engine/tier_namespace.py``) names the
+model, dtype, KV layout, block and chunk sizes, TP size and this format's version: a run reads
+only files whose bytes mean the same to it.
+
+One file::
+
+    header (a multiple of 4 KiB; one block holds it up to 1,000 pages a chunk)
+        magic "RAYKVDSK", format version, header size, the key (16 bytes), page bytes, pages,
+        the CRC-32 of every page, the CRC-32 of the header itself
+    the chunk's pages, back to back, then zeros up to the next 4 KiB
+
+Every size is a multiple of 4 KiB so the same file can be read and written with ``O_DIRECT``.
+A file is written under a temporary name that carries the writer's pid and renamed when
+complete, so a crash mid-write leaves only a temporary file, never a torn ``.kv``; temporary
+files of processes no longer running are swept when a rank indexes its directory. A read checks
+the size, the header (its checksum, the key, the sizes) and every page's CRC-32 before the
+bytes count: a file torn, truncated, rewritten or replaced behind raykv's back is never served.
+
+No torch here: what the engine writes and reads are buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from raykv.transfer.pool_files import process_alive
+
+FORMAT_VERSION = 1
+MAGIC = b"RAYKVDSK"
+ALIGN = 4096  # O_DIRECT's alignment on every file system raykv meets (and a page)
+# magic, version, header bytes, key (two u64 halves: keys are up to 72 bits), page bytes, pages
+_FIXED = struct.Struct("<8sIIQQQI")
+_SUFFIX = ".kv"
+_TMP_RE = re.compile(r"^\.(?P<key>[0-9a-f]+)\.(?P<pid>\d+)\.(?P<n>\d+)\.tmp$")
+_NAME_RE = re.compile(r"^(?P<key>[0-9a-f]+)\.kv$")
+
+
+class ChunkFileError(ValueError):
+    """A chunk's file is not what it should be (torn, truncated, another key's, bytes changed)."""
+
+
+def align_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFormat:
+    """The geometry of one rank's chunk files: ``pages`` pages of ``page_bytes`` each."""
+
+    page_bytes: int
+    pages: int
+
+    @property
+    def data_bytes(self) -> int:
+        return self.page_bytes * self.pages
+
+    @property
+    def header_bytes(self) -> int:
+        return align_up(_FIXED.size + 4 * self.pages + 4)
+
+    @property
+    def file_bytes(self) -> int:
+        """The whole file: header, pages and the padding to 4 KiB."""
+        return self.header_bytes + align_up(self.data_bytes)
+
+    def header(self, key: int, crcs: list[int]) -> bytes:
+        """The header of ``key``'s file whose pages have these CRC-32s (padded to its size)."""
+        if len(crcs) != self.pages:
+            raise ValueError(f"{len(crcs)} page checksums for a chunk of {self.pages} pages")
+        body = _FIXED.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            self.header_bytes,
+            key & (2**64 - 1),
+            key >> 64,
+            self.page_bytes,
+            self.pages,
+        ) + struct.pack(f"<{self.pages}I", *crcs)
+        body += struct.pack("<I", zlib.crc32(body))
+        return body.ljust(self.header_bytes, b"\0")
+
+    def parse_header(self, key: int, header: bytes | memoryview) -> list[int]:
+        """The page CRC-32s a header of ``key``'s file records; ``ChunkFileError`` naming what
+        is wrong when it is not this geometry's header of that key, or not intact."""
+        header = bytes(header[: self.header_bytes])
+        if len(header) < self.header_bytes:
+            raise ChunkFileError(f"header of {len(header)} bytes, {self.header_bytes} expected")
+        magic, version, size, low, high, page_bytes, pages = _FIXED.unpack_from(header)
+        if magic != MAGIC:
+            raise ChunkFileError("not a raykv chunk file (bad magic)")
+        if version != FORMAT_VERSION:
+            raise ChunkFileError(f"format version {version}, this raykv reads {FORMAT_VERSION}")
+        if (size, page_bytes, pages) != (self.header_bytes, self.page_bytes, self.pages):
+            raise ChunkFileError(
+                f"a chunk of {pages} pages of {page_bytes} bytes (header {size}), "
+                f"{self.pages} of {self.page_bytes} (header {self.header_bytes}) expected"
+            )
+        end = _FIXED.size + 4 * pages
+        (recorded,) = struct.unpack_from("<I", header, end)
+        if zlib.crc32(header[:end]) != recorded:
+            raise ChunkFileError("header checksum mismatch")
+        if (high << 64) | low != key:
+            raise ChunkFileError(f"holds key {(high << 64) | low:#x}, not {key:#x}")
+        return list(struct.unpack_from(f"<{pages}I", header, _FIXED.size))
+
+
+class RankDirectory:
+    """One rank's directory of chunk files: the path of each key's file and temporary file, the
+    index of what is there, and the sweep of what crashed writers left."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._pid = os.getpid()
+        self._tmp_counter = 0
+
+    def path(self, key: int) -> str:
+        name = f"{key:018x}"
+        return os.path.join(self.root, name[-4:-2], name + _SUFFIX)
+
+    def temporary(self, key: int) -> str:
+        """A fresh temporary name beside ``key``'s file, this process's own (thread-safe: the
+        counter's increment is one bytecode under the GIL, and each name is used once)."""
+        self._tmp_counter += 1
+        name = f"{key:018x}"
+        tmp = f".{name}.{self._pid}.{self._tmp_counter}.tmp"
+        return os.path.join(self.root, name[-4:-2], tmp)
+
+    def make(self) -> None:
+        """Create the directory and its 256 subdirectories (where missing)."""
+        for i in range(256):
+            os.makedirs(os.path.join(self.root, f"{i:02x}"), exist_ok=True)
+
+    def scan(self) -> tuple[list[int], int]:
+        """The keys whose files are here, and how many stale temporary files (of writers no
+        longer running) were removed on the way. Names raykv did not write are left alone."""
+        keys: list[int] = []
+        swept = 0
+        for entry in self._entries():
+            m = _NAME_RE.match(entry.name)
+            if m is not None:
+                keys.append(int(m["key"], 16))
+                continue
+            t = _TMP_RE.match(entry.name)
+            if t is not None and not process_alive(int(t["pid"])):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    swept += 1
+        return keys, swept
+
+    def _entries(self) -> Iterator[os.DirEntry[str]]:
+        try:
+            subdirs = [e for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as it:
+                yield from it
+
+    def remove(self, key: int) -> None:
+        """Delete ``key``'s file (nothing if it is already gone)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+
+    def used_bytes(self) -> int:
+        """Bytes the chunk files here take (their sizes)."""
+        total = 0
+        for entry in self._entries():
+            if _NAME_RE.match(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat(follow_symlinks=False).st_size
+        return total
