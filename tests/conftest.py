@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,13 @@ def ray_session():
     handle = connect(num_cpus=8)
     yield handle
     handle.shutdown()
+
+
+@pytest.fixture
+def disk_dir() -> Iterator[str]:
+    """A fresh directory on a real disk for a disk tier's files, removed afterwards."""
+    path = tempfile.mkdtemp(prefix="raykv-test-disk-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -30,6 +30,8 @@ from raykv.runs.driver import run_workload
 from raykv.workload.requests import make_workload
 
 BASE = [
+    # every tier hit is loaded: the faults must meet loads in flight, whatever they cost here
+    "offload.take_hits=always",
     "workload.num_requests=50",
     "cache.num_gpu_blocks=48",
     "parallel.tensor_parallel_size=2",

@@ -172,7 +172,8 @@ def register(sub: Any) -> None:
         help="inject a fault (repeatable): kill-worker:rate=P | kill-worker:step=N:rank=R | "
         "delay-acks:rank=R:steps=K | drop-acks:rate=P | dup-acks:rate=P | fail-copy:rate=P | "
         "corrupt-cpu:rate=P | stall-worker:step=N:rank=R:seconds=S | kill-scheduler:step=N | "
-        "fail-scheduler:step=N, "
+        "fail-scheduler:step=N | fail-disk:rate=P | corrupt-disk:rate=P | slow-disk:ms=N | "
+        "full-disk[:after=N], "
         "each with an optional :seed=S, a rank's with an optional "
         ":incarnation=I (only that instance of the rank; R: a rank below "
         "parallel.tensor_parallel_size)",

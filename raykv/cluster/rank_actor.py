@@ -159,8 +159,8 @@ class RankWorker:
     def verify_cpu_tier(self, items: list[Any]) -> tuple[int, int]:
         return self.worker.verify_cpu_tier(items)
 
-    def disk_index(self) -> list[int]:
-        """The keys whose files this rank's disk-tier directory holds (a warm restart)."""
+    def disk_index(self) -> tuple[str, list[int]]:
+        """This rank's disk I/O and the keys its disk-tier directory holds (a warm start)."""
         return self.worker.disk_index()
 
     def shutdown(self) -> None:

@@ -128,9 +128,9 @@ class RayWorkerGroup:
         self._on_ranks_ready()
         return all(info.attached for info in infos)
 
-    def disk_index(self) -> list[list[int]]:
-        """Each rank's disk-tier keys, asked by plain call (a compiled graph's ranks answer
-        beside it)."""
+    def disk_index(self) -> list[tuple[str, list[int]]]:
+        """Each rank's disk-tier I/O and keys, asked by plain call (a compiled graph's ranks
+        answer beside it)."""
         refs = [w.disk_index.remote() for w in self.workers]
         return ray.get(refs, timeout=READY_TIMEOUT_S)
 

@@ -75,7 +75,8 @@ class DiskTierConfig(_Strict):
         gt=0,
         le=0.5,
         description="The share of the CPU tier kept free by demoting its coldest chunks to "
-        "disk ahead of need, so that stores find room without waiting for the disk.",
+        "disk ahead of need, so that stores find room without waiting for the disk (at "
+        "least what two steps can store, at most half the tier).",
     )
     retry_full_steps: int = Field(
         default=512,

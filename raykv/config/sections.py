@@ -79,6 +79,13 @@ class OffloadConfig(_Strict):
     )
 
     disk: DiskTierConfig = DiskTierConfig()
+    take_hits: Literal["faster", "always"] = Field(
+        default="faster",
+        description="Which tier hits are loaded. faster: only where the scheduler predicts the "
+        "first token sooner than by recomputing, from each tier's measured load cost and the "
+        "model's measured prefill cost (the rest are recomputed and counted as skipped_slower; "
+        "until a tier has a few measured loads, its hits are taken); always: every hit.",
+    )
 
     @field_validator("policy")
     @classmethod

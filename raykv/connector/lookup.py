@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 
 from raykv.connector.state import RequestOffloadState
 from raykv.connector.stats import ConnectorStats
-from raykv.connector.tier_moves import DiskMoves
+from raykv.connector.tier_moves import WAIT, DiskMoves
 from raykv.connector.tier_view import UnionView
+from raykv.connector.worth import Candidate, TierCosts
 from raykv.core.kv_groups import KVGroup
 from raykv.offload.directory import Directory
 
@@ -41,6 +42,8 @@ class PrefixLookup:
     ) -> None:
         self.directory = directory
         self.moves: DiskMoves | None = None  # the disk tier's moves, where there is one
+        # the measured costs that decide whether a hit is worth loading (None: every hit is)
+        self.costs: TierCosts | None = None
         # promotion job -> the request that waits for it (told if it fails)
         self.promoting: dict[int, RequestOffloadState] = {}
         self.groups = list(groups)
@@ -115,6 +118,7 @@ class PrefixLookup:
             return 0
         cpu = self.directory
         end, used, pending = self._converge(state, start, max_chunks, cpu)
+        near = (end, used, pending)
         view: Directory | UnionView = cpu
         promote: list[int] = []
         moves = self.moves
@@ -131,13 +135,23 @@ class PrefixLookup:
             lo = max(0, end - group.window_chunks(tpc)) if group.is_sliding else 0
             touched.extend(gs.keys[lo:end])
         view.touch(touched)
+        if self.costs is not None and end > start:
+            taken = self._choose(state, num_local, (near[0], near[1]), (end, used, promote))
+            if taken < end:  # recomputing, or the CPU tier's hit alone, comes sooner
+                end, used, pending = near if taken == near[0] else (start, [], False)
+                promote = []
+        if end <= start:
+            return 0
         if pending or any(k in loading for k in used):
             return self._defer(state)
         if promote:
             assert moves is not None
             job = moves.promote(promote)
+            if job == WAIT:  # the next plan demotes to make room: ask again then
+                return self._defer(state)
             if job is not None:  # ask again once the chunks have landed in the CPU tier
                 self.promoting[job] = state
+                state.promoted.update(promote)
                 self.stats.promotions_waited += 1
                 return self._defer(state)
             # no room in the CPU tier for them: what the CPU tier alone holds
@@ -145,6 +159,32 @@ class PrefixLookup:
             if pending or any(k in loading for k in used):
                 return self._defer(state)
         return max(0, end * tpc - num_local)
+
+    def _choose(
+        self,
+        state: RequestOffloadState,
+        num_local: int,
+        near: tuple[int, list[int]],
+        far: tuple[int, list[int], list[int]],
+    ) -> int:
+        """The chunk boundary worth loading to (``connector/worth.py``): ``near``'s end (the CPU
+        tier's hit, and the keys it loads), ``far``'s (with the chunks only the disk holds, its
+        last part), or none (the request's own start); the prediction goes on the request."""
+        assert self.costs is not None
+        tpc, bpc = self.tpc, self.bpc
+        near_end, near_used = near
+        end, used, disk_only = far
+        start = num_local // tpc
+        options: list[Candidate] = []
+        if near_end > start:
+            options.append(Candidate(near_end * tpc, cpu_blocks=len(near_used) * bpc))
+        if end > near_end:
+            disk = len(disk_only) * bpc
+            options.append(Candidate(end * tpc, len(used) * bpc - disk, disk))
+        req = state.req
+        decision = self.costs.choose(num_local, req.num_tokens, options)
+        req.predicted_s, req.predicted_recompute_s = decision.predicted_s, decision.recompute_s
+        return decision.end // tpc if decision.end > num_local else start
 
     def _defer(self, state: RequestOffloadState) -> int | None:
         """Ask again next step, unless this request has waited its share: then it recomputes

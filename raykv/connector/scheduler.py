@@ -21,6 +21,7 @@ from raykv.connector.scheduled import FinishedLoad, ScheduledRequest
 from raykv.connector.state import ReleasedBlocks, RequestOffloadState
 from raykv.connector.stats import ConnectorStats
 from raykv.connector.tier_moves import DiskMoves
+from raykv.connector.worth import TierCosts
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request
 from raykv.core.step import BlockCopy, ChunkKeys, StepReport, TransferPlan, TransferSpec
@@ -45,6 +46,7 @@ class ConnectorScheduler:
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
         disk: the disk tier under the CPU tier, and ``disk_reserve`` the CPU slots its
             demotions keep free (``offload.disk``).
+        costs: the measured costs that decide which hits are worth loading (None: all are).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class ConnectorScheduler:
         disk: Directory | None = None,
         disk_reserve: int = 0,
         retry_full_steps: int = 512,
+        costs: TierCosts | None = None,
     ) -> None:
         self.directory = directory
         self.load_in_step = load_in_step
@@ -88,6 +91,8 @@ class ConnectorScheduler:
             directory, groups, block_size, blocks_per_chunk, max_deferred_steps, self.stats
         )
         self._lookup.moves = self.moves
+        self.costs = costs
+        self._lookup.costs = costs
         # keyed by the request object: state belongs to one admission, never to an id (serving
         # forgets finished requests, and a new request may come with an old one's id)
         self._reqs: dict[Request, RequestOffloadState] = {}
@@ -121,6 +126,13 @@ class ConnectorScheduler:
         """About how many tokens after ``num_local`` the CPU tier holds for ``req``, with no
         effect on the tier or the request (``PrefixLookup.peek``)."""
         return self._lookup.peek(self._state(req), num_local)
+
+    def disk_tokens(self, req: Request, num_local: int, hit: int) -> int:
+        """Of the ``hit`` tokens a load brings after ``num_local``, those promoted from the
+        disk tier for this request (the rest came from the CPU tier)."""
+        state, tpc = self._reqs.get(req), self.tpc
+        chunks = state.promoted_chunks(num_local // tpc, (num_local + hit) // tpc) if state else 0
+        return min(hit, chunks * tpc)
 
     def take_delays(self) -> tuple[list[float], list[float]]:
         """Lookup delays since the last call (see ``PrefixLookup.take_delays``)."""
@@ -274,24 +286,8 @@ class ConnectorScheduler:
         if not plan.keys:
             return
         slot_of = dict(zip(plan.keys, plan.slots, strict=True))
-        blocks: list[int] = []
-        slots: list[int] = []
-        subs: list[int] = []
-        fenced: list[int] = []
-        deferred: list[int] = []
-        for g, c, key in wanted:
-            slot = slot_of.get(key)
-            if slot is None:
-                continue  # already stored (or filtered): nothing to copy
-            chunk_blocks = state.chunk_blocks(g, c, bpc)
-            blocks.extend(chunk_blocks)
-            slots.extend([slot] * bpc)
-            subs.extend(range(bpc))
-            # blocks the request may free while it runs are fenced now; the rest when it ends
-            if self.groups[g].is_sliding or state.finished:
-                fenced.extend(chunk_blocks)
-            else:
-                deferred.extend(chunk_blocks)
+        sliding = [g.is_sliding for g in self.groups]
+        blocks, slots, subs, fenced, deferred = state.store_targets(wanted, slot_of, bpc, sliding)
         if len(set(blocks)) != len(blocks):
             raise FenceError(f"request {req.req_id}: a GPU block appears twice in one store")
         job = self.jobs.create(req, list(plan.keys), True, fenced, deferred, self.step)
@@ -349,6 +345,8 @@ class ConnectorScheduler:
 
     def _finalize(self, job: TransferJobStatus) -> FinishedLoad | None:
         d = self.directory
+        if self.costs is not None:
+            self.costs.observe_job(job, self.bpc, self.load_in_step)
         if job.move:
             self._finalize_move(job)
             return None

@@ -45,6 +45,7 @@ class RequestOffloadState:
     # the same for the disk tier: a promotion it waited for failed, so it looks past the CPU
     # tier no more
     disk_failed: bool = False
+    promoted: set[int] = field(default_factory=set)  # keys promoted from disk for it
 
     @classmethod
     def new(cls, req: Request, num_groups: int) -> RequestOffloadState:
@@ -85,6 +86,44 @@ class RequestOffloadState:
                 if NULL_BLOCK not in gs.block_ids[c * bpc : (c + 1) * bpc]:
                     wanted.append((g, c, gs.keys[c]))
         return wanted
+
+    def store_targets(
+        self,
+        wanted: list[tuple[int, int, int]],
+        slot_of: dict[int, int],
+        bpc: int,
+        sliding: list[bool],
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """What a store of the ``wanted`` chunks (``unstored_chunks``) that got a CPU slot in
+        ``slot_of`` copies: GPU blocks, the slot and the position in it of each, and the blocks
+        fenced now (sliding-window groups', which the request may free while it runs, or all
+        of a finished request's) and those fenced when the request ends."""
+        blocks: list[int] = []
+        slots: list[int] = []
+        subs: list[int] = []
+        fenced: list[int] = []
+        deferred: list[int] = []
+        for g, c, key in wanted:
+            slot = slot_of.get(key)
+            if slot is None:
+                continue  # already stored (or filtered): nothing to copy
+            chunk_blocks = self.chunk_blocks(g, c, bpc)
+            blocks.extend(chunk_blocks)
+            slots.extend([slot] * bpc)
+            subs.extend(range(bpc))
+            (fenced if sliding[g] or self.finished else deferred).extend(chunk_blocks)
+        return blocks, slots, subs, fenced, deferred
+
+    def promoted_chunks(self, first: int, last: int) -> int:
+        """Of chunk positions ``first .. last - 1``, how many hold (in some group) a chunk
+        promoted from the disk tier for this request."""
+        promoted = self.promoted
+        if not promoted:
+            return 0
+        return sum(
+            any(c < len(gs.keys) and gs.keys[c] in promoted for gs in self.groups)
+            for c in range(first, last)
+        )
 
     def load_targets(
         self, first: int, last: int, block_size: int, bpc: int, verify: bool

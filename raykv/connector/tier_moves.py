@@ -10,8 +10,8 @@ belong to the tiers rather than to a request:
   read, still readable by a load) and its disk entry being written until every rank has acked,
   then the slot is free and the disk copy readable. A chunk the disk tier refuses is dropped.
   Keeping room ahead means a store never waits for the disk; a store that finds no room anyway
-  evicts from the CPU tier as it does without a disk (``DiskMoves.dropped_by_stores`` says how
-  often the reserve fell short).
+  evicts from the CPU tier as it does without a disk (the report's ``cpu_evicted_undemoted``
+  says how often the reserve fell short).
 - **Promotion.** A lookup that reaches chunks only the disk tier holds has them read by every
   rank into fresh CPU slots (being written until every rank acked, the disk entries being read);
   the request waits (its lookup is deferred) and then loads them like any CPU hit. A promoted
@@ -37,6 +37,7 @@ from raykv.offload.directory import Directory
 log = logging.getLogger(__name__)
 
 DEMOTE, PROMOTE = "demote", "promote"
+WAIT = -1  # ``promote``: not yet, room is being made
 
 
 @dataclass(slots=True)
@@ -53,7 +54,6 @@ class DiskMoveStats:
     already_on_disk: int = 0  # CPU chunks given up that the disk tier already held
     not_admitted: int = 0  # CPU chunks given up that the disk tier refused (dropped)
     full_events: int = 0  # demotions that found the disk full
-    dropped_by_stores: int = 0  # CPU evictions by a store that found no free slot
 
 
 class DiskMoves:
@@ -82,14 +82,22 @@ class DiskMoves:
         self._moves: list[TierMove] = []  # created since the last plan
         self._drops: list[int] = []  # disk keys whose files go, since the last plan
         self._paused_until = -1  # demotions stop until this step (the disk was full)
+        self._room_wanted = 0  # free CPU slots a waiting promotion needs, beyond the reserve
         self._said_full = False
 
     # ---- promotions (from a lookup) ------------------------------------------------------
 
     def promote(self, keys: Sequence[int]) -> int | None:
-        """Start reading these disk-only chunks into CPU slots; the job's id, or None (nothing
-        started) when the CPU tier has no room for them."""
+        """Start reading these disk-only chunks into free CPU slots: the job's id; ``WAIT``
+        when there are not enough free slots yet (the next plans demote to make them: a
+        promotion evicts nothing that is not on disk already); None when the CPU tier could
+        never hold them all at once."""
         keys = list(dict.fromkeys(keys))
+        if len(keys) > self.cpu.capacity - self.reserve_slots:
+            return None
+        if len(keys) > self.cpu.num_free:
+            self._room_wanted = max(self._room_wanted, len(keys))
+            return WAIT
         plan = self.cpu.prepare_store(keys, admit_all=True)
         if plan is None:
             return None
@@ -121,7 +129,8 @@ class DiskMoves:
 
     def _demote(self, step: int) -> None:
         cpu, disk = self.cpu, self.disk
-        want = self.reserve_slots - cpu.num_free - cpu.num_leaving
+        want = self.reserve_slots + self._room_wanted - cpu.num_free - cpu.num_leaving
+        self._room_wanted = 0
         if want <= 0:
             return
         victims = cpu.start_leaving(want)

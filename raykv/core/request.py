@@ -87,6 +87,13 @@ class Request:
     arrival_s: float | None = None  # wall clock when handed to the engine (``engine/latency``)
     queued_step: int = 0  # the engine step it joined the waiting queue in (admission order)
     last_token_s: float | None = None  # wall clock of its latest token
+    admitted_s: float | None = None  # wall clock when it got its seat (first admission)
+    loaded_s: float | None = None  # ... and when its load from a tier landed
+    num_disk_hit_tokens: int = 0  # of its tier hit, tokens promoted from the disk tier
+    # what the scheduler predicted when it decided on its tier hit: seconds to its prompt's
+    # last token with the hit it took, and by recomputing (None: no tier hit was in reach)
+    predicted_s: float | None = None
+    predicted_recompute_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:

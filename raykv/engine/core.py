@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from raykv.config import RaykvConfig
 from raykv.connector.scheduler import ConnectorScheduler
+from raykv.connector.worth import TierCosts
 from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
@@ -31,7 +32,7 @@ from raykv.core.step import (
     TransferStats,
 )
 from raykv.engine.batch import fill_pending, model_batch, pending_entries
-from raykv.engine.disk_tier import disk_directory, reserve_slots, warm_start
+from raykv.engine.disk_tier import WarmStart, disk_directory, reserve_slots, warm_start
 from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.ranks import RankFailed, StepHandle, Workers
 from raykv.engine.sampler import real_model_tokens, sample_batch
@@ -106,7 +107,7 @@ class EngineCore:
         self.pool = BlockPool(cfg.cache.num_gpu_blocks, self.events)
         use_offload = cfg.offload.enabled if offload is None else offload
         self.connector: ConnectorScheduler | None = None
-        self.disk_warm_chunks = 0  # chunks a warm start found in the disk tier's files
+        self.disk_start = WarmStart()  # what the disk tier's files held at start
         if use_offload:
             o = cfg.offload
             checked = cfg.offload.verify if verify is None else verify
@@ -135,10 +136,16 @@ class EngineCore:
                 disk=disk,
                 disk_reserve=reserve_slots(cfg) if disk is not None else 0,
                 retry_full_steps=o.disk.retry_full_steps,
+                costs=(
+                    TierCosts(cfg.engine.max_num_batched_tokens)
+                    if o.take_hits == "faster"
+                    else None
+                ),
             )
             if disk is not None and self.connector.moves is not None:
-                self.disk_warm_chunks, drops = warm_start(cfg, disk, workers)
-                self.connector.moves.drop_files(drops)
+                self.disk_start = warm_start(cfg, disk, workers)
+                self.connector.moves.drop_files(self.disk_start.drop)
+                self.disk_start.drop = []
         self.scheduler = Scheduler(
             self.pool,
             self.groups,
@@ -307,6 +314,10 @@ class EngineCore:
         """The step's replies into the books; ``committed``: the step was counted when planned
         (async scheduling), these entries sampling."""
         self._absorb(reports)
+        if self.connector is not None and self.connector.costs is not None:
+            load_in_step = self.connector.load_in_step
+            costs = self.connector.costs
+            costs.observe_reports(sched.num_tokens, sched.attention, reports, load_in_step)
         void = self.scheduler.settle(sched, reports)
         m = self.cfg.model
         logprobs: dict[int, TokenLogprobs] = {}

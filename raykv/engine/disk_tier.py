@@ -12,6 +12,7 @@ system: at most its free space plus what this namespace's files already take.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from raykv.config import ConfigError, RaykvConfig
 from raykv.config.disk import free_bytes
@@ -57,16 +58,35 @@ def disk_directory(cfg: RaykvConfig, events: EventLog) -> Directory | None:
 
 
 def reserve_slots(cfg: RaykvConfig) -> int:
-    """CPU slots the disk tier's demotions keep free (``offload.disk.reserve_fraction``)."""
-    return max(1, int(cfg.cpu_slots() * cfg.offload.disk.reserve_fraction))
+    """CPU slots the disk tier's demotions keep free: ``offload.disk.reserve_fraction`` of the
+    CPU tier, and at least what two steps can fill (a demotion takes a step or more to land,
+    and the stores of those steps find room meanwhile), at most half the tier."""
+    slots = cfg.cpu_slots()
+    tokens_per_chunk = cfg.cache.block_size * cfg.offload.blocks_per_chunk
+    per_step = -(-cfg.engine.max_num_batched_tokens // tokens_per_chunk) * len(cfg.cache.groups)
+    wanted = max(int(slots * cfg.offload.disk.reserve_fraction), 2 * per_step)
+    return max(1, min(wanted, slots // 2))
 
 
-def warm_start(cfg: RaykvConfig, disk: Directory, workers: Workers) -> tuple[int, list[int]]:
+@dataclass(slots=True)
+class WarmStart:
+    """What a warm start found: the chunks taken in, the keys whose files must go (on every
+    rank), and how the ranks do their I/O (``direct``, ``buffered`` or ``mixed``)."""
+
+    taken: int = 0
+    drop: list[int] = field(default_factory=list)
+    io: str | None = None
+
+
+def warm_start(cfg: RaykvConfig, disk: Directory, workers: Workers) -> WarmStart:
     """Take in what the ranks' directories hold: the chunks every rank has, up to the tier's
-    capacity. Returns how many were taken and the keys whose files must go (on every rank)."""
-    per_rank = [set(keys) for keys in workers.disk_index()]
+    capacity."""
+    index = workers.disk_index()
+    modes = {mode for mode, _ in index}
+    io = modes.pop() if len(modes) == 1 else "mixed"
+    per_rank = [set(keys) for _, keys in index]
     if not per_rank:
-        return 0, []
+        return WarmStart()
     everywhere = set.intersection(*per_rank)
     anywhere = set.union(*per_rank)
     check_room(cfg, len(anywhere))
@@ -79,7 +99,7 @@ def warm_start(cfg: RaykvConfig, disk: Directory, workers: Workers) -> tuple[int
             len(taken),
             len(drop),
         )
-    return len(taken), drop
+    return WarmStart(len(taken), drop, io)
 
 
 def check_room(cfg: RaykvConfig, chunks_found: int) -> None:

@@ -33,6 +33,16 @@ class RequestLatency:
     prompt_tokens: int
     gpu_hit_tokens: int
     cpu_hit_tokens: int
+    disk_hit_tokens: int = 0
+    # where its TTFT went: waiting for a seat (arrival to admission), waiting for its tier hit
+    # to land (admission to the load's last ack; 0 without one), computing (the rest)
+    queued_s: float = 0.0
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    # what the scheduler predicted when it took or passed over a tier hit: seconds from there
+    # to the first token with what it chose, and by recomputing (None: no tier hit in reach)
+    predicted_s: float | None = None
+    predicted_recompute_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -134,6 +144,9 @@ class LatencyBook:
     # what ``take_new`` has not handed out yet
     _new_ttft: list[float] = field(default_factory=list)
     _new_itl: list[float] = field(default_factory=list)
+    # per tier: requests with a hit from it whose first token came later (from admission) than
+    # the scheduler's own prediction of recomputing them
+    later_than_recompute: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
 
     def __post_init__(self) -> None:
         self.started = self.clock()
@@ -157,22 +170,38 @@ class LatencyBook:
             self._recent_ttft.append(ttft)
             if self.export:
                 self._new_ttft.append(ttft)
-            self.requests.append(
-                RequestLatency(
-                    req.req_id,
-                    req.arrival_s - self.started,
-                    ttft,
-                    req.num_prompt,
-                    req.num_gpu_hit_tokens,
-                    req.num_cpu_hit_tokens,
-                )
-            )
+            self.requests.append(self._first_token(req, ttft, now))
         else:
             gap = now - req.last_token_s
             self.itl.add(gap)
             if self.export:
                 self._new_itl.append(gap)
         req.last_token_s = now
+
+    def _first_token(self, req: Request, ttft: float, now: float) -> RequestLatency:
+        """``req``'s record; a tier hit whose first token came later than the scheduler
+        predicted recomputing would have taken counts in ``later_than_recompute``."""
+        arrival = req.arrival_s if req.arrival_s is not None else now
+        admitted = req.admitted_s if req.admitted_s is not None else arrival
+        loaded = req.loaded_s if req.loaded_s is not None else admitted
+        recompute = req.predicted_recompute_s
+        tier = "disk" if req.num_disk_hit_tokens else "cpu" if req.num_cpu_hit_tokens else None
+        if tier is not None and recompute is not None and now - admitted > recompute:
+            self.later_than_recompute[tier] += 1
+        return RequestLatency(
+            req.req_id,
+            arrival - self.started,
+            ttft,
+            req.num_prompt,
+            req.num_gpu_hit_tokens,
+            req.num_cpu_hit_tokens,
+            req.num_disk_hit_tokens,
+            max(0.0, admitted - arrival),
+            max(0.0, loaded - admitted),
+            max(0.0, now - loaded),
+            req.predicted_s,
+            recompute,
+        )
 
     def recent_p50(self) -> float | None:
         """The median TTFT of the latest ``RECENT_TTFT`` requests (what a progress bar shows;

@@ -39,10 +39,12 @@ class RankRunner:
         started = time.perf_counter()
         batch = self.tables.apply(plan)
         self.transfers.before_model(plan.step, plan.transfers)
+        model_started = time.perf_counter()
         out = self._model_step(batch)
+        model_s = time.perf_counter() - model_started
         report = self.transfers.after_model(plan.transfers, idle=not plan.batch)
         busy = time.perf_counter() - started
-        return StepReport(self.rank, plan.step, report, out.samples, out.logprobs, busy)
+        return StepReport(self.rank, plan.step, report, out.samples, out.logprobs, busy, model_s)
 
     def _model_step(self, batch: list[ModelEntry]) -> ModelOutput:
         if not batch:

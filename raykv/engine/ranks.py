@@ -72,6 +72,6 @@ class Workers(Protocol):
         """Replace the ranks; True when each new one found its CPU-pool shard intact."""
         ...
 
-    def disk_index(self) -> list[list[int]]:
-        """Each rank's keys in its disk-tier directory (empty lists: no disk tier)."""
+    def disk_index(self) -> list[tuple[str, list[int]]]:
+        """Each rank's disk I/O mode and the keys in its disk-tier directory."""
         ...

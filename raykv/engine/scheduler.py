@@ -11,6 +11,7 @@ resets).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
@@ -140,6 +141,7 @@ class Scheduler:
             out.scheduled = held
         if self.connector is not None:
             out.transfers = self.connector.plan(step, out.scheduled, out.preempted)
+        out.attention = out.attention_work()
         return out
 
     def _prefill_left(self, req: Request) -> int:
@@ -213,10 +215,16 @@ class Scheduler:
         return True
 
     def _count_hits(self, req: Request, local: int, ext: int) -> None:
-        if req.num_preemptions == 0 and req.num_gpu_hit_tokens + req.num_cpu_hit_tokens == 0:
-            req.num_gpu_hit_tokens, req.num_cpu_hit_tokens = local, ext
+        disk = self.connector.disk_tokens(req, local, ext) if ext and self.connector else 0
+        hits = req.num_gpu_hit_tokens + req.num_cpu_hit_tokens + req.num_disk_hit_tokens
+        if req.num_preemptions == 0 and hits == 0:
+            req.num_gpu_hit_tokens, req.num_cpu_hit_tokens = local, ext - disk
+            req.num_disk_hit_tokens = disk
+        if req.admitted_s is None:
+            req.admitted_s = time.perf_counter()
         self.stats.gpu_hit_tokens += local
-        self.stats.cpu_hit_tokens += ext
+        self.stats.cpu_hit_tokens += ext - disk
+        self.stats.disk_hit_tokens += disk
         self.stats.admitted_tokens += req.num_tokens
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -350,6 +358,7 @@ class Scheduler:
             return req
         req.load_job = None
         if ok:
+            req.loaded_s = time.perf_counter()
             req.num_computed += req.load_tokens
             req.load_tokens = 0
             req.status = RequestStatus.RUNNING

@@ -12,6 +12,7 @@ from msgspec import structs
 
 from raykv.connector.jobs import AckStats
 from raykv.connector.stats import ConnectorStats
+from raykv.connector.tier_moves import DiskMoveStats
 from raykv.core.step import TransferStats
 from raykv.engine.step_output import SchedulerStats
 from raykv.offload.directory import DirectoryStats
@@ -40,12 +41,22 @@ class EngineStats:
     directory: DirectoryStats | None = None
     acks: AckStats | None = None
     jobs_in_flight: int = 0
+    disk: DirectoryStats | None = None  # the disk tier (None: none)
+    disk_moves: DiskMoveStats | None = None
+    disk_warm_chunks: int = 0  # chunks a warm start found in the disk tier's files
+    disk_io: str | None = None  # direct (O_DIRECT) or buffered
+    # which tier hits were worth loading (``offload.take_hits: faster``): hits passed over as
+    # slower than recomputing, hits loaded anyway to keep measuring, the current estimates
+    skipped_slower: dict[str, int] = field(default_factory=dict)
+    probes: dict[str, int] = field(default_factory=dict)
+    costs: dict[str, float] = field(default_factory=dict)
 
 
 def snapshot(engine: EngineCore) -> EngineStats:
     """The engine's counters now."""
     t = engine.totals
     c = engine.connector
+    costs = c.costs if c is not None else None
     return EngineStats(
         steps=t.steps,
         idle_steps=t.idle_steps,
@@ -63,6 +74,13 @@ def snapshot(engine: EngineCore) -> EngineStats:
         directory=c.directory.stats() if c is not None else None,
         acks=replace(c.jobs.stats) if c is not None else None,
         jobs_in_flight=len(c.jobs) if c is not None else 0,
+        disk=c.disk.stats() if c is not None and c.disk is not None else None,
+        disk_moves=replace(c.moves.stats) if c is not None and c.moves is not None else None,
+        disk_warm_chunks=engine.disk_start.taken,
+        disk_io=engine.disk_start.io,
+        skipped_slower=dict(costs.skipped_slower) if costs is not None else {},
+        probes=dict(costs.probes) if costs is not None else {},
+        costs=costs.summary() if costs is not None else {},
     )
 
 
@@ -82,6 +100,8 @@ def drain_books(engine: EngineCore) -> dict[str, int]:
         "tracked": c.tracked(),
         "writing": d.writing,
         "reading": d.reading,
+        "disk_writing": c.disk.stats().writing if c.disk is not None else 0,
+        "disk_reading": c.disk.stats().reading if c.disk is not None else 0,
         "loading": len(engine.scheduler.loading),
         "gpu_blocks_leaked": pool.num_usable - pool.num_free,
     }

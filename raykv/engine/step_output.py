@@ -20,10 +20,17 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     transfers: TransferPlan = field(default_factory=TransferPlan)
     started_loads: int = 0
+    # the positions the step's tokens attend over, summed (what its prefill costs grow with)
+    attention: float = 0.0
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+    def attention_work(self) -> float:
+        """The positions this step's tokens attend over, summed (read while the requests'
+        computed counts are still those before the step)."""
+        return sum(n * s.start + n * (n + 1) / 2 for s in self.scheduled for n in [s.num_tokens])
 
 
 @dataclass(slots=True)
@@ -31,6 +38,7 @@ class SchedulerStats:
     preemptions: int = 0
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
+    disk_hit_tokens: int = 0  # tier hits promoted from the disk tier (not in cpu_hit_tokens)
     recomputed_tokens: int = 0  # prompt tokens computed again after a preemption or failed load
     # tokens each admission had to provide, from a cache or by computing them (re-admissions after
     # a preemption, a failed load or a rank restart count again): what hits are a share of

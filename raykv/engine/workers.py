@@ -20,7 +20,15 @@ from raykv.core.step import BlockContent, StepPlan, StepReport
 from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.engine.ranks import RankFailed, StepHandle, run_now
 from raykv.engine.tier_namespace import describe, disk_rank_root
-from raykv.faults import FaultyBackend, FaultyRank, Rank, RankDied, RankFaults, parse_fault
+from raykv.faults import (
+    FaultyBackend,
+    FaultyDisk,
+    FaultyRank,
+    Rank,
+    RankDied,
+    RankFaults,
+    parse_fault,
+)
 from raykv.model.synthetic import SyntheticModel
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.disk import DiskTransferEngine
@@ -138,7 +146,12 @@ class LocalWorker:
         if cfg.model.path is not None:
             step_model, verify = real_model(cfg, rank, kv.device, all_reduce), None
         self.disk = disk_engine(cfg, rank, self.pool, self.layout, self.engine.checksums)
-        self.connector = ConnectorWorker(rank, backend, verify, self.disk)
+        if self.disk is not None and incarnation > 0:
+            self.disk.index()  # sweeps the temporary files a predecessor died writing
+        disk = self.disk
+        if disk is not None and self.faults.disk_active:
+            disk = FaultyDisk(disk, self.faults)
+        self.connector = ConnectorWorker(rank, backend, verify, disk)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)
@@ -146,9 +159,12 @@ class LocalWorker:
     def execute(self, plan: StepPlan) -> StepReport:
         return self.runner.execute(plan)
 
-    def disk_index(self) -> list[int]:
-        """The keys whose files this rank's disk-tier directory holds (empty: no disk tier)."""
-        return self.disk.index() if self.disk is not None else []
+    def disk_index(self) -> tuple[str, list[int]]:
+        """How this rank's disk engine does its I/O (``direct`` or ``buffered``) and the keys
+        whose files its directory holds (``("", [])``: no disk tier)."""
+        if self.disk is None:
+            return "", []
+        return self.disk.io_mode, self.disk.index()
 
     def held_jobs(self) -> list[int]:
         """Jobs whose completion this rank has not reported yet (late acks)."""
@@ -258,8 +274,8 @@ class LocalWorkerGroup:
             intact &= self.workers[rank].pool_attached
         return intact
 
-    def disk_index(self) -> list[list[int]]:
-        """Each rank's disk-tier keys (``LocalWorker.disk_index``)."""
+    def disk_index(self) -> list[tuple[str, list[int]]]:
+        """Each rank's disk-tier I/O and keys (``LocalWorker.disk_index``)."""
         return [w.disk_index() for w in self.workers]
 
     def verify_cpu_tier(self, items: list[tuple[int, int, BlockContent]]) -> tuple[int, int]:

@@ -78,6 +78,7 @@ class Directory:
         self._lookups = self._hits = self._pending = 0
         self._offered = self._stored = self._deduped = self._filtered = self._not_admitted = 0
         self._evictions = self._alloc_failures = self._store_failures = self._loads = 0
+        self._left = 0  # of the evictions, chunks given up to the tier below
 
     # ---- queries ---------------------------------------------------------------------------
 
@@ -241,6 +242,7 @@ class Directory:
             self._readers[key] = 1
         self._leaving.update(victims)
         self._evictions += len(victims)
+        self._left += len(victims)
         return victims
 
     def finish_leaving(self, keys: Sequence[int]) -> None:
@@ -414,6 +416,7 @@ class Directory:
             loads=self._loads,
             policy=self.policy.name or type(self.policy).__name__,
             leaving=len(self._leaving),
+            left=self._left,
         )
 
     def check_invariants(self) -> None:

@@ -51,6 +51,7 @@ class DirectoryStats:
     loads: int
     policy: str
     leaving: int = 0  # given up to the tier below, still being copied there (or read)
+    left: int = 0  # of the evictions, chunks given up to the tier below (``start_leaving``)
 
     @property
     def usage(self) -> float:

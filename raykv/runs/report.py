@@ -15,6 +15,7 @@ from msgspec import structs
 
 from raykv.engine.latency import LatencyBook
 from raykv.engine.stats import EngineStats
+from raykv.runs.tier_report import tier_report
 
 
 @dataclass(slots=True)
@@ -100,6 +101,10 @@ class RunReport:
     ranks_detail: list[dict[str, Any]] | None = None
     scheduler_restarts: int | None = None
     samples: list[dict[str, Any]] | None = None  # a chat run's questions and answers
+    disk_hit_tokens: int = 0  # tier hits promoted from the disk tier (not in cpu_hit_tokens)
+    tiers: dict[str, dict[str, Any]] | None = None  # per tier (``runs/tier_report.py``)
+    # what the scheduler's choice of tier hits rests on (offload.take_hits: faster)
+    tier_costs: dict[str, float] | None = None
 
     @classmethod
     def build(
@@ -124,10 +129,17 @@ class RunReport:
                 "generated_tokens_per_s": stats.generated_tokens / wall,
             },
             prefill_tokens={
-                "computed": s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens,
+                "computed": s.admitted_tokens
+                - s.gpu_hit_tokens
+                - s.cpu_hit_tokens
+                - s.disk_hit_tokens,
                 "gpu_cache": s.gpu_hit_tokens,
                 "cpu_tier": s.cpu_hit_tokens,
+                "disk_tier": s.disk_hit_tokens,
             },
+            disk_hit_tokens=s.disk_hit_tokens,
+            tiers=tier_report(stats, latency.later_than_recompute if latency else {}),
+            tier_costs=stats.costs or None,
             step_time=_step_time(stats),
             requests_finished=finished,
             requests_admitted=admitted,
@@ -172,7 +184,16 @@ class RunReport:
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape: every field, with the parts a run does not have left out."""
         out = asdict(self)
-        optional = ("cpu_tier", "acks", "engine", "config", "ranks_detail", "scheduler_restarts")
+        optional = (
+            "cpu_tier",
+            "acks",
+            "engine",
+            "config",
+            "ranks_detail",
+            "scheduler_restarts",
+            "tiers",
+            "tier_costs",
+        )
         for key in (*optional, "samples"):
             if out[key] is None:
                 del out[key]

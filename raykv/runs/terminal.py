@@ -96,6 +96,7 @@ def print_run_report(console: Console, r: dict, verify: bool) -> None:
             "CPU-tier hits",
             f"{r['cpu_hit_tokens']:,} tokens ({r['cpu_hit_tokens'] / admitted:.1%} of admitted)",
         ),
+        *_disk_rows(r, admitted),
         ("recomputed tokens", f"{r['recomputed_tokens']:,}"),
         ("time to first token", _latency(r.get("ttft_s"))),
         ("inter-token latency", _latency(r.get("itl_s"))),
@@ -163,3 +164,42 @@ def progress_bar(console: Console, total: int, label: str) -> Iterator[callable]
     with bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _disk_rows(r: dict, admitted: int) -> list[tuple[str, str]]:
+    """The disk tier's rows, and the hits the scheduler passed over as slower than recomputing
+    (none without a disk tier or a choice)."""
+    rows: list[tuple[str, str]] = []
+    tiers = r.get("tiers") or {}
+    disk = tiers.get("disk")
+    if disk is not None:
+        hits = r.get("disk_hit_tokens", 0)
+        rows.append(("disk-tier hits", f"{hits:,} tokens ({hits / admitted:.1%} of admitted)"))
+        rows.append(
+            (
+                "disk tier",
+                f"{disk['used_chunks']:,} / {disk['capacity_chunks']:,} chunks, {disk['io']} I/O",
+            )
+        )
+        for name, chunks, key in (
+            ("disk reads", "promoted_chunks", "read"),
+            ("disk writes", "demoted_chunks", "write"),
+        ):
+            rows.append(
+                (
+                    name,
+                    f"{disk[chunks]:,} chunks, {_size(disk[key + '_bytes'])}, "
+                    f"{disk[key + '_gbps']:.2f} GB/s",
+                )
+            )
+        if disk["warm_start_chunks"]:
+            rows.append(("disk warm start", f"{disk['warm_start_chunks']:,} chunks found"))
+    skipped = {name: t.get("skipped_slower", 0) for name, t in tiers.items()}
+    if any(skipped.values()):
+        rows.append(
+            (
+                "hits recomputed (slower)",
+                ", ".join(f"{name} {n:,}" for name, n in skipped.items()),
+            )
+        )
+    return rows

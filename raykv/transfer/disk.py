@@ -259,6 +259,17 @@ class DiskTransferEngine:
             self._cond.notify_all()
         self._pool.shutdown(wait=True, cancel_futures=not wait)
 
+    def corrupt_file(self, key: int) -> None:
+        """Fault hook (``corrupt-disk``): flip one byte in the middle of ``key``'s pages, in
+        its file, as a disk that flips would."""
+        fmt = self.format
+        with contextlib.suppress(FileNotFoundError), open(self.files.path(key), "r+b") as fh:
+            at = fmt.header_bytes + fmt.data_bytes // 2
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0x5A]))
+
     # ---------------------------------------------------------------- the I/O threads
 
     def _chunk_done(self, job: _Job, future: Future[None]) -> None:

@@ -186,6 +186,7 @@ def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
         "cache.block_size=8",
         "workload.num_requests=50",
         "offload.cpu_slots=20",
+        "offload.take_hits=always",  # loads whatever they cost: every counter moves
         # rank 1 reports about every third job 3 steps late
         'faults=["dup-acks:rate=0.05:seed=3","kill-worker:step=20:rank=1",'
         '"fail-copy:rate=0.05:seed=2","delay-acks:rank=1:steps=3:rate=0.34:seed=4"]',

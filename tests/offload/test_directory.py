@@ -259,3 +259,53 @@ def test_stats_gauges() -> None:
     assert (s.used, s.ready_idle, s.writing, s.reading) == (3, 1, 1, 1)
     assert s.usage == 0.75
     assert s.as_dict()["policy"] == d.stats().policy
+
+
+# ---- leaving for the tier below, and a warm start's adoption -------------------------------------
+
+
+def test_a_chunk_leaving_stays_readable_until_its_copy_ends_and_its_last_reader_leaves() -> None:
+    d = Directory(4, "lru", events=True)
+    stored(d, [1, 2, 3])
+    d.take_events()
+    read, gone = d.start_leaving(2)  # the coldest two, in the policy's order
+    assert d.is_readable(read) and d.num_leaving == 2 and d.num_free == 1
+    assert d.prepare_load([read]) == [d.slot_of(read)]  # a load may still read it
+    d.finish_leaving([read, gone])  # the copies ended: one goes, one waits for its reader
+    assert gone not in d and read in d and d.num_free == 2
+    d.check_invariants()
+    d.complete_load([read])
+    assert read not in d and d.num_free == 3 and d.num_leaving == 0
+    assert [k for e in d.take_events() for k in e.keys] == [gone, read]  # removed, in order
+    assert d.stats().left == 2
+    d.check_invariants()
+
+
+def test_leaving_never_takes_a_chunk_being_read_or_written() -> None:
+    d = Directory(4, "lru")
+    stored(d, [1, 2])
+    d.prepare_load([1])
+    assert d.prepare_store([3]) is not None  # 3 being written
+    assert d.start_leaving(4) == [2]
+    with pytest.raises(KeyError, match="not leaving"):
+        d.finish_leaving([1])
+    d.check_invariants()
+
+
+def test_adopt_takes_ready_chunks_up_to_the_free_slots_and_announces_them() -> None:
+    d = Directory(3, "lru", medium="DISK")
+    stored(d, [9])
+    d.take_events()
+    assert d.adopt([1, 9, 2, 3, 4]) == [1, 2]
+    assert all(d.is_readable(k) for k in (1, 2, 9)) and 3 not in d
+    (event,) = d.take_events()
+    assert event.keys == (1, 2) and event.medium == "DISK"
+    d.check_invariants()
+
+
+def test_a_promotion_bypasses_the_frequency_filter() -> None:
+    d = Directory(4, "lru", store_threshold=3)
+    plan = d.prepare_store([5])
+    assert plan is not None and plan.keys == []  # never looked up: filtered
+    plan = d.prepare_store([5], admit_all=True)
+    assert plan is not None and plan.keys == [5]

@@ -1,4 +1,4 @@
-"""Fault injection: seeded, reproducible faults that users and tests can switch on.
+"""Fault specs: seeded, reproducible faults that users and tests can switch on.
 
 Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 
@@ -22,6 +22,14 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
                                  (Ray engine: a serving loop ends, and a Serve replica reports
                                  itself unhealthy and is replaced; every instance reads the same
                                  config, so a replacement fails at its own step N again)
+- ``fail-disk:rate=P``           each disk-tier job (a demotion or a promotion) fails with
+                                 probability P, as a read or write that got EIO
+- ``corrupt-disk:rate=P``        each chunk file a demotion wrote has a byte flipped, after it
+                                 landed, with probability P (its promotion finds the checksum
+                                 wrong: the file is deleted, the request recomputes)
+- ``slow-disk:ms=N``             every disk-tier job takes at least N ms
+- ``full-disk``                  every demotion finds the disk full (ENOSPC), after the first
+                                 ``:after=N`` chunks (0 by default): the tier stops admitting
 
 Any of them takes ``:seed=S``, and those of a rank ``:incarnation=I``: only that instance of the
 rank suffers it (0 is the first; each replacement after a death counts one up). Every rank draws
@@ -30,20 +38,18 @@ way every time (``kill-worker:step`` and ``kill-scheduler`` draw nothing: the se
 nothing there). A spec's ``rank`` must be a
 rank of the run (below ``parallel.tensor_parallel_size``; the config checks that).
 
-The faults act at two seams, wrapped around a rank once where it is built: ``FaultyBackend``
-around its transfer backend (failed copies) and ``FaultyRank`` around its step (deaths; lost,
-duplicated and late reports). The production classes carry no fault hooks of their own.
+The faults act at three seams, wrapped around a rank once where it is built
+(``faults/wrappers.py``, ``faults/disk.py``): ``FaultyBackend`` around its transfer backend
+(failed copies), ``FaultyDisk`` around its disk engine and ``FaultyRank`` around its step
+(deaths; lost, duplicated and late reports). The production classes carry no fault hooks of
+their own but for the two that corrupt bytes where they live (``corrupt_rows``,
+``corrupt_file``).
 """
 
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-from raykv.core.step import StepPlan, StepReport, TransferSpec
 
 
 class RankDied(RuntimeError):
@@ -64,9 +70,15 @@ KINDS = (
     "stall-worker",
     "kill-scheduler",
     "fail-scheduler",
+    "fail-disk",
+    "corrupt-disk",
+    "slow-disk",
+    "full-disk",
 )
 # faults of the scheduler, not of a rank
 SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler")
+# faults of a rank's disk engine
+DISK_KINDS = ("fail-disk", "corrupt-disk", "slow-disk", "full-disk")
 _PARAMS = {
     "kill-worker": {"rate", "step", "rank", "seed", "incarnation"},
     "delay-acks": {"rank", "steps", "rate", "seed", "incarnation"},
@@ -77,6 +89,10 @@ _PARAMS = {
     "stall-worker": {"step", "rank", "seconds", "seed"},
     "kill-scheduler": {"step", "seed"},  # seed: accepted like everywhere, nothing is drawn
     "fail-scheduler": {"step", "seed"},
+    "fail-disk": {"rate", "seed", "rank", "incarnation"},
+    "corrupt-disk": {"rate", "seed", "rank", "incarnation"},
+    "slow-disk": {"ms", "rank", "seed", "incarnation"},
+    "full-disk": {"after", "rank", "seed", "incarnation"},
 }
 
 
@@ -94,6 +110,8 @@ class Fault:
     seed: int = 0
     incarnation: int | None = None  # only this instance of the rank (0: before any restart)
     seconds: float = 0.0  # stall-worker: how long the rank hangs
+    ms: float = 0.0  # slow-disk: the least time a disk job takes
+    after: int = 0  # full-disk: chunks written before the disk is full
 
     def applies_to(self, rank: int, incarnation: int = 0) -> bool:
         return (
@@ -125,7 +143,7 @@ def parse_fault(text: str) -> Fault:
             allowed = ", ".join(sorted(_PARAMS[kind]))
             raise FaultSpecError(f"fault {text!r}: bad parameter {part!r} (takes {allowed})")
         try:
-            values[key] = float(raw) if key in ("rate", "seconds") else int(raw)
+            values[key] = float(raw) if key in ("rate", "seconds", "ms") else int(raw)
         except ValueError:
             raise FaultSpecError(f"fault {text!r}: {key}={raw!r} is not a number") from None
     rate = float(values.get("rate", 1.0 if kind == "delay-acks" else 0.0))
@@ -141,9 +159,12 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: stall-worker needs step=N, rank=R and seconds=S")
     if kind in SCHEDULER_KINDS and "step" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs step=N")
-    if kind in ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu") and "rate" not in values:
+    rated = ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu", "fail-disk", "corrupt-disk")
+    if kind in rated and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
-    for key in ("rank", "step", "steps", "incarnation", "seconds"):
+    if kind == "slow-disk" and "ms" not in values:
+        raise FaultSpecError(f"fault {text!r}: slow-disk needs ms=N")
+    for key in ("rank", "step", "steps", "incarnation", "seconds", "ms", "after"):
         if key in values and values[key] < 0:
             raise FaultSpecError(f"fault {text!r}: {key} must be >= 0")
     return Fault(
@@ -155,6 +176,8 @@ def parse_fault(text: str) -> Fault:
         seed=int(values.get("seed", 0)),
         incarnation=int(values["incarnation"]) if "incarnation" in values else None,
         seconds=float(values.get("seconds", 0.0)),
+        ms=float(values.get("ms", 0.0)),
+        after=int(values.get("after", 0)),
     )
 
 
@@ -221,127 +244,27 @@ class RankFaults:
     def corrupts(self) -> bool:
         return any(self._rng(i).random() < f.rate for i, f in self._mine("corrupt-cpu"))
 
+    def disk_fails(self) -> bool:
+        return any(self._rng(i).random() < f.rate for i, f in self._mine("fail-disk"))
+
+    def disk_corrupts(self) -> bool:
+        return any(self._rng(i).random() < f.rate for i, f in self._mine("corrupt-disk"))
+
+    def disk_delay_s(self) -> float:
+        """The least seconds a disk job takes (``slow-disk``)."""
+        return max((f.ms for _, f in self._mine("slow-disk")), default=0.0) / 1000.0
+
+    def disk_room(self) -> int | None:
+        """Chunks the disk takes before it is full (``full-disk``); None: no limit."""
+        limits = [f.after for _, f in self._mine("full-disk")]
+        return min(limits) if limits else None
+
+    @property
+    def disk_active(self) -> bool:
+        return any(
+            f.kind in DISK_KINDS and f.applies_to(self.rank, self.incarnation) for f in self.faults
+        )
+
     @property
     def active(self) -> bool:
         return any(f.applies_to(self.rank, self.incarnation) for f in self.faults)
-
-
-class FaultyBackend:
-    """A transfer backend (``connector.worker.TransferBackend``) whose copies fail
-    (``fail-copy``): a failed job copies nothing, holds no block, and is reported failed by the
-    next poll, as a copy that failed on the device; and whose stored chunks go bad in the CPU
-    pool after they landed (``corrupt-cpu``), as memory that flips."""
-
-    def __init__(self, inner: Any, faults: RankFaults) -> None:
-        self.inner = inner
-        self.faults = faults
-        self._failed: list[int] = []
-        self._to_corrupt: dict[int, TransferSpec] = {}  # stores to corrupt once they land
-
-    def submit(self, spec: TransferSpec) -> None:
-        if self.faults.copy_fails():
-            self._failed.append(spec.job_id)
-        else:
-            self.inner.submit(spec)
-            if spec.is_store and self.faults.corrupts():
-                self._to_corrupt[spec.job_id] = spec
-
-    def flush(self, job_ids: Iterable[int]) -> None:
-        failed = set(self._failed)
-        self.inner.flush([j for j in job_ids if j not in failed])
-
-    def poll(self) -> tuple[list[int], list[int]]:
-        completed, failed = self.inner.poll()
-        for job_id in completed:  # the store landed: now its bytes in the pool go bad
-            spec = self._to_corrupt.pop(job_id, None)
-            if spec is not None:
-                self.inner.corrupt_rows(spec.copy)
-        for job_id in failed:
-            self._to_corrupt.pop(job_id, None)
-        if self._failed:
-            failed, self._failed = [*failed, *self._failed], []
-        return completed, failed
-
-    def wait(self, timeout_s: float) -> None:
-        if not self._failed:
-            self.inner.wait(timeout_s)
-
-    def __getattr__(self, name: str) -> Any:
-        # everything else (pending sets, stats, pause, shutdown) is the real engine's
-        return getattr(self.inner, name)
-
-
-class Rank(Protocol):
-    def execute(self, plan: StepPlan) -> StepReport: ...
-
-
-@dataclass(slots=True)
-class _Held:
-    release_step: int
-    job_id: int
-    ok: bool
-
-
-class FaultyRank:
-    """A rank that dies (``kill-worker``) or hangs (``stall-worker``), and whose reports are
-    late (``delay-acks``), lost (``drop-acks``) or delivered twice (``dup-acks``). The rank
-    itself ran the step: a lost report is a lost message, so the scheduler's re-ack request
-    still finds the job reported."""
-
-    def __init__(self, inner: Rank, faults: RankFaults) -> None:
-        self.inner = inner
-        self.faults = faults
-        self._held: list[_Held] = []
-
-    def execute(self, plan: StepPlan) -> StepReport:
-        f = self.faults
-        if f.dies_at(plan.step):
-            raise RankDied(f"rank {f.rank} killed at step {plan.step} (injected fault)")
-        stall = f.stall_at(plan.step)
-        if stall:
-            time.sleep(stall)
-        report = self.inner.execute(plan)
-        t = report.transfers
-        completed, failed = self._release(plan, t.completed, t.failed)
-        t.completed, t.failed = self._deliver(completed), self._deliver(failed)
-        return report
-
-    def _release(
-        self, plan: StepPlan, completed: list[int], failed: list[int]
-    ) -> tuple[list[int], list[int]]:
-        """Hold completions back; what the scheduler asked again for (re-acks) is answered at
-        once, like the lost reports it stands for."""
-        if not self.faults.delays_acks and not self._held:
-            return completed, failed
-        step, asked = plan.step, set(plan.transfers.reack)
-        if asked:  # answered now: a copy still held back would only arrive as a duplicate
-            self._held = [h for h in self._held if h.job_id not in asked]
-        for ok, ids in ((True, completed), (False, failed)):
-            for job_id in ids:
-                delay = 0 if job_id in asked else self.faults.ack_delay()
-                self._held.append(_Held(step + delay, job_id, ok))
-        out_ok: list[int] = []
-        out_fail: list[int] = []
-        keep: list[_Held] = []
-        for held in self._held:
-            if held.release_step <= step:
-                (out_ok if held.ok else out_fail).append(held.job_id)
-            else:
-                keep.append(held)
-        self._held = keep
-        return out_ok, out_fail
-
-    def _deliver(self, ids: list[int]) -> list[int]:
-        f = self.faults
-        out: list[int] = []
-        for job_id in ids:
-            if f.drops():
-                continue
-            out.append(job_id)
-            if f.duplicates():
-                out.append(job_id)
-        return out
-
-    def held_jobs(self) -> list[int]:
-        """Jobs whose completion this rank has not reported yet."""
-        return [h.job_id for h in self._held]

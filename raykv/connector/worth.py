@@ -1,0 +1,294 @@
+"""Whether a tier hit is worth loading: the first token's predicted time with the load, against
+recomputing the same tokens.
+
+A load is not free. Where the ranks copy beside the model (a copy thread, CUDA streams) the
+request waits for every rank's ack, a step at least, before it computes the rest of its prompt;
+where they copy at the step's transfer points (a real model on CPU ranks) the copy adds its time
+to the step. A chunk from the disk tier is first promoted into the CPU tier (more steps of
+waiting), then loaded. For a short prefix all of that can take longer than computing it: on a
+held-out multi-turn trace the CPU tier made the mean TTFT 1.09x *worse* at a low arrival rate,
+and SGLang's file tier was slower than recompute at 8K and 128K tokens (sglang #26305).
+
+So each tier's cost is measured, from its own recent jobs, and so is the model's:
+
+- a load from the CPU tier: seconds per block of the ranks' copies where a load lands in its own
+  step (``offload.load_in_step``), else the wall time from planning the job to its last ack,
+  ``a + b * blocks``;
+- a promotion from the disk tier: the same wall time, ``a + b * blocks``;
+- the model's prefill: the slowest rank's model time per step against the tokens it computed
+  and their attention work, ``c1 * tokens + c2 * sum(context)`` (least squares over recent
+  steps; per token alone where the steps do not tell the two apart);
+- a step's own time besides the prefill it computes (the decodes beside it, sampling, the
+  control plane): the period between steps less the prefill fit's share, a moving average.
+  A prompt of R tokens computes in ``ceil(R / max_num_batched_tokens)`` steps at the least, and
+  its first token comes after them, so each path pays that many of these.
+
+``choose`` takes, of recomputing, loading what the CPU tier holds, and loading that and what
+only the disk holds, the one whose first token comes soonest, and counts each tier hit it passes
+over as ``skipped_slower``. Before a tier has ``MIN_SAMPLES`` measured jobs (and the model as
+many steps) its hits are taken: those loads are the measurement. A tier whose hits are being
+skipped still has one in ``PROBE_EVERY`` of them loaded, so its estimate follows the machine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from raykv.connector.jobs import TransferJobStatus
+from raykv.core.step import StepReport
+
+MIN_SAMPLES = 4
+PROBE_EVERY = 16
+WINDOW = 128  # recent observations each fit keeps
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A way to get a request's prompt KV: load up to ``end`` tokens (blocks from each tier),
+    then compute from ``end``."""
+
+    end: int
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+
+
+class LineFit:
+    """``y = a + b * x`` by least squares over the latest ``WINDOW`` points (``a, b >= 0``)."""
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self._cached: tuple[float, float] | None = None
+
+    def add(self, x: float, y: float) -> None:
+        self.points.append((x, y))
+        self._cached = None
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def coefficients(self) -> tuple[float, float]:
+        if self._cached is None:
+            self._cached = _line(self.points)
+        return self._cached
+
+    def predict(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
+
+
+def _line(points: deque[tuple[float, float]]) -> tuple[float, float]:
+    n = len(points)
+    if n == 0:
+        return 0.0, 0.0
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx <= 1e-12 * max(1.0, mx * mx):  # one size only: all of it is the fixed part's
+        return max(0.0, my), 0.0
+    b = sum((x - mx) * (y - my) for x, y in points) / sxx
+    if b < 0:  # bigger is never cheaper: the mean, as a fixed cost
+        return max(0.0, my), 0.0
+    a = my - b * mx
+    if a < 0:  # no negative fixed cost: through the origin
+        return 0.0, max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
+    return a, b
+
+
+class PrefillFit:
+    """The model's seconds for a step against its tokens and their attention work."""
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
+        self._cached: tuple[float, float] | None = None
+
+    def add(self, tokens: int, attention: float, seconds: float) -> None:
+        if tokens > 0:
+            self.points.append((float(tokens), attention, seconds))
+            self._cached = None
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(c1, c2)``: seconds per token, and per token per position it attends over."""
+        if self._cached is None:
+            self._cached = _plane(self.points)
+        return self._cached
+
+    def predict(self, start: int, end: int) -> float:
+        """Seconds to compute positions ``start .. end - 1`` of one request."""
+        if end <= start:
+            return 0.0
+        c1, c2 = self.coefficients()
+        n = end - start
+        return c1 * n + c2 * n * (start + end - 1) / 2
+
+
+def _plane(points: deque[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares through the origin of ``s = c1 * t + c2 * a``; per token alone where the
+    points cannot separate the two or give a negative part."""
+    stt = sum(t * t for t, _, _ in points)
+    if stt <= 0:
+        return 0.0, 0.0
+    per_token = sum(t * s for t, _, s in points) / stt
+    saa = sum(a * a for _, a, _ in points)
+    sta = sum(t * a for t, a, _ in points)
+    det = stt * saa - sta * sta
+    if det <= 1e-9 * stt * max(saa, 1e-30):
+        return max(0.0, per_token), 0.0
+    sts = sum(t * s for t, _, s in points)
+    sas = sum(a * s for _, a, s in points)
+    c1 = (sts * saa - sas * sta) / det
+    c2 = (stt * sas - sta * sts) / det
+    if c1 < 0 or c2 < 0:
+        return max(0.0, per_token), 0.0
+    return c1, c2
+
+
+@dataclass(slots=True)
+class Decision:
+    """What ``choose`` decided for one lookup: the candidate taken, and the predicted seconds
+    to compute the prompt from there and by recomputing everything after what the GPU holds
+    (None while the tiers it chose between are not measured yet)."""
+
+    end: int
+    predicted_s: float | None
+    recompute_s: float | None
+
+
+class TierCosts:
+    """The measured costs of the tiers and of the model, and the choice they make.
+    ``step_tokens``: the most tokens a step computes (``engine.max_num_batched_tokens``)."""
+
+    def __init__(self, step_tokens: int) -> None:
+        self.step_tokens = step_tokens
+        self.cpu = LineFit()  # seconds a CPU-tier load delays its request, by blocks
+        self.disk = LineFit()  # seconds a promotion from disk takes, by blocks
+        self.prefill = PrefillFit()
+        self.step_s = 0.0  # a step's time besides its prefill (moving average)
+        self._last_step: float | None = None
+        self._ended: float | None = None  # when the last step's replies came in
+        self._busy = False  # ... and whether it computed tokens
+        self.skipped_slower = {"cpu": 0, "disk": 0}
+        self.probes = {"cpu": 0, "disk": 0}
+        self._skips = {"cpu": 0, "disk": 0}
+
+    # ---- what was measured -----------------------------------------------------------------
+
+    def observe_step(
+        self, tokens: int, attention: float, model_seconds: float, period_s: float | None = None
+    ) -> None:
+        """One step's model work: the tokens computed, their attention work (sum over them of
+        the positions each attends over), the slowest rank's model seconds, and the seconds
+        since the step before ended (None: the first)."""
+        self.prefill.add(tokens, attention, model_seconds)
+        if period_s is not None and tokens > 0:
+            c1, c2 = self.prefill.coefficients()
+            rest = max(0.0, period_s - c1 * tokens - c2 * attention)
+            self.step_s += (rest - self.step_s) * (0.05 if self._last_step is not None else 1.0)
+            self._last_step = period_s
+
+    def observe_reports(
+        self, tokens: int, attention: float, reports: list[StepReport], load_in_step: bool
+    ) -> None:
+        """A step's replies: the slowest rank's model time for the step's work, and where loads
+        land in their own step, the slowest rank's copies of them."""
+        if not reports:
+            return
+        now = time.perf_counter()
+        # a step after an idle one may follow a pause for arrivals: not a step's own time
+        period = now - self._ended if self._ended is not None and self._busy else None
+        self._ended, self._busy = now, tokens > 0
+        self.observe_step(tokens, attention, max(r.model_s for r in reports), period)
+        if load_in_step:
+            copies = max((r.transfers.stats for r in reports), key=lambda t: t.load_seconds)
+            self.observe_load(copies.load_blocks, copies.load_seconds)
+
+    def observe_load(self, blocks: int, seconds: float) -> None:
+        """A CPU-tier load of ``blocks`` delayed its request ``seconds``."""
+        if blocks > 0:
+            self.cpu.add(blocks, seconds)
+
+    def observe_promotion(self, blocks: int, seconds: float) -> None:
+        if blocks > 0:
+            self.disk.add(blocks, seconds)
+
+    def observe_job(self, job: TransferJobStatus, bpc: int, load_in_step: bool) -> None:
+        """A job became final: a successful load (where loads wait for their acks: one landing
+        in its own step is measured by its copies, ``observe_load`` per step) or promotion
+        measures its tier by its wall time since it was planned."""
+        if job.failed or (job.is_store and not job.move):
+            return
+        seconds = time.perf_counter() - job.created_s
+        if job.move == "promote":
+            self.observe_promotion(len(job.keys) * bpc, seconds)
+        elif not job.move and not load_in_step:
+            self.observe_load(len(job.keys) * bpc, seconds)
+
+    # ---- the choice ------------------------------------------------------------------------
+
+    def measured(self, tier: str) -> bool:
+        fit = self.cpu if tier == "cpu" else self.disk
+        return len(fit) >= MIN_SAMPLES and len(self.prefill) >= MIN_SAMPLES
+
+    def cost(self, start: int, prompt: int, option: Candidate) -> float:
+        """Predicted seconds until ``option`` has computed the prompt's last token."""
+        begin = max(start, option.end)
+        steps = max(1, -(-(prompt - begin) // self.step_tokens))
+        seconds = steps * self.step_s + self.prefill.predict(begin, prompt)
+        blocks = option.cpu_blocks + option.disk_blocks
+        if blocks:
+            seconds += self.cpu.predict(blocks)
+        if option.disk_blocks:
+            seconds += self.disk.predict(option.disk_blocks)
+        return seconds
+
+    def choose(self, start: int, prompt: int, options: list[Candidate]) -> Decision:
+        """Of recomputing from ``start`` (what the GPU holds) to the prompt's end and the
+        ``options`` (each loading further than the one before: the CPU tier's hit, then the
+        disk's beyond it), the soonest first token. Where a tier is not yet measured, the
+        furthest option is taken as it comes."""
+        recompute = self.cost(start, prompt, Candidate(start))
+        if not options:
+            return Decision(start, recompute, recompute)
+        furthest = options[-1]
+        if not all(self.measured(_tier(o)) for o in options):
+            return Decision(furthest.end, None, None)
+        best_end, best_s = start, recompute
+        priced = [(o, self.cost(start, prompt, o)) for o in options]
+        for option, seconds in priced:
+            if seconds < best_s:
+                best_end, best_s = option.end, seconds
+        best = Decision(best_end, best_s, recompute)
+        passed = [(o, s) for o, s in priced if o.end > best_end]
+        for tier in dict.fromkeys(_tier(o) for o, _ in passed):
+            # passed over: one in PROBE_EVERY is taken anyway, to keep measuring the tier
+            self._skips[tier] += 1
+            if self._skips[tier] % PROBE_EVERY == 0:
+                self.probes[tier] += 1
+                option, seconds = next((o, s) for o, s in reversed(passed) if _tier(o) == tier)
+                return Decision(option.end, seconds, recompute)
+            self.skipped_slower[tier] += 1
+        return best
+
+    def summary(self) -> dict[str, float]:
+        """The current estimates, for the report."""
+        a_cpu, b_cpu = self.cpu.coefficients()
+        a_disk, b_disk = self.disk.coefficients()
+        c1, c2 = self.prefill.coefficients()
+        return {
+            "cpu_load_fixed_s": a_cpu,
+            "cpu_load_s_per_block": b_cpu,
+            "disk_promotion_fixed_s": a_disk,
+            "disk_promotion_s_per_block": b_disk,
+            "prefill_s_per_token": c1,
+            "prefill_s_per_token_position": c2,
+            "step_s_besides_prefill": self.step_s,
+        }
+
+
+def _tier(option: Candidate) -> str:
+    """The deepest tier an option loads from."""
+    return "disk" if option.disk_blocks else "cpu"

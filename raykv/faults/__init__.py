@@ -1,0 +1,37 @@
+"""Fault injection: the specs (``specs.py``) and the wrappers that make a rank suffer them
+(``wrappers.py`` around its transfer backend and its step, ``disk.py`` around its disk
+engine)."""
+
+from raykv.faults.disk import FaultyDisk
+from raykv.faults.specs import (
+    DISK_KINDS,
+    KINDS,
+    SCHEDULER_KINDS,
+    Fault,
+    FaultSpecError,
+    RankDied,
+    RankFaults,
+    SchedulerFault,
+    parse_fault,
+    scheduler_dies_at,
+    scheduler_fails_at,
+)
+from raykv.faults.wrappers import FaultyBackend, FaultyRank, Rank
+
+__all__ = [
+    "DISK_KINDS",
+    "KINDS",
+    "SCHEDULER_KINDS",
+    "Fault",
+    "FaultSpecError",
+    "FaultyBackend",
+    "FaultyDisk",
+    "FaultyRank",
+    "Rank",
+    "RankDied",
+    "RankFaults",
+    "SchedulerFault",
+    "parse_fault",
+    "scheduler_dies_at",
+    "scheduler_fails_at",
+]

@@ -1,0 +1,102 @@
+"""The disk-tier faults, wrapped around a rank's disk engine: jobs that fail (``fail-disk``),
+chunk files that go bad after they landed (``corrupt-disk``), a slow disk (``slow-disk``) and a
+full one (``full-disk``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from raykv.core.step import TierMove
+from raykv.faults.specs import RankFaults
+
+
+class FaultyDisk:
+    """A disk engine (``connector.worker.DiskBackend``) that suffers this rank's disk faults.
+
+    A failed job reads or writes nothing and is reported failed by the next poll, as one whose
+    I/O got EIO; a full disk fails a demotion the same way and reports it in ``take_full``, as
+    ENOSPC; a corrupted file has a byte of its pages flipped once its demotion has landed; a
+    slow disk reports each job no sooner than ``ms`` after it was queued (a flush waits that
+    long too)."""
+
+    def __init__(self, inner: Any, faults: RankFaults) -> None:
+        self.inner = inner
+        self.faults = faults
+        self._failed: list[int] = []  # failed by a fault, for the next poll
+        self._full: list[int] = []
+        self._corrupt: dict[int, list[int]] = {}  # demotion -> its keys, corrupted once landed
+        self._due: dict[int, float] = {}  # job -> when it may be reported (slow-disk)
+        self._held: list[tuple[int, bool]] = []  # finished, not yet due: (job, ok)
+        self._room = faults.disk_room()
+        self._written = 0
+
+    def submit(self, move: TierMove) -> None:
+        f = self.faults
+        if f.disk_fails():
+            self._failed.append(move.job_id)
+            return
+        if not move.promote and self._room is not None:
+            if self._written + len(move.chunks) > self._room:
+                self._failed.append(move.job_id)
+                self._full.append(move.job_id)
+                return
+            self._written += len(move.chunks)
+        self.inner.submit(move)
+        delay = f.disk_delay_s()
+        if delay:
+            self._due[move.job_id] = time.monotonic() + delay
+        if not move.promote and f.disk_corrupts():
+            self._corrupt[move.job_id] = move.chunks.unpack()
+
+    def flush(self, job_ids: list[int]) -> None:
+        failed = set(self._failed)
+        self.inner.flush([j for j in job_ids if j not in failed])
+        due = max((self._due.get(j, 0.0) for j in job_ids), default=0.0)
+        wait = due - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        completed, failed = self.inner.poll()
+        for job_id in completed:  # landed: now its files go bad
+            for key in self._corrupt.pop(job_id, ()):
+                self.inner.corrupt_file(key)
+        for job_id in failed:
+            self._corrupt.pop(job_id, None)
+        if self._due or self._held:
+            completed, failed = self._hold(completed, failed)
+        if self._failed:
+            failed, self._failed = [*failed, *self._failed], []
+        return completed, failed
+
+    def _hold(self, completed: list[int], failed: list[int]) -> tuple[list[int], list[int]]:
+        """Hold back what finished before its time; release what is due."""
+        now = time.monotonic()
+        self._held += [(j, True) for j in completed] + [(j, False) for j in failed]
+        out_ok: list[int] = []
+        out_failed: list[int] = []
+        keep: list[tuple[int, bool]] = []
+        for job_id, ok in self._held:
+            if self._due.get(job_id, 0.0) > now:
+                keep.append((job_id, ok))
+                continue
+            self._due.pop(job_id, None)
+            (out_ok if ok else out_failed).append(job_id)
+        self._held = keep
+        return out_ok, out_failed
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._failed and not self._held:
+            self.inner.wait(timeout_s)
+
+    def in_flight(self) -> int:
+        return self.inner.in_flight() + len(self._held) + len(self._failed)
+
+    def take_full(self) -> list[int]:
+        full, self._full = self._full, []
+        return [*self.inner.take_full(), *full]
+
+    def __getattr__(self, name: str) -> Any:
+        # everything else (drop, pending slots, stats, index, shutdown) is the real engine's
+        return getattr(self.inner, name)

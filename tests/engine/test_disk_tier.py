@@ -1,0 +1,172 @@
+"""The disk tier end to end in one process: real files, real copies, the synthetic model whose
+every output token depends on every KV byte it read. Whatever the disk does (fails, corrupts,
+stalls, fills up, loses files behind raykv's back, or a rank dies mid-write), the outputs are
+those of the run without any tier."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from raykv.config import ConfigError, load_config
+from raykv.engine.core import EngineCore
+from raykv.engine.stats import drain_books
+from raykv.engine.tier_namespace import disk_rank_root
+from raykv.engine.workers import LocalWorkerGroup
+from raykv.runs.driver import run_workload
+from raykv.workload.requests import make_workload
+
+SMALL = [
+    "workload.num_requests=48",
+    "workload.seed=3",
+    "cache.num_gpu_blocks=48",
+    "workload.system_prompt_tokens=96",
+    "workload.user_tokens=24",
+    "workload.answer_tokens=16",
+    "workload.max_tokens=6",
+    "workload.concurrent_conversations=8",
+    "parallel.tensor_parallel_size=2",
+    "model.head_dim=8",
+    "offload.cpu_slots=24",  # far smaller than the conversations: the CPU tier churns
+    "offload.take_hits=always",  # every hit loaded: the protocol, not the choice, is tested
+]
+
+
+def disk(path: str, *more: str) -> list[str]:
+    return [
+        "offload.disk.enabled=true",
+        f"offload.disk.path={path}",
+        "offload.disk.capacity=8MiB",
+        *more,
+    ]
+
+
+def run(sets: list[str], offload: bool = True) -> tuple[dict, dict[str, int]]:
+    cfg = load_config(None, sets)
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        engine = EngineCore(cfg, workers, offload=offload, verify=True)
+        report = run_workload(engine, make_workload(cfg), check_invariants=True)
+        books = drain_books(engine)
+    return report, books
+
+
+@pytest.fixture(scope="module")
+def baseline() -> str:
+    """The digest of the run without any tier."""
+    report, _ = run(SMALL, offload=False)
+    return report["output_digest"]
+
+
+def tier_hits(report: dict) -> int:
+    return report["cpu_hit_tokens"] + report["disk_hit_tokens"]
+
+
+def test_the_disk_tier_serves_what_the_cpu_tier_evicted_and_changes_no_output(
+    baseline: str, disk_dir: str
+) -> None:
+    cpu_only, _ = run(SMALL)
+    report, books = run(SMALL + disk(disk_dir))
+    assert report["output_digest"] == cpu_only["output_digest"] == baseline
+    assert report["integrity"]["mismatches"] == 0 and report["integrity"]["blocks_verified"] > 0
+    d = report["tiers"]["disk"]
+    assert d["demoted_chunks"] > 0 and d["promoted_chunks"] > 0 and d["corrupt"] == 0
+    assert report["disk_hit_tokens"] > 0
+    assert tier_hits(report) > 2 * tier_hits(cpu_only)
+    assert not any(books.values()), books  # jobs, fence, slots being read or written: drained
+
+
+def test_a_warm_restart_hits_the_disk_from_its_first_requests(baseline: str, disk_dir: str) -> None:
+    first, _ = run(SMALL + disk(disk_dir))
+    again, _ = run(SMALL + disk(disk_dir))
+    assert again["output_digest"] == first["output_digest"] == baseline
+    assert again["tiers"]["disk"]["warm_start_chunks"] > 0
+    early = again["requests"][:8]
+    assert sum(r["disk_hit_tokens"] for r in early) > 0
+    assert tier_hits(again) > tier_hits(first)
+
+
+def _files(root: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*.kv")}
+
+
+def test_another_tp_size_or_model_never_reads_another_namespace(disk_dir: str) -> None:
+    run(SMALL + disk(disk_dir))
+    before = _files(Path(disk_dir))
+    for other in (["parallel.tensor_parallel_size=1"], ["model.head_dim=16"]):
+        report, _ = run(SMALL + disk(disk_dir) + other)
+        d = report["tiers"]["disk"]
+        assert d["warm_start_chunks"] == 0 and d["corrupt"] == 0
+        after = _files(Path(disk_dir))
+        # the first run's files are all there, untouched
+        assert {p: t for p, t in after.items() if p in before} == before
+    namespaces = [p for p in Path(disk_dir).iterdir() if p.is_dir()]
+    assert len(namespaces) == 3
+
+
+def test_files_damaged_or_deleted_between_runs_are_recomputed(baseline: str, disk_dir: str) -> None:
+    run(SMALL + disk(disk_dir))
+    cfg = load_config(None, SMALL + disk(disk_dir))
+    files = sorted(Path(disk_rank_root(cfg, 1)).rglob("*.kv"))
+    assert len(files) > 12
+    for i, path in enumerate(files):
+        if i % 3 == 0:
+            os.truncate(path, path.stat().st_size // 2)
+        elif i % 3 == 1:
+            path.unlink()
+    report, books = run(SMALL + disk(disk_dir))
+    assert report["output_digest"] == baseline
+    assert report["integrity"]["mismatches"] == 0
+    # the deleted ones are partial (rank 0 still has its part): dropped at the warm start; the
+    # truncated ones fail their promotion as corrupt, or were never needed
+    assert report["tiers"]["disk"]["warm_start_chunks"] <= len(files) - len(files) // 3
+    assert not any(books.values())
+
+
+@pytest.mark.parametrize(
+    ("fault", "counter"),
+    [
+        ("fail-disk:rate=0.3", "promotions_failed"),
+        ("corrupt-disk:rate=0.5", "corrupt"),
+        ("slow-disk:ms=15", "promoted_chunks"),
+        ("full-disk:after=20", "full_events"),
+        ("kill-worker:step=40:rank=1", "demoted_chunks"),
+    ],
+)
+def test_every_disk_fault_ends_in_the_fault_free_outputs(
+    baseline: str, disk_dir: str, fault: str, counter: str
+) -> None:
+    report, books = run(SMALL + disk(disk_dir) + [f'faults=["{fault}"]'])
+    assert report["output_digest"] == baseline
+    assert report["integrity"]["mismatches"] == 0
+    assert report["tiers"]["disk"][counter] > 0, report["tiers"]["disk"]
+    assert not any(books.values()), books
+
+
+def test_a_full_disk_stops_demotions_and_the_run_goes_on(disk_dir: str) -> None:
+    report, _ = run(SMALL + disk(disk_dir) + ['faults=["full-disk"]'])
+    d = report["tiers"]["disk"]
+    assert d["full_events"] >= 1 and d["demoted_chunks"] == 0
+    # demotions paused after the first full write: one job, not one per step
+    assert d["demotions"] == 1 and d["demotions_failed"] > 0
+
+
+def test_a_capacity_larger_than_the_file_system_is_refused_by_name(disk_dir: str) -> None:
+    cfg = load_config(None, SMALL + disk(disk_dir, "offload.disk.capacity=1000TiB"))
+    with (
+        LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers,
+        pytest.raises(ConfigError, match=r"offload\.disk\.capacity"),
+    ):
+        EngineCore(cfg, workers)
+
+
+def test_a_path_that_cannot_hold_files_is_refused_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"offload\.disk.*is not a directory"):
+        load_config(None, disk(str(blocker / "tier")))
+    with pytest.raises(ConfigError, match=r"offload\.disk.*needs path"):
+        load_config(None, ["offload.disk.enabled=true"])
+    with pytest.raises(ConfigError, match=r"offload\.disk\.policy"):
+        load_config(None, ["offload.disk.policy=nope"])
