@@ -7,15 +7,20 @@ Each episode draws (seeded) 1-4 ranks, one to three KV groups (full attention, s
 of different sizes), tiny GPU pools and CPU tiers that force block reuse, preemption and
 eviction, a policy, a store threshold, chunk sizes, per-rank seeded delays for when a copy
 really runs and when it is acknowledged (or real copy threads), and a mix of injected faults
-(lost, duplicated and late acks, failed copies, dead ranks, whose replacements find their
-CPU-pool shard in shared memory or start empty). A hostile client aborts requests at random
-moments (queued, loading, running), resets the CPU tier mid-run, and with finished requests
-forgotten (the serving setting) hands their ids to new requests. The run with offloading checks
-the scheduler's books after every step (each rank checks the fence before every write), then
-requires the drain (no jobs, no fence, no request state, no busy slot, every GPU block free), a
-CPU tier whose every readable chunk holds the right bytes on every rank, and the tokens of a
-run without offloading and without the client's mischief (an aborted request: a prefix of
-them).
+(lost, duplicated and late acks, failed copies, dead ranks, whose replacements find their CPU-
+pool shard in shared memory or start empty). Four in ten episodes put a disk tier under the CPU
+tier (a few chunks to a few hundred, in a directory of their own, removed afterwards), with its
+own policy, filter and reserve, its I/O direct or buffered, and its own faults (failed,
+corrupted, slow reads and writes; a full disk); a disk tier's I/O threads run on their own
+clock, so such an episode, like one with real copy threads, replays only approximately. One in
+five episodes loads only the tier hits the measured costs say are worth it. A hostile client
+aborts requests at random moments (queued, loading, running), resets the CPU tier mid-run, and
+with finished requests forgotten (the serving setting) hands their ids to new requests. The run
+with offloading checks the scheduler's books after every step (each rank checks the fence before
+every write), then requires the drain (no jobs, no fence, no request state, no busy slot, every
+GPU block free), a CPU tier whose every readable chunk holds the right bytes on every rank, and
+the tokens of a run without offloading and without the client's mischief (an aborted request: a
+prefix of them).
 
 Usage: python scripts/fuzz.py --steps 1000000 [--seed S] [--jobs N] [--async-scheduling on]
 (CI runs a short version)
@@ -28,6 +33,7 @@ import argparse
 import multiprocessing
 import random
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,6 +45,8 @@ from raykv.engine.core import EngineCore
 from raykv.engine.stats import drain_books
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.workload.requests import RequestSpec, synthetic_chat
+
+DISK_PATH = "@DISK@"  # where an episode's disk tier goes: a fresh directory per run
 
 GROUPS = [
     "[{kind: full_attention}]",
@@ -80,6 +88,17 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         faults.append(f"kill-worker:rate={rng.choice([0.005, 0.02])}:seed={rng.randrange(99)}")
     if rng.random() < 0.3:
         faults.append(f"delay-acks:rank={rng.randrange(tp)}:steps={rng.choice([2, 7])}")
+    disk = rng.random() < 0.4
+    if disk:
+        if rng.random() < 0.3:
+            faults.append(f"fail-disk:rate={rng.choice([0.05, 0.3])}:seed={rng.randrange(99)}")
+        if rng.random() < 0.3:
+            rate = rng.choice([0.05, 0.3])
+            faults.append(f"corrupt-disk:rate={rate}:seed={rng.randrange(99)}")
+        if rng.random() < 0.2:
+            faults.append(f"slow-disk:ms={rng.choice([1, 5])}")
+        if rng.random() < 0.2:
+            faults.append(f"full-disk:after={rng.choice([0, 5, 40])}")
     keep_finished = rng.random() < 0.5
     sets = [
         f"parallel.tensor_parallel_size={tp}",
@@ -108,8 +127,20 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         f"engine.ack_timeout_steps={rng.choice([4, 16])}",
         f"engine.rank_timeout_steps={rng.choice([40, 120])}",
         f"engine.keep_finished={'true' if keep_finished else 'false'}",
+        f"offload.take_hits={'faster' if rng.random() < 0.2 else 'always'}",
         "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
     ]
+    if disk:
+        sets += [
+            "offload.disk.enabled=true",
+            f"offload.disk.path={DISK_PATH}",
+            f"offload.disk.capacity={rng.choice(['64KiB', '1MiB', '8MiB'])}",
+            f"offload.disk.policy={rng.choice(['lru', 'arc', 'recall'])}",
+            f"offload.disk.store_threshold={rng.choice([0, 0, 2])}",
+            f"offload.disk.reserve_fraction={rng.choice([0.125, 0.5])}",
+            f"offload.disk.io_threads={rng.choice([1, 2])}",
+            f"offload.disk.direct_io={rng.choice(['auto', 'off'])}",
+        ]
     workload = dict(
         num_requests=rng.randint(8, 30),
         seed=rng.randrange(1 << 16),
@@ -232,7 +263,16 @@ def reference_outputs(sets: list[str], specs: list[RequestSpec]) -> dict:
 def run_episode(
     sets: list[str], workload: dict, max_delay: int, salt: int, chaos: Chaos, threaded: bool
 ) -> int:
-    """The episode with offloading under ``chaos``, checked against the reference."""
+    """The episode with offloading under ``chaos``, checked against the reference (a disk tier
+    in a fresh directory, removed afterwards)."""
+    with tempfile.TemporaryDirectory(prefix="raykv-fuzz-disk-") as disk:
+        placed = [s.replace(DISK_PATH, disk) for s in sets]
+        return _run_episode(placed, workload, max_delay, salt, chaos, threaded)
+
+
+def _run_episode(
+    sets: list[str], workload: dict, max_delay: int, salt: int, chaos: Chaos, threaded: bool
+) -> int:
     cfg = load_config(None, sets)
     tp = cfg.parallel.tensor_parallel_size
     specs = synthetic_chat(

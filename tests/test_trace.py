@@ -130,3 +130,33 @@ def test_a_wall_clock_replay_keeps_the_timestamps(tmp_path: Path) -> None:
     specs = trace_requests(path, vocab_size=100, tokens_per_block=4, time_scale=2.0)
     assert [s.arrival_s for s in specs] == pytest.approx([0.0, 1.0, 6.0])
     assert {s.arrival for s in specs} == {0.0}
+
+
+def test_a_trace_replayed_as_whole_conversations(tmp_path: Path) -> None:
+    rows = [
+        (0, [1, 2]),  # conversation 1
+        (10, [5]),  # conversation 5
+        (20, [1, 2, 3]),  # conversation 1's second turn, after another conversation's
+        (30, [7, 8]),
+        (40, [5, 6]),
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps(
+                {"timestamp": t, "input_length": 512 * len(h), "output_length": 2, "hash_ids": h}
+            )
+            for t, h in rows
+        )
+    )
+    specs = trace_requests(
+        path, vocab_size=100, tokens_per_block=4, arrival_rate=0.5, conversations=True
+    )
+    assert [s.req_id for s in specs] == ["trace-0", "trace-2", "trace-1", "trace-4", "trace-3"]
+    assert [s.arrival for s in specs] == [0.0, 2.0, 4.0, 6.0, 8.0]
+    # a turn's prompt still starts with its conversation's earlier prompt
+    assert specs[1].prompt[: len(specs[0].prompt)] == specs[0].prompt
+    from raykv.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="trace_order: conversations"):
+        load_config(None, ["workload.trace_order=conversations", "workload.trace_time_scale=1"])

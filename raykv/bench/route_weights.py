@@ -7,6 +7,12 @@ the repeats):
 - computing: fresh prompts of two lengths; the slope is the cost of a computed prompt token;
 - loading: the same prompts again once the GPU prefix cache is emptied, so the CPU tier serves
   them; the slope is the cost of a loaded token, and ``cpu_hit_cost`` its ratio to computing;
+- from disk (with a disk tier: ``offload.disk.enabled``): the same prompts a third time once the
+  CPU tier was moved to disk entirely (``EngineCore.spill_to_disk``) and the GPU cache emptied
+  again, so their chunks are read from files, promoted into the CPU tier and then loaded; the
+  slope is the cost of a token from disk, and ``disk_hit_cost`` its ratio to computing. Every
+  hit is loaded (``bench.ttft.bench_config`` sets ``offload.take_hits: always``): the tiers
+  are measured, not the scheduler's choice of them;
 - decoding: the shorter fresh prompt arriving while ``k`` requests decode; what it takes
   longer than alone, per decoding request, in computed tokens, is ``decode_cost``.
 """
@@ -14,7 +20,7 @@ the repeats):
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raykv.bench.ttft import LocalTTFTEngine
@@ -34,6 +40,11 @@ class RouteWeightsMeasurement:
     decode_delay_s: dict[int, float]  # decoding requests -> the prompt's extra TTFT
     cpu_hit_cost: float
     decode_cost: float
+    # from disk: promoted into the CPU tier, then loaded (None: no disk tier was measured)
+    disk_s_per_token: float | None = None
+    disk_hit_cost: float | None = None
+    # each way's fastest TTFT per prompt length (what the slopes come from)
+    ttft_s: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,9 +88,36 @@ class _Engine(LocalTTFTEngine):
         assert record is not None
         return record.ttft_s
 
-    def ttft(self, prompt: list[int]) -> float:
+    def ttft(self, prompt: list[int], tier: str | None = None) -> float:
+        """The prompt's TTFT; ``tier`` (``cpu`` or ``disk``): the tier its hit must have come
+        from, whole (a hit from the other tier would be measured as this one's)."""
         self.count += 1
-        return self.first_token(f"w{self.count}", prompt)[0]
+        req_id = f"w{self.count}"
+        ttft, _ = self.first_token(req_id, prompt)
+        if tier is not None:
+            record = self.engine.latency.record_of(req_id)
+            assert record is not None
+            hits = {"cpu": record.cpu_hit_tokens, "disk": record.disk_hit_tokens}
+            if hits[tier] == 0 or any(n for other, n in hits.items() if other != tier):
+                raise RuntimeError(
+                    f"{len(prompt)} tokens: {hits['cpu']} came from the CPU tier and "
+                    f"{hits['disk']} from disk, where the {tier} tier alone should have served "
+                    "it (are the tiers large enough for the prompts?)"
+                )
+        return ttft
+
+    def ttft_from_disk(self, prompt: list[int]) -> float:
+        """The prompt's TTFT once its chunks are only on disk: the CPU tier moved to disk and
+        the GPU cache emptied first."""
+        self.spill_to_disk()
+        self.empty_gpu_cache()
+        return self.ttft(prompt, "disk")
+
+
+def _slope(ttft: dict[int, float], short: int, long: int) -> float:
+    """Seconds per prompt token between the two lengths (never below 0: a load's noise can
+    outweigh its few microseconds a token)."""
+    return max(0.0, (ttft[long] - ttft[short]) / (long - short))
 
 
 def measure_route_weights(
@@ -90,31 +128,49 @@ def measure_route_weights(
     seed: int = 0,
 ) -> RouteWeightsMeasurement:
     """Measure on ``cfg``'s model (configured: ``model.checkpoint.configure``, room made by
-    ``bench.ttft.bench_config``)."""
+    ``bench.ttft.bench_config``; with ``offload.disk.enabled``, ``disk_hit_cost`` too)."""
     short, long = prompt_tokens
+    disk = cfg.offload.disk.enabled
     engine = _Engine(cfg, seed)
     try:
         engine.ttft(engine.prompt(short))  # warm: the first step pays for allocations
-        computed: dict[int, float] = {}
-        loaded: dict[int, float] = {}
+        ways = ["computed", "cpu_tier", *(["disk_tier"] if disk else [])]
+        best: dict[str, dict[int, float]] = {way: {} for way in ways}
+
+        def keep(way: str, n: int, t: float) -> None:
+            best[way][n] = min(best[way].get(n, t), t)
+
         for _ in range(repeat):
             for n in prompt_tokens:
                 prompt = engine.prompt(n)
-                t = engine.ttft(prompt)
-                computed[n] = min(computed.get(n, t), t)
+                keep("computed", n, engine.ttft(prompt))
                 engine.empty_gpu_cache()  # its stores land first: the CPU tier serves it now
-                t = engine.ttft(prompt)
-                loaded[n] = min(loaded.get(n, t), t)
+                keep("cpu_tier", n, engine.ttft(prompt, "cpu"))
+                if disk:
+                    keep("disk_tier", n, engine.ttft_from_disk(prompt))
+        computed = best["computed"]
         compute = (computed[long] - computed[short]) / (long - short)
-        load = max(0.0, (loaded[long] - loaded[short]) / (long - short))
+        load = _slope(best["cpu_tier"], short, long)
+        from_disk = _slope(best["disk_tier"], short, long) if disk else None
         delays: dict[int, float] = {}
         for k in decoders:
-            best = min(engine.first_token_beside(k, engine.prompt(short)) for _ in range(repeat))
-            delays[k] = max(0.0, best - computed[short])
+            probe = min(engine.first_token_beside(k, engine.prompt(short)) for _ in range(repeat))
+            delays[k] = max(0.0, probe - computed[short])
         per_decoder = [delays[k] / k for k in decoders if k > 0]
         decode_cost = (sum(per_decoder) / len(per_decoder)) / compute if per_decoder else 0.0
+
+        def ratio(seconds: float) -> float:
+            return seconds / compute if compute > 0 else 0.0
+
         return RouteWeightsMeasurement(
-            compute, load, delays, load / compute if compute > 0 else 0.0, decode_cost
+            compute,
+            load,
+            delays,
+            ratio(load),
+            decode_cost,
+            from_disk,
+            ratio(from_disk) if from_disk is not None else None,
+            best,
         )
     finally:
         engine.close()

@@ -1,14 +1,20 @@
 """``raykv bench ttft``: time to first token of one prompt alone, recomputed against loaded from
-the CPU tier, with transformers' own forward pass over the same prompt beside them.
+the CPU tier and from the disk tier, with transformers' own forward pass over the same prompt
+beside them.
 
-For each prompt length and repeat, a fresh prompt of random token ids is sent twice to one
-engine with ``max_tokens`` 1. The first time nothing holds it: the whole prefill is computed
-(``recompute_s``), and its KV is stored to the CPU tier. Then, once every store has landed, the
-GPU prefix cache is emptied, so the second time the CPU tier is the only source: the prefix is
-loaded and only the last token is computed (``cpu_tier_s``). Each is the request's TTFT as the
-engine measures it (from its arrival at the engine to its first token). The fastest of the
-repeats is kept each way, and ``speedup`` is their ratio. transformers' number is a forward pass
-over the same number of tokens on the same weights in this process, fastest of the repeats.
+For each prompt length and repeat, a fresh prompt of random token ids is sent to one engine
+with ``max_tokens`` 1, three times. The first time nothing holds it: the whole prefill is
+computed (``recompute_s``), and its KV is stored to the CPU tier. Then, once every store has
+landed, the GPU prefix cache is emptied, so the second time the CPU tier is the only source: the
+prefix is loaded and only the last token is computed (``cpu_tier_s``). With a disk tier, the CPU
+tier is then moved to disk entirely (``EngineCore.spill_to_disk``) and the GPU cache emptied
+again, so the third time the prefix is read from its files (with ``O_DIRECT`` where the file
+system allows it: cold, not from the page cache), promoted into the CPU tier and loaded
+(``disk_tier_s``). Every hit is loaded (``offload.take_hits: always``): the tiers are measured,
+not the choice. Each is the request's TTFT as the engine measures it (from its arrival at the
+engine to its first token). The fastest of the repeats is kept each way, and ``speedup`` and
+``disk_speedup`` are recomputing's ratios to them. transformers' number is a forward pass over
+the same number of tokens on the same weights in this process, fastest of the repeats.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from raykv.config import RaykvConfig
+from raykv.config import RaykvConfig, load_config
 
 
 class TTFTEngine(Protocol):
@@ -33,6 +39,10 @@ class TTFTEngine(Protocol):
 
     def empty_gpu_cache(self) -> None: ...
 
+    def spill_to_disk(self) -> None:
+        """Move the CPU tier's chunks to the disk tier, once every transfer has landed."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -44,6 +54,9 @@ class TTFTResult:
     speedup: float
     transformers_s: float | None
     cpu_hit_tokens: int  # of the CPU-tier run (the fastest repeat's)
+    disk_tier_s: float | None = None  # None: no disk tier
+    disk_speedup: float | None = None
+    disk_hit_tokens: int = 0  # of the disk-tier run (the fastest repeat's)
 
 
 @dataclass(slots=True)
@@ -80,12 +93,17 @@ class LocalTTFTEngine:
             engine.step()
         record = engine.latency.requests[-1]
         assert record.req_id == req_id
-        return record.ttft_s, record.cpu_hit_tokens
+        return record.ttft_s, record.cpu_hit_tokens + record.disk_hit_tokens
 
     def empty_gpu_cache(self) -> None:
         while self.engine.has_work():
             self.engine.step()
         self.engine.reset_prefix_cache()
+
+    def spill_to_disk(self) -> None:
+        while self.engine.has_work():
+            self.engine.step()
+        self.engine.spill_to_disk()
 
     def close(self) -> None:
         self._workers.shutdown()
@@ -102,8 +120,21 @@ def bench_config(cfg: RaykvConfig, lengths: list[int]) -> RaykvConfig:
     engine = cfg.engine.model_copy(
         update={"max_num_batched_tokens": max(cfg.engine.max_num_batched_tokens, longest)}
     )
-    offload = cfg.offload.model_copy(update={"enabled": True})
+    # the tiers are measured, not the scheduler's choice of them
+    offload = cfg.offload.model_copy(update={"enabled": True, "take_hits": "always"})
     return cfg.model_copy(update={"cache": cache, "engine": engine, "offload": offload})
+
+
+def with_disk_tier(cfg: RaykvConfig, path: str, lengths: list[int], repeat: int) -> RaykvConfig:
+    """``cfg`` with a disk tier at ``path`` large enough for every prompt the bench sends."""
+    from raykv.engine.disk_tier import file_bytes
+
+    tokens_per_chunk = cfg.cache.block_size * cfg.offload.blocks_per_chunk
+    chunks = sum(-(-n // tokens_per_chunk) for n in lengths) * (repeat + 1) + 16
+    per_chunk = file_bytes(cfg) * cfg.parallel.tensor_parallel_size * len(cfg.cache.groups)
+    tree = cfg.model_dump(mode="json")
+    tree["offload"]["disk"].update(enabled=True, path=path, capacity=chunks * per_chunk)
+    return load_config(tree)  # checked: a path that cannot hold files is refused by name
 
 
 def run_ttft_bench(
@@ -122,9 +153,10 @@ def run_ttft_bench(
     results = []
     # a first request pays for lazy initialisation (threads, allocator) outside the numbers
     engine.first_token("warm-up", [rng.randrange(vocab) for _ in range(16)])
+    disk = cfg.offload.disk.enabled
     for n in lengths:
-        best_recompute = best_loaded = best_reference = float("inf")
-        hits = 0
+        best_recompute = best_loaded = best_reference = best_disk = float("inf")
+        hits = disk_hits = 0
         for r in range(repeat):
             prompt = [rng.randrange(vocab) for _ in range(n)]
             if progress is not None:
@@ -140,6 +172,14 @@ def run_ttft_bench(
             best_recompute = min(best_recompute, recompute)
             if loaded < best_loaded:
                 best_loaded, hits = loaded, found
+            if disk:
+                engine.spill_to_disk()
+                engine.empty_gpu_cache()
+                from_disk, found = engine.first_token(f"disk-tier-{n}-{r}", prompt)
+                if found == 0:
+                    raise RuntimeError(f"{n} tokens: the third run found nothing in the disk tier")
+                if from_disk < best_disk:
+                    best_disk, disk_hits = from_disk, found
             if reference is not None:
                 best_reference = min(best_reference, reference(prompt))
         results.append(
@@ -150,6 +190,9 @@ def run_ttft_bench(
                 best_recompute / best_loaded,
                 best_reference if reference is not None else None,
                 hits,
+                best_disk if disk else None,
+                best_recompute / best_disk if disk else None,
+                disk_hits,
             )
         )
     return results
@@ -202,6 +245,8 @@ def plot_ttft(report: TTFTReport, path: str) -> None:
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
     axes.plot(lengths, [r.recompute_s for r in report.results], "o-", label="recomputed")
     axes.plot(lengths, [r.cpu_tier_s for r in report.results], "o-", label="from the CPU tier")
+    if all(r.disk_tier_s is not None for r in report.results):
+        axes.plot(lengths, [r.disk_tier_s for r in report.results], "o-", label="from disk")
     if all(r.transformers_s is not None for r in report.results):
         axes.plot(
             lengths,
@@ -227,13 +272,17 @@ def format_ttft_table(report: TTFTReport) -> str:
         f"raykv bench ttft: {report.model} on {report.device}, {report.engine} engine, "
         f"TP {report.tensor_parallel_size} (fastest of the repeats)",
         f"{'tokens':>7} {'recompute_s':>12} {'cpu_tier_s':>11} {'speedup':>8} "
+        f"{'disk_tier_s':>12} {'speedup':>8} "
         f"{'transformers_s':>15} {'recompute/transformers':>23}",
     ]
     for r in report.results:
         ref = f"{r.transformers_s:>15.3f}" if r.transformers_s is not None else f"{'-':>15}"
         ratio = f"{r.recompute_s / r.transformers_s:>23.2f}" if r.transformers_s else f"{'-':>23}"
+        disk = f"{'-':>12} {'-':>8}"
+        if r.disk_tier_s is not None and r.disk_speedup is not None:
+            disk = f"{r.disk_tier_s:>12.4f} {r.disk_speedup:>8.1f}"
         lines.append(
             f"{r.prompt_tokens:>7} {r.recompute_s:>12.3f} {r.cpu_tier_s:>11.4f} "
-            f"{r.speedup:>8.1f} {ref} {ratio}"
+            f"{r.speedup:>8.1f} {disk} {ref} {ratio}"
         )
     return "\n".join(lines)

@@ -4,6 +4,9 @@ against recompute, the routers behind real replicas, the router's weights."""
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +28,48 @@ from raykv.cli.common import (
     write_json,
 )
 from raykv.cli.run import execute_run, prepared_run
-from raykv.config import ConfigError
+from raykv.config import ConfigError, RaykvConfig, load_config
+
+
+def tier_list(text: str) -> list[str]:
+    """``--tiers``: ``cpu`` or ``cpu,disk``."""
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    if tiers not in (["cpu"], ["cpu", "disk"]):
+        raise argparse.ArgumentTypeError(f"{text!r}: cpu, or cpu,disk")
+    return tiers
 
 
 def _cmd_bench_offload(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.offload import compare_runs, format_comparison, plot_ttft_distributions
-
     check_output("--json", args.json)
     check_output("--plot", args.plot)
     if args.plot:
         need_matplotlib()
     args.no_offload, args.verify = False, False
-    cfg = prepared_run(args)
+    tiers = tuple(args.tiers)
+    against = args.against or ("cpu" if "disk" in tiers else "none")
+    if against not in ("none", "cpu") or (against == "cpu" and "disk" not in tiers):
+        raise ConfigError(f"--against {against}: none, or cpu with --tiers cpu,disk")
+    with ExitStack() as cleanup:
+        cfg = prepared_run(args)
+        if "disk" in tiers and not cfg.offload.disk.path:
+            where = args.disk_path or tempfile.mkdtemp(prefix="raykv-bench-offload-")
+            if args.disk_path is None:
+                cleanup.callback(shutil.rmtree, where, True)
+            tree = cfg.model_dump(mode="json")
+            tree["offload"]["disk"]["path"] = where
+            cfg = load_config(tree)
+        return _offload(args, console, cfg, tiers, against)
+
+
+def _offload(
+    args: argparse.Namespace,
+    console: Console,
+    cfg: RaykvConfig,
+    tiers: tuple[str, ...],
+    against: str,
+) -> int:
+    from raykv.bench.offload import compare_runs, format_comparison, plot_ttft_distributions
+
     err = Console(stderr=True)
     # the first run in a process pays for warming up (allocator, thread pools, the weights'
     # page cache): a few requests first, unmeasured, so that neither way is charged for it
@@ -45,11 +78,17 @@ def _cmd_bench_offload(args: argparse.Namespace, console: Console) -> int:
         cfg.model_copy(update={"workload": workload}), args.engine, args.address, err, "warm-up"
     )
     runs = {}
-    for way, enabled in (("with_tier", True), ("without_tier", False)):
-        offload = cfg.offload.model_copy(update={"enabled": enabled})
-        this = cfg.model_copy(update={"offload": offload})
+    disk = "disk" in tiers
+    for way, enabled, with_disk in (
+        ("with_tier", True, disk),
+        ("without_tier", against != "none", False),
+    ):
+        tree = cfg.model_dump(mode="json")
+        tree["offload"]["enabled"] = enabled
+        tree["offload"]["disk"]["enabled"] = with_disk
+        this = load_config(tree)
         runs[way] = execute_run(this, args.engine, args.address, err, way.replace("_", " "))
-    result = compare_runs(runs["with_tier"].as_dict(), runs["without_tier"].as_dict())
+    result = compare_runs(runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), tiers)
     console.print(format_comparison(result), highlight=False)
     if args.json:
         shape = {**result, "runs": {k: v.as_dict() for k, v in runs.items()}}
@@ -63,15 +102,7 @@ def _cmd_bench_offload(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.ttft import (
-        LocalTTFTEngine,
-        TTFTReport,
-        bench_config,
-        format_ttft_table,
-        plot_ttft,
-        run_ttft_bench,
-        transformers_forward,
-    )
+    from raykv.bench.ttft import bench_config, with_disk_tier
     from raykv.model.checkpoint import configure
 
     check_output("--json", args.json)
@@ -80,6 +111,27 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
         need_matplotlib()
     lengths = args.prompt_tokens
     cfg, spec, path = configure(bench_config(real_model_config(args), lengths))
+    with ExitStack() as cleanup:
+        if not args.no_disk:
+            where = args.disk_path
+            if where is None:
+                where = tempfile.mkdtemp(prefix="raykv-bench-ttft-")
+                cleanup.callback(shutil.rmtree, where, True)
+            cfg = with_disk_tier(cfg, where, lengths, args.repeat)
+        return _ttft(args, console, cfg, spec, path)
+
+
+def _ttft(args: argparse.Namespace, console: Console, cfg: Any, spec: Any, path: Path) -> int:
+    from raykv.bench.ttft import (
+        LocalTTFTEngine,
+        TTFTReport,
+        format_ttft_table,
+        plot_ttft,
+        run_ttft_bench,
+        transformers_forward,
+    )
+
+    lengths = args.prompt_tokens
     too_long = [n for n in lengths if n + 1 > spec.max_positions]
     if too_long:
         raise ConfigError(
@@ -204,26 +256,49 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.route_weights import measure_route_weights
-    from raykv.bench.ttft import bench_config
+    from raykv.bench.ttft import bench_config, with_disk_tier
     from raykv.model.checkpoint import configure
 
     check_output("--json", args.json)
     if len(args.prompt_tokens) != 2 or args.prompt_tokens[0] >= args.prompt_tokens[1]:
         raise ConfigError(f"--prompt-tokens {args.prompt_tokens}: two lengths, shorter first")
+    lengths = list(args.prompt_tokens)
     cfg = load_real_model_config(args)
     check_real_model_engine(cfg, "local")
-    cfg, _, _ = configure(bench_config(cfg, list(args.prompt_tokens)))
+    cfg, _, _ = configure(bench_config(cfg, lengths))
+    with ExitStack() as cleanup:
+        if args.no_disk:  # whatever the config says: no disk tier measured
+            tree = cfg.model_dump(mode="json")
+            tree["offload"]["disk"]["enabled"] = False
+            cfg = load_config(tree)
+        else:
+            where = args.disk_path
+            if where is None:
+                where = tempfile.mkdtemp(prefix="raykv-bench-route-weights-")
+                cleanup.callback(shutil.rmtree, where, True)
+            cfg = with_disk_tier(cfg, where, lengths, args.repeat)
+        return _route_weights(args, console, cfg)
+
+
+def _route_weights(args: argparse.Namespace, console: Console, cfg: RaykvConfig) -> int:
+    from raykv.bench.route_weights import measure_route_weights
+
     with Console(stderr=True).status("measuring computing, loading and decoding..."):
         m = measure_route_weights(cfg, tuple(args.prompt_tokens), tuple(args.decoders), args.repeat)
+    from_disk = ""
+    if m.disk_s_per_token is not None:
+        from_disk = f"; promoted from disk and loaded: {m.disk_s_per_token * 1e3:.4f} ms"
     console.print(
         f"computed prompt token: {m.compute_s_per_token * 1e3:.3f} ms; loaded from the CPU "
-        f"tier: {m.load_s_per_token * 1e3:.4f} ms; decoding requests delay a prompt by "
-        + ", ".join(f"{v * 1e3:.1f} ms ({k})" for k, v in m.decode_delay_s.items()),
+        f"tier: {m.load_s_per_token * 1e3:.4f} ms{from_disk}; decoding requests delay a prompt "
+        "by " + ", ".join(f"{v * 1e3:.1f} ms ({k})" for k, v in m.decode_delay_s.items()),
         highlight=False,
     )
+    disk_weight = ""
+    if m.disk_hit_cost is not None:
+        disk_weight = f"serve.router_weights.disk_hit_cost={m.disk_hit_cost:.4f} "
     console.print(
-        f"serve.router_weights.cpu_hit_cost={m.cpu_hit_cost:.4f} "
+        f"serve.router_weights.cpu_hit_cost={m.cpu_hit_cost:.4f} {disk_weight}"
         f"serve.router_weights.decode_cost={m.decode_cost:.2f}",
         highlight=False,
     )
@@ -239,13 +314,31 @@ def register(bench: Any) -> None:
         help="one workload with the CPU tier and without: TTFT, throughput, hits, ratios",
     )
     add_workload_options(off)
+    off.add_argument(
+        "--tiers",
+        type=tier_list,
+        default=["cpu"],
+        metavar="cpu[,disk]",
+        help="the tiers of the run with (default cpu); the run without has all but the last",
+    )
+    off.add_argument(
+        "--against",
+        choices=["none", "cpu"],
+        help="the run without: no tier, or the CPU tier alone (default: all but the last)",
+    )
+    off.add_argument(
+        "--disk-path",
+        help="with --tiers cpu,disk and no offload.disk.path: where the disk tier's files go "
+        "(default: a fresh temporary directory, removed at the end)",
+    )
     off.add_argument("--json", help="write the comparison and both run reports to this file")
     off.add_argument("--plot", help="draw both TTFT distributions to this PNG file")
     off.set_defaults(func=_cmd_bench_offload, fault=None)
 
     tt = bench.add_parser(
         "ttft",
-        help="time to first token of one prompt, recomputed vs loaded from the CPU tier",
+        help="time to first token of one prompt, recomputed vs loaded from the CPU tier and "
+        "from the disk tier",
     )
     tt.add_argument("--config", help="YAML config (default: built-in defaults)")
     tt.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key")
@@ -265,6 +358,12 @@ def register(bench: Any) -> None:
     tt.add_argument(
         "--no-transformers", action="store_true", help="skip transformers' forward pass"
     )
+    tt.add_argument(
+        "--disk-path",
+        help="where the disk tier's files go (default: a fresh directory under the system's "
+        "temporary directory, removed at the end)",
+    )
+    tt.add_argument("--no-disk", action="store_true", help="skip the disk tier")
     tt.add_argument("--json", help="write the results to this JSON file")
     tt.add_argument("--plot", help="draw TTFT against prompt length to this PNG file")
     tt.set_defaults(func=_cmd_bench_ttft)
@@ -301,5 +400,11 @@ def register(bench: Any) -> None:
     rw.add_argument("--prompt-tokens", type=int_list, default=[256, 512], metavar="N,N")
     rw.add_argument("--decoders", type=int_list, default=[8, 16], metavar="K,K")
     rw.add_argument("--repeat", type=positive_int, default=3, help="fastest of R")
+    rw.add_argument(
+        "--disk-path",
+        help="where the disk tier's files go (default: a fresh directory under the system's "
+        "temporary directory, removed at the end)",
+    )
+    rw.add_argument("--no-disk", action="store_true", help="skip the disk tier (no disk_hit_cost)")
     rw.add_argument("--json", help="write the measurement to this JSON file")
     rw.set_defaults(func=_cmd_bench_route_weights)

@@ -345,5 +345,8 @@ class RayTTFTEngine:
     def empty_gpu_cache(self) -> None:
         ray.get(self.client.server.reset_prefix_cache.remote(), timeout=60)
 
+    def spill_to_disk(self) -> None:
+        ray.get(self.client.server.spill_to_disk.remote(), timeout=600)
+
     def close(self) -> None:
         self.client.shutdown()

@@ -234,10 +234,17 @@ class EngineServer:
             self.engine.reset_prefix_cache()
 
     def latency_of(self, req_id: str) -> tuple[float, int] | None:
-        """A request's TTFT and CPU-tier hit tokens, once it has its first token."""
+        """A request's TTFT and tier hit tokens (CPU and disk), once it has its first token."""
         with self._lock:
             record = self.engine.latency.record_of(req_id)
-            return None if record is None else (record.ttft_s, record.cpu_hit_tokens)
+            if record is None:
+                return None
+            return record.ttft_s, record.cpu_hit_tokens + record.disk_hit_tokens
+
+    def spill_to_disk(self) -> None:
+        """``EngineCore.spill_to_disk`` between two steps of the serving loop."""
+        with self._lock:
+            self.engine.spill_to_disk()
 
     def ping(self) -> float:
         return time.time()

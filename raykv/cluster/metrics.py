@@ -114,9 +114,26 @@ class EngineMetrics:
         self.generation_tokens = counter("raykv_generation_tokens", "Tokens generated.")
         self.prefill = counter(
             "raykv_prefill_tokens",
-            "Prefill tokens each admission needed, by source (computed, gpu_cache, cpu_tier).",
+            "Prefill tokens each admission needed, by source (computed, gpu_cache, cpu_tier, "
+            "disk_tier).",
             ("source",),
         )
+        # the tiers beyond the GPU: the disk's own I/O, its moves, and the hits not worth it
+        self.disk_bytes = counter(
+            _P + "disk_bytes", "Bytes the disk tier's I/O threads moved, by direction.", d
+        )
+        self.disk_seconds = counter(
+            _P + "disk_seconds", "Seconds of the disk tier's I/O (summed), by direction.", d
+        )
+        self.moves = counter(
+            _P + "tier_moves", "Chunks moved between the CPU and disk tiers, by kind.", ("kind",)
+        )
+        self.skipped = counter(
+            _P + "skipped_slower_hits",
+            "Tier hits recomputed because loading them was predicted slower, by tier.",
+            ("tier",),
+        )
+        self.disk_usage = gauge(_P + "disk_cache_usage_perc", "Disk-tier chunks held, percent.")
         self._last: dict[str, float] = {}
 
     def _delta(self, name: str, value: float) -> float:
@@ -149,12 +166,14 @@ class EngineMetrics:
         s = stats.scheduler
         self._inc(self.hits, "hit_gpu", s.gpu_hit_tokens, {"tier": "gpu"})
         self._inc(self.hits, "hit_cpu", s.cpu_hit_tokens, {"tier": "cpu"})
-        computed = s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens
+        self._inc(self.hits, "hit_disk", s.disk_hit_tokens, {"tier": "disk"})
+        computed = s.admitted_tokens - s.gpu_hit_tokens - s.cpu_hit_tokens - s.disk_hit_tokens
         self._inc(self.misses, "miss", computed)
         for source, value in (
             ("computed", computed),
             ("gpu_cache", s.gpu_hit_tokens),
             ("cpu_tier", s.cpu_hit_tokens),
+            ("disk_tier", s.disk_hit_tokens),
         ):
             self._inc(self.prefill, "prefill_" + source, value, {"source": source})
         self._inc(self.prompt_tokens, "prompt", stats.prompt_tokens)
@@ -190,3 +209,26 @@ class EngineMetrics:
         self._inc(self.evictions, "evictions", d.evictions)
         for kind in ("acks", "unknown", "stale", "duplicate"):
             self._inc(self.acks, "a_" + kind, getattr(a, kind), {"kind": kind})
+        self._update_tiers(stats)
+
+    def _update_tiers(self, stats: Any) -> None:
+        for tier, n in stats.skipped_slower.items():
+            self._inc(self.skipped, "skip_" + tier, n, {"tier": tier})
+        k, m, t = stats.disk, stats.disk_moves, stats.transfer
+        if k is None or m is None:
+            return
+        for direction, nbytes, secs in (
+            ("read", t.disk_read_bytes, t.disk_read_seconds),
+            ("write", t.disk_write_bytes, t.disk_write_seconds),
+        ):
+            self._inc(self.disk_bytes, "disk_b_" + direction, nbytes, {"direction": direction})
+            self._inc(self.disk_seconds, "disk_s_" + direction, secs, {"direction": direction})
+        for kind, n in (
+            ("promoted", m.promoted),
+            ("demoted", m.demoted),
+            ("promotion_failed", m.promotions_failed),
+            ("demotion_failed", m.demotions_failed),
+            ("corrupt", m.corrupt),
+        ):
+            self._inc(self.moves, "move_" + kind, n, {"kind": kind})
+        self.disk_usage.set(100.0 * k.used / max(k.capacity, 1))

@@ -90,6 +90,14 @@ class DiskTierConfig(_Strict):
     def _policy_spec(cls, value: str) -> str:
         return check_policy(value)
 
+    @field_validator("direct_io", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        # YAML 1.1 reads a bare on/off as a boolean: take it as the word it was
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value
+
     @model_validator(mode="after")
     def _where(self) -> DiskTierConfig:
         if self.enabled and not self.path:

@@ -346,23 +346,44 @@ class WorkloadConfig(_Strict):
     trace_tokens_per_block: int = Field(
         default=512, gt=0, description="Tokens per trace hash id (512 in Mooncake traces)."
     )
+    trace_order: Literal["time", "conversations"] = Field(
+        default="time",
+        description="time: a trace's requests in its own order and timestamps; conversations: "
+        "whole conversations (requests sharing their first hash id), one after another in the "
+        "order each first appears, each conversation's turns in trace order, arriving at "
+        "arrival_rate per engine step.",
+    )
 
     @model_validator(mode="after")
     def _trace(self) -> WorkloadConfig:
         if self.kind == "trace" and not self.trace:
             raise ValueError("kind: trace needs a trace file (workload.trace)")
+        if self.trace_order == "conversations" and self.trace_time_scale is not None:
+            raise ValueError(
+                "trace_order: conversations arrives on the engine-step clock; it takes no "
+                "trace_time_scale"
+            )
         return self
 
 
 class RouterWeightsConfig(_Strict):
     """The KV-aware router's cost of sending a request to a replica, in prompt tokens to
-    compute: ``computed + cpu_hit_cost * loaded_from_cpu + spilled_queue + decode_cost *
-    decoding`` (a GPU hit costs nothing; ``spilled_queue`` is the queued prefill that does not
-    fit in the replica's next step beside the prompt); docs/serving.md ("The KV-aware router")
-    says how each was measured."""
+    compute: ``computed + cpu_hit_cost * loaded_from_cpu + disk_hit_cost * loaded_from_disk +
+    spilled_queue + decode_cost * decoding`` (a GPU hit costs nothing; ``spilled_queue`` is the
+    queued prefill that does not fit in the replica's next step beside the prompt);
+    docs/serving.md ("The KV-aware router") says how each was measured."""
 
     cpu_hit_cost: float = Field(
         default=0.02, ge=0, description="A prompt token loaded from the CPU tier, in computed ones."
+    )
+    disk_hit_cost: float = Field(
+        default=0.03,
+        ge=0,
+        description="A prompt token promoted from the disk tier into the CPU tier and then "
+        "loaded, in computed ones: the TTFT slope of prompts only on disk against computing "
+        "them (raykv bench route-weights --prompt-tokens 256,1024 --repeat 5, SmolLM2 float32, "
+        "O_DIRECT on ext4, 2 cores: 0.010-0.027 in four runs, median 0.024), rounded up to "
+        "stay above cpu_hit_cost: a disk hit is a CPU-tier load after a promotion.",
     )
     decode_cost: float = Field(
         default=4.0, ge=0, description="A request decoding on the replica, in computed tokens."

@@ -135,6 +135,8 @@ class PrefixLookup:
             lo = max(0, end - group.window_chunks(tpc)) if group.is_sliding else 0
             touched.extend(gs.keys[lo:end])
         view.touch(touched)
+        if moves is not None:  # asked for: what the disk tier's own filter admits by
+            moves.disk.note_asked(k for k in touched if k in cpu)
         if self.costs is not None and end > start:
             taken = self._choose(state, num_local, (near[0], near[1]), (end, used, promote))
             if taken < end:  # recomputing, or the CPU tier's hit alone, comes sooner

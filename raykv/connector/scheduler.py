@@ -130,9 +130,8 @@ class ConnectorScheduler:
     def disk_tokens(self, req: Request, num_local: int, hit: int) -> int:
         """Of the ``hit`` tokens a load brings after ``num_local``, those promoted from the
         disk tier for this request (the rest came from the CPU tier)."""
-        state, tpc = self._reqs.get(req), self.tpc
-        chunks = state.promoted_chunks(num_local // tpc, (num_local + hit) // tpc) if state else 0
-        return min(hit, chunks * tpc)
+        state = self._reqs.get(req)
+        return state.promoted_tokens(num_local, num_local + hit, self.tpc) if state else 0
 
     def take_delays(self) -> tuple[list[float], list[float]]:
         """Lookup delays since the last call (see ``PrefixLookup.take_delays``)."""

@@ -114,15 +114,17 @@ class RequestOffloadState:
             (fenced if sliding[g] or self.finished else deferred).extend(chunk_blocks)
         return blocks, slots, subs, fenced, deferred
 
-    def promoted_chunks(self, first: int, last: int) -> int:
-        """Of chunk positions ``first .. last - 1``, how many hold (in some group) a chunk
-        promoted from the disk tier for this request."""
-        promoted = self.promoted
-        if not promoted:
+    def promoted_tokens(self, start: int, end: int, tokens_per_chunk: int) -> int:
+        """Of token positions ``start .. end - 1``, how many lie in chunks that (in some group)
+        were promoted from the disk tier for this request (a chunk the range cuts counts only
+        its part in the range)."""
+        promoted, tpc = self.promoted, tokens_per_chunk
+        if not promoted or end <= start:
             return 0
         return sum(
-            any(c < len(gs.keys) and gs.keys[c] in promoted for gs in self.groups)
-            for c in range(first, last)
+            min(end, (c + 1) * tpc) - max(start, c * tpc)
+            for c in range(start // tpc, -(-end // tpc))
+            if any(c < len(gs.keys) and gs.keys[c] in promoted for gs in self.groups)
         )
 
     def load_targets(

@@ -111,6 +111,11 @@ class DiskMoves:
         self.stats.promotion_jobs += 1
         return job.job_id
 
+    def spill(self) -> None:
+        """Have the next plan demote every chunk of the CPU tier nobody reads (a benchmark of
+        the disk tier; a CPU tier handed to disk before a restart)."""
+        self._room_wanted = self.cpu.capacity
+
     def drop_files(self, keys: Sequence[int]) -> None:
         """Have every rank delete these keys' files with the next plan (none of them is in the
         tier: a warm start's partial chunks, or those beyond its capacity)."""

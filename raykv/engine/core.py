@@ -394,6 +394,17 @@ class EngineCore:
         keep their contents; the CPU tier is untouched)."""
         self.pool.reset_cache()
 
+    def spill_to_disk(self) -> None:
+        """Move every chunk of the CPU tier that nobody reads to the disk tier and wait until
+        they have landed (nothing without a disk tier). Not while requests run."""
+        moves = self.connector.moves if self.connector is not None else None
+        if moves is None:
+            return
+        moves.spill()
+        self.step()
+        while self.has_work():
+            self.step()
+
     def kv_state(self) -> tuple[int, dict[str, list[int]]]:
         """What the KV events have announced so far, as a whole: (the next event's sequence
         number, the keys each medium holds). A consumer that missed events starts again from

@@ -165,6 +165,15 @@ class Directory:
                 else:
                     self._hits += 1
 
+    def note_asked(self, keys: Iterable[int]) -> None:
+        """Count these keys as asked for towards the frequency filter only (a tier above
+        served them; whether this tier admits them later depends on how often they were
+        asked for, wherever they were found)."""
+        if self._filter is not None:
+            bump = self._filter.bump
+            for key in keys:
+                bump(key)
+
     def is_readable(self, key: int) -> bool:
         """True if the key is ready; unlike ``lookup`` it counts nothing."""
         return key in self._slot and key not in self._writing

@@ -1,6 +1,7 @@
-"""What the KV-aware router knows about each replica's KV: the keys its GPU prefix cache and its
-CPU tier hold, mirrored from the replica's KV events, and how much of a prompt each could
-serve. Plain Python: the feed actor and the router both use it, and tests drive it directly.
+"""What the KV-aware router knows about each replica's KV: the keys its GPU prefix cache, its
+CPU tier and its disk tier hold, mirrored from the replica's KV events, and how much of a prompt
+each could serve. Plain Python: the feed actor and the router both use it, and tests drive it
+directly.
 
 Events travel as ``WireEvent`` tuples (sequence number, stored or removed, medium, keys): cheap
 to pickle, and the same shape whether they come from the engine's log or a snapshot.
@@ -15,7 +16,7 @@ from itertools import islice
 
 from raykv.core.hashing import block_hashes
 from raykv.core.keys import make_key
-from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockStored, KVEvent
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, BlockStored, KVEvent
 
 # (seq, stored, medium, keys): one KV event on the wire
 WireEvent = tuple[int, bool, str, tuple[int, ...]]
@@ -40,12 +41,25 @@ class ReplicaKV:
     """One replica's keys per medium, kept by applying its events in sequence order.
 
     ``apply`` refuses a batch that does not start at ``next_seq`` (a gap: events were missed,
-    so the mirror can no longer be trusted until ``load`` gives it a snapshot)."""
+    so the mirror can no longer be trusted until ``load`` gives it a snapshot). Events of a
+    medium the mirror does not keep (a tier added after this router was written) advance the
+    sequence and change nothing: counting them as another medium would misprice the hit."""
 
     gpu: set[int] = field(default_factory=set)
     cpu: set[int] = field(default_factory=set)
+    disk: set[int] = field(default_factory=set)
     next_seq: int = 0
     synced: bool = False  # False until the first snapshot, and again after a gap
+
+    def held(self, medium: str) -> set[int] | None:
+        """The keys ``medium`` holds, or None for a medium the mirror does not keep."""
+        if medium == MEDIUM_GPU:
+            return self.gpu
+        if medium == MEDIUM_CPU:
+            return self.cpu
+        if medium == MEDIUM_DISK:
+            return self.disk
+        return None
 
     def apply(self, events: Sequence[WireEvent]) -> bool:
         """Apply events in order; False (nothing applied) when they do not follow on."""
@@ -55,11 +69,12 @@ class ReplicaKV:
             self.synced = False
             return False
         for seq, stored, medium, keys in events:
-            held = self.gpu if medium == MEDIUM_GPU else self.cpu
-            if stored:
-                held.update(keys)
-            else:
-                held.difference_update(keys)
+            held = self.held(medium)
+            if held is not None:
+                if stored:
+                    held.update(keys)
+                else:
+                    held.difference_update(keys)
             self.next_seq = seq + 1
         return True
 
@@ -67,11 +82,20 @@ class ReplicaKV:
         """Start again from a whole state."""
         self.gpu = set(snapshot.held.get(MEDIUM_GPU, ()))
         self.cpu = set(snapshot.held.get(MEDIUM_CPU, ()))
+        self.disk = set(snapshot.held.get(MEDIUM_DISK, ()))
         self.next_seq = snapshot.next_seq
         self.synced = True
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.next_seq, {MEDIUM_GPU: list(self.gpu), MEDIUM_CPU: list(self.cpu)})
+        """The whole state, as ``EngineCore.kv_state`` gives it."""
+        return Snapshot(
+            self.next_seq,
+            {
+                MEDIUM_GPU: list(self.gpu),
+                MEDIUM_CPU: list(self.cpu),
+                MEDIUM_DISK: list(self.disk),
+            },
+        )
 
 
 class EventRing:
@@ -128,10 +152,11 @@ class KVLayout:
 
 @dataclass(slots=True)
 class PromptKeys:
-    """A prompt's keys: per block (the GPU prefix cache's) and per chunk (the CPU tier's), each
-    a tuple over the layout's groups, up to the last block the engine may reuse (the last
-    token is always computed); and ``published``, the keys of every full block of the prompt,
-    which the replica's GPU cache holds once the prompt is computed."""
+    """A prompt's keys: per block (the GPU prefix cache's) and per chunk (the CPU and disk
+    tiers', which key a chunk alike), each a tuple over the layout's groups, up to the last
+    block the engine may reuse (the last token is always computed); and ``published``, the
+    keys of every full block of the prompt, which the replica's GPU cache holds once the prompt
+    is computed."""
 
     gpu: list[tuple[int, ...]]
     cpu: list[tuple[int, ...]]
@@ -155,21 +180,31 @@ class PromptKeys:
 
 @dataclass(slots=True)
 class Hit:
-    """Prompt tokens a replica could take from its GPU cache and then its CPU tier; the rest
-    are computed."""
+    """Prompt tokens a replica could take from its GPU cache, then from its CPU tier and its
+    disk tier (a chunk only the disk holds is promoted into the CPU tier, then loaded); the
+    rest are computed."""
 
     gpu_tokens: int
     cpu_tokens: int
     computed_tokens: int
+    disk_tokens: int = 0
+
+    @property
+    def reused_tokens(self) -> int:
+        """The prompt tokens not computed, from any medium."""
+        return self.gpu_tokens + self.cpu_tokens + self.disk_tokens
 
 
 def prompt_hit(
     keys: PromptKeys, kv: ReplicaKV, layout: KVLayout, expected: Container[int] = ()
 ) -> Hit:
     """The engine's own rule, from the mirror: the longest prefix of blocks in the GPU cache,
-    then the chunks of the CPU tier that follow on from the chunk where that hit ends.
-    ``expected``: GPU keys taken as held though no event announced them yet (a prompt just
-    sent to the replica)."""
+    then the chunks that follow on from the chunk where that hit ends, each held by the CPU
+    tier or the disk tier (the engine's lookup over both tiers together). A chunk counts for the
+    faster medium that holds it: the CPU tier where it holds every group's key, else the disk
+    (at least one key must be promoted first, so the chunk waits for the disk). The first such
+    chunk counts only its tokens past the GPU hit. ``expected``: GPU keys taken as held though
+    no event announced them yet (a prompt just sent to the replica)."""
     gpu_blocks = 0
     for block in keys.gpu:
         if not all(k in kv.gpu or k in expected for k in block):
@@ -177,8 +212,16 @@ def prompt_hit(
         gpu_blocks += 1
     gpu_tokens = gpu_blocks * layout.block_size
     tpc = layout.tokens_per_chunk
-    end = start = gpu_tokens // tpc
-    while end < len(keys.cpu) and all(k in kv.cpu for k in keys.cpu[end]):
-        end += 1
-    cpu_tokens = max(0, end * tpc - gpu_tokens) if end > start else 0
-    return Hit(gpu_tokens, cpu_tokens, keys.num_tokens - gpu_tokens - cpu_tokens)
+    cpu, disk = kv.cpu, kv.disk
+    cpu_tokens = disk_tokens = 0
+    done = gpu_tokens  # prompt tokens accounted for so far
+    for chunk in keys.cpu[gpu_tokens // tpc :]:
+        tokens = done // tpc * tpc + tpc - done  # the chunk's tokens past what is accounted for
+        if all(k in cpu for k in chunk):
+            cpu_tokens += tokens
+        elif all(k in cpu or k in disk for k in chunk):
+            disk_tokens += tokens
+        else:
+            break
+        done += tokens
+    return Hit(gpu_tokens, cpu_tokens, keys.num_tokens - done, disk_tokens)

@@ -2,12 +2,12 @@
 already holds the most of its prompt, weighed against how busy that replica is.
 
 Each router follows every replica's KV feed (``serve.kv_feed``): one long poll per replica
-brings its events (or a snapshot after a gap) into a mirror of which keys its GPU prefix cache
-and its CPU tier hold, and its load. For a request it hashes the prompt the way the engine does
-(``serve.kv_index.PromptKeys``) and picks the replica of least cost (``RouteWeights.cost``);
-when no replica holds anything of the prompt, or the least-cost one is far busier than the
-least busy, it falls back to power of two choices. A replica that goes away is forgotten at
-once (its mirror dropped, its feed no longer followed).
+brings its events (or a snapshot after a gap) into a mirror of which keys its GPU prefix cache,
+its CPU tier and its disk tier hold, and its load. For a request it hashes the prompt the way
+the engine does (``serve.kv_index.PromptKeys``) and picks the replica of least cost
+(``RouteWeights.cost``); when no replica holds anything of the prompt, or the least-cost one is
+far busier than the least busy, it falls back to power of two choices. A replica that goes away
+is forgotten at once (its mirror dropped, its feed no longer followed).
 """
 
 from __future__ import annotations
@@ -55,19 +55,22 @@ ROUTED_SETTLE_S = 3 * PUSH_INTERVAL_S
 class RouteWeights:
     """The cost of sending a request to a replica, in prompt tokens to compute:
 
-    ``computed + cpu_hit_cost * from_cpu + spilled_queue + decode_cost * decoding``
+    ``computed + cpu_hit_cost * from_cpu + disk_hit_cost * from_disk + spilled_queue +
+    decode_cost * decoding``
 
-    A GPU hit costs nothing. ``spilled_queue`` is the part of the replica's queued prefill that
-    does not fit beside this request's prompt and the decoding requests in the replica's next
-    step (``step_tokens``, the engine's ``max_num_batched_tokens``): with chunked prefill a
-    shorter queue is taken in the same step as this request and puts no step before its first
-    token. When the least-cost replica's queue (``queue``) is more than ``imbalance`` times the
-    least busy one's and longer by ``imbalance_tokens``, the request goes by power of two
-    choices instead. The weights come from the config's ``serve.router_weights``
-    (``RouterWeightsConfig``, where their measurements are told); 0 ``step_tokens`` counts the
-    whole queue."""
+    A GPU hit costs nothing; a token from the disk tier is promoted into the CPU tier and then
+    loaded, so it costs more than one from the CPU tier. ``spilled_queue`` is the part of the
+    replica's queued prefill that does not fit beside this request's prompt and the decoding
+    requests in the replica's next step (``step_tokens``, the engine's
+    ``max_num_batched_tokens``): with chunked prefill a shorter queue is taken in the same step
+    as this request and puts no step before its first token. When the least-cost replica's
+    queue (``queue``) is more than ``imbalance`` times the least busy one's and longer by
+    ``imbalance_tokens``, the request goes by power of two choices instead. The weights come
+    from the config's ``serve.router_weights`` (``RouterWeightsConfig``, where their
+    measurements are told); 0 ``step_tokens`` counts the whole queue."""
 
     cpu_hit_cost: float
+    disk_hit_cost: float
     decode_cost: float
     imbalance: float
     imbalance_tokens: int
@@ -78,12 +81,15 @@ class RouteWeights:
         return load.prefill_tokens + routed_tokens + self.decode_cost * load.decoding
 
     def cost(self, hit: Hit, load: Load, routed_tokens: int) -> float:
+        """The replica's cost for a prompt of ``hit`` there, beside its ``load`` and what this
+        router sent it lately (``routed_tokens``, not yet in a pushed load)."""
         queued = load.prefill_tokens + routed_tokens
         room = self.step_tokens - load.decoding - hit.computed_tokens
         spilled = min(queued, max(0, queued - room)) if self.step_tokens else queued
         return (
             hit.computed_tokens
             + self.cpu_hit_cost * hit.cpu_tokens
+            + self.disk_hit_cost * hit.disk_tokens
             + spilled
             + self.decode_cost * load.decoding
         )
@@ -140,9 +146,9 @@ class KVAwareRouter(RequestRouter):
         step_tokens: int = 0,
     ) -> None:
         self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups))
-        self.weights = RouteWeights(
-            **(weights or RouterWeightsConfig().model_dump()), step_tokens=step_tokens
-        )
+        # a weight the caller leaves out (one written before it existed) keeps its default
+        chosen = {**RouterWeightsConfig().model_dump(), **(weights or {})}
+        self.weights = RouteWeights(**chosen, step_tokens=step_tokens)
         self.followed: dict[ReplicaID, _Followed] = {}
         # a request's replica and tokens to compute there, from choosing to the routed callback
         self._chosen: dict[str, tuple[ReplicaID, int, PromptKeys]] = {}
@@ -254,7 +260,7 @@ class KVAwareRouter(RequestRouter):
         scored.sort(key=lambda s: (s[0], s[1], random.random()))
         _, best_queue, best_hit, best = scored[0]
         least_queue = min(s[1] for s in scored)
-        reused = best_hit.gpu_tokens + best_hit.cpu_tokens
+        reused = best_hit.reused_tokens
         too_busy = (
             best_queue > self.weights.imbalance * least_queue
             and best_queue - least_queue > self.weights.imbalance_tokens

@@ -49,8 +49,9 @@ class EngineUpdate:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt: from the GPU prefix cache, then the CPU tier
+    cached_tokens: int = 0  # of the prompt: from the GPU prefix cache, the CPU and disk tiers
     cpu_tier_tokens: int = 0  # of those, from the CPU tier
+    disk_tier_tokens: int = 0  # ... and promoted from the disk tier
     error: str | None = None
     status: int = 200
     param: str | None = None

@@ -199,6 +199,7 @@ class EngineReplica:
                     update.completion_tokens = len(text.tokens)
                     update.cached_tokens = sum(cached)
                     update.cpu_tier_tokens = cached[1]
+                    update.disk_tier_tokens = cached[2]
                     finished = True
                     yield update
                     return
@@ -321,7 +322,8 @@ class EngineReplica:
         wanted = req.sampling is not None and req.sampling.logprobs is not None
         logprobs = req.logprobs[stream.delivered :] if wanted else None
         stream.delivered = len(output)
-        cached = (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens)
+        # the engine counts a hit promoted from disk apart from the CPU tier's own
+        cached = (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens, req.num_disk_hit_tokens)
         stream.put((new, logprobs, status, cached))
 
     def _token_info(self, token_id: int, text: str, lp: TokenLogprobs) -> TokenInfo:

@@ -115,6 +115,7 @@ def trace_requests(
     capacity: EngineCapacity | None = None,
     seed: int = 0,
     time_scale: float | None = None,
+    conversations: bool = False,
 ) -> list[RequestSpec]:
     """Requests from a Mooncake trace, with tokens derived from the hash ids.
 
@@ -128,8 +129,20 @@ def trace_requests(
     so equal ids give equal token blocks and shared prefixes in the trace are shared prefixes
     here. Lengths scale with ``tokens_per_block / 512`` (to replay big traces on small machines);
     output lengths are capped at ``max_tokens``.
+
+    ``conversations``: the requests grouped into whole conversations (those sharing their first
+    hash id), one conversation after another in the order each first appears, its turns in trace
+    order, arriving one every ``1 / arrival_rate`` steps (so a turn finds the ones before it
+    computed, as a user's next question would, where the rate leaves the engine the time).
     """
     trace = read_trace(path, limit=num_requests)
+    order = list(range(len(trace)))
+    if conversations:
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(trace):
+            groups.setdefault(r.hash_ids[0] if r.hash_ids else -1 - i, []).append(i)
+        order = [i for members in groups.values() for i in members]
+        trace = [trace[i] for i in order]
     blocks: dict[int, list[int]] = {}
     scale = tokens_per_block / MOONCAKE_BLOCK_TOKENS
 
@@ -164,11 +177,14 @@ def trace_requests(
                 mean_prompt = sum(map(len, prompts)) / len(prompts)
                 mean_output = sum(outputs) / len(outputs)
                 arrival_rate = TRACE_LOAD * capacity.requests_per_step(mean_prompt, mean_output)
-        steps = _step_arrivals([r.timestamp for r in trace], arrival_rate)
+        if conversations:
+            steps = [i / arrival_rate if arrival_rate > 0 else 0.0 for i in range(len(trace))]
+        else:
+            steps = _step_arrivals([r.timestamp for r in trace], arrival_rate)
         walls = [None] * len(trace)
     return [
         RequestSpec(f"trace-{i}", tuple(p), n, step, arrival_s=wall)
-        for i, (p, n, step, wall) in enumerate(zip(prompts, outputs, steps, walls, strict=True))
+        for i, p, n, step, wall in zip(order, prompts, outputs, steps, walls, strict=True)
     ]
 
 
@@ -208,6 +224,7 @@ def make_workload(cfg: RaykvConfig) -> list[RequestSpec]:
             capacity=capacity,
             seed=w.seed,
             time_scale=w.trace_time_scale,
+            conversations=w.trace_order == "conversations",
         )
     return synthetic_chat(
         w.num_requests,

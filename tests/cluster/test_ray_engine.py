@@ -268,6 +268,48 @@ def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
         assert len(series) == len(steps) and max(series) > 0 and series[-1] == 0, state
 
 
+def test_the_disk_tier_s_metrics_export_what_the_run_report_counts(monkeypatch, disk_dir) -> None:
+    """The disk tier's metrics (its I/O bytes and seconds each way, the chunks moved, the hits
+    by tier and the prefill by source) against the run report's own numbers; each compared
+    value is checked to be non-zero first."""
+    import raykv.cluster.metrics as m
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(m, kind, Recorded)
+    Recorded.made = {}
+    sets = [
+        *SMALL,
+        "parallel.tensor_parallel_size=2",
+        "cache.num_gpu_blocks=48",
+        "workload.num_requests=48",
+        "offload.cpu_slots=24",
+        "offload.take_hits=always",
+        "offload.disk.enabled=true",
+        f"offload.disk.path={disk_dir}",
+        "offload.disk.capacity=8MiB",
+    ]
+    cfg = load_config(None, sets)
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        engine = EngineCore(cfg, workers)
+        metrics = m.EngineMetrics(engine)
+        report = run_workload(engine, make_workload(cfg), progress=lambda _p: metrics.update())
+        metrics.update()
+    got = {name.removeprefix("raykv_kv_offload_"): r for name, r in Recorded.made.items()}
+    disk = report["tiers"]["disk"]
+    assert report["disk_hit_tokens"] > 0
+    assert got["hit_tokens"].total(tier="disk") == report["disk_hit_tokens"]
+    assert got["raykv_prefill_tokens"].total(source="disk_tier") == report["disk_hit_tokens"]
+    for direction in ("read", "write"):
+        assert disk[direction + "_bytes"] > 0
+        assert got["disk_bytes"].total(direction=direction) == disk[direction + "_bytes"]
+    assert disk["promoted_chunks"] > 0 and disk["demoted_chunks"] > 0
+    assert got["tier_moves"].total(kind="promoted") == disk["promoted_chunks"]
+    assert got["tier_moves"].total(kind="demoted") == disk["demoted_chunks"]
+    assert got["disk_cache_usage_perc"].values()[-1] == pytest.approx(
+        100 * disk["used_chunks"] / disk["capacity_chunks"]
+    )
+
+
 def test_metrics_reach_the_embedded_instances_prometheus_endpoint(ray_session) -> None:
     import re
     import time

@@ -2,7 +2,8 @@
 
 Each example draws a configuration (1-4 ranks, tiny GPU pools that force block reuse and
 preemption, one to three KV groups including two sliding windows of different sizes, every
-policy, a store threshold, chunk sizes, finished requests kept or forgotten) and, per rank,
+policy, a store threshold, chunk sizes, finished requests kept or forgotten, a disk tier under
+the CPU tier or none, with failed or corrupted disk I/O) and, per rank,
 seeded delays both for when a copy really runs and for when its completion is reported (or real
 copy threads). A hostile client (the fuzzer's ``Chaos``) aborts requests at random moments,
 resets the CPU tier mid-run and reuses the ids of requests that are gone. The engine checks the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -84,6 +86,17 @@ def scenarios(draw):
         for r in range(tp)
         if draw(st.booleans())
     ]
+    if draw(st.booleans()):  # a disk tier (in a fresh directory: the test places it)
+        sets += [
+            "offload.disk.enabled=true",
+            f"offload.disk.path={fuzz.DISK_PATH}",
+            f"offload.disk.capacity={draw(st.sampled_from(['64KiB', '1MiB']))}",
+            f"offload.disk.reserve_fraction={draw(st.sampled_from([0.125, 0.5]))}",
+            "offload.take_hits=always",
+        ]
+        late += draw(
+            st.sampled_from([[], ["fail-disk:rate=0.2:seed=5"], ["corrupt-disk:rate=0.3:seed=6"]])
+        )
     sets.append("faults=[" + ",".join(f'"{f}"' for f in late) + "]")
     threaded = draw(st.sampled_from([False, False, False, True]))
     return sets, seed, arrival, tp, max_exec, chaos, threaded
@@ -101,6 +114,14 @@ def delays(seed: int, tp: int, most: int, salt: int) -> dict:
 @given(scenarios())
 def test_random_runs_keep_every_invariant_and_match_the_run_without_offload(scenario) -> None:
     sets, seed, arrival, tp, max_exec, chaos, threaded = scenario
+    with tempfile.TemporaryDirectory(prefix="raykv-test-disk-") as disk:
+        placed = [s.replace(fuzz.DISK_PATH, disk) for s in sets]
+        run_scenario(placed, seed, arrival, tp, max_exec, chaos, threaded)
+
+
+def run_scenario(
+    sets: list[str], seed: int, arrival: float, tp: int, max_exec: int, chaos, threaded: bool
+) -> None:
     cfg = load_config(None, sets)
     specs = synthetic_chat(
         18,

@@ -170,3 +170,9 @@ def test_a_path_that_cannot_hold_files_is_refused_by_name(tmp_path: Path) -> Non
         load_config(None, ["offload.disk.enabled=true"])
     with pytest.raises(ConfigError, match=r"offload\.disk\.policy"):
         load_config(None, ["offload.disk.policy=nope"])
+
+
+def test_direct_io_on_and_off_mean_the_words_not_yaml_booleans() -> None:
+    # YAML 1.1 reads a bare on/off as true/false: ``direct_io: off`` was refused
+    for text, mode in (("off", "off"), ("on", "on"), ("auto", "auto")):
+        assert load_config(None, [f"offload.disk.direct_io={text}"]).offload.disk.direct_io == mode

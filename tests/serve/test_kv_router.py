@@ -178,3 +178,48 @@ def test_issue28_3_a_replica_whose_load_is_unknown_counts_as_the_known_ones_mean
     unknown, b_none, c_none = asyncio.run(run())
     assert unknown == 200  # not the 0 of an idle replica, nor a load it last had
     assert b_none == c_none == 0  # nothing known anywhere: all alike
+
+
+def announce(router: KVAwareRouter, replica: FakeReplica, medium: str, chunks: int) -> None:
+    """The replica's feed announces the prompt's first ``chunks`` chunks stored in ``medium``
+    (after an empty snapshot), as its engine's events would."""
+    keys = PromptKeys.of(PROMPT, LAYOUT)
+    if medium == "GPU":
+        stored = [k for block in keys.gpu[: chunks * LAYOUT.blocks_per_chunk] for k in block]
+    else:
+        stored = [k for chunk in keys.cpu[:chunks] for k in chunk]
+    kv = router.followed[replica.replica_id].kv
+    kv.load(Snapshot(0, {}))
+    assert kv.apply([(0, True, medium, tuple(stored))])
+
+
+def disk_scenario() -> dict[str, list[list[list[str]]]]:
+    """a holds the prompt's four chunks on disk; b the same on its GPU, c in its CPU tier; d
+    holds nothing. Every load is equal (idle). Each pair is asked 16 times (ties go at random)."""
+
+    async def run() -> dict[str, list[list[list[str]]]]:
+        router = KVAwareRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(4, 2, [0], {**WEIGHTS, "disk_hit_cost": 0.25})
+        a, b, c, d = (FakeReplica(ReplicaID(n, DEPLOYMENT)) for n in "abcd")
+        follow(router, [a, b, c, d])
+        announce(router, a, "DISK", 4)
+        announce(router, b, "GPU", 4)
+        announce(router, c, "CPU", 4)
+        out: dict[str, list[list[list[str]]]] = {}
+        for name, pair in {"gpu": [a, b], "cpu": [c, a], "nothing": [d, a]}.items():
+            out[name] = [
+                ids(await router.choose_replicas(pair, pending(f"{name}{i}", PROMPT)))
+                for i in range(16)
+            ]
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_gpu_or_cpu_holder_beats_a_disk_holder_and_a_disk_hit_beats_none(ray_session):
+    out = disk_scenario()
+    assert out["gpu"] == [[["b"], ["a"]]] * 16
+    assert out["cpu"] == [[["c"], ["a"]]] * 16  # the disk's copy must be promoted first
+    # a disk hit is reuse: the least cost decides (not power of two choices), and a's disk
+    # beats computing the whole prompt on d
+    assert out["nothing"] == [[["a"], ["d"]]] * 16

@@ -116,8 +116,13 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client) -> None:
     first = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=2)
     again = client.completions.create(model=model_id(client), prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    cached = again.usage.prompt_tokens_details.cached_tokens
+    details = again.usage.prompt_tokens_details
+    cached = details.cached_tokens
     assert 16 <= cached < again.usage.prompt_tokens
+    # raykv's own keys say where they came from: no disk tier here, so GPU and CPU alone
+    where = details.model_extra
+    assert where["disk_tier_tokens"] == 0
+    assert where["gpu_cache_tokens"] + where["cpu_tier_tokens"] == cached
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """``raykv bench route-weights`` on a tiny model: the slopes come out of real TTFTs on the local
-engine, and the weights are their ratios."""
+engine (computed, loaded from the CPU tier, promoted from the disk tier and loaded), and the
+weights are their ratios."""
 
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def test_route_weights_are_the_measured_ratios(tiny_chat_model: Path, tmp_path: 
     assert set(m["decode_delay_s"]) == {"2", "4"}
     assert m["cpu_hit_cost"] == pytest.approx(m["load_s_per_token"] / m["compute_s_per_token"])
     assert f"serve.router_weights.cpu_hit_cost={m['cpu_hit_cost']:.4f}" in printed
+    # the same prompts a third time, from disk only: promoted into the CPU tier, then loaded
+    assert m["disk_s_per_token"] >= 0
+    assert m["disk_hit_cost"] == pytest.approx(m["disk_s_per_token"] / m["compute_s_per_token"])
+    assert f"serve.router_weights.disk_hit_cost={m['disk_hit_cost']:.4f}" in printed
+    assert set(m["ttft_s"]) == {"computed", "cpu_tier", "disk_tier"}
+    assert all(set(ttft) == {"32", "1024"} for ttft in m["ttft_s"].values())
+
+
+def test_route_weights_without_the_disk_tier_say_nothing_of_it(
+    tiny_chat_model: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "weights.json"
+    argv = ["bench", "route-weights", "--model", str(tiny_chat_model), "--no-disk"]
+    argv += ["--prompt-tokens", "32,64", "--decoders", "1", "--repeat", "1", "--json", str(out)]
+    assert main(argv) == 0
+    m = json.loads(out.read_text())
+    assert m["disk_hit_cost"] is None and m["disk_s_per_token"] is None
+    assert set(m["ttft_s"]) == {"computed", "cpu_tier"}
+    assert "disk" not in capsys.readouterr().out
 
 
 def test_route_weights_refuse_lengths_out_of_order(capsys) -> None:
