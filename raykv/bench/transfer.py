@@ -61,20 +61,27 @@ def bench_layout(page_kib: int, blocks: int) -> KVLayout:
     )
 
 
-def _best_pair(
-    first: Callable[[], None], second: Callable[[], None], repeat: int
+def best_pair(
+    first: Callable[[], None],
+    second: Callable[[], None],
+    repeat: int,
+    before: Callable[[int], None] | None = None,
 ) -> tuple[float, float]:
     """Best times of two functions, run alternately after one untimed round of each: the machine's
     bandwidth drifts by tens of percent from second to second, and alternating exposes both to the
-    same drift."""
-    first()
-    second()
+    same drift. ``before(i)``, untimed, runs ahead of every run of function ``i`` (0: first, 1:
+    second), the untimed ones too: what each run needs to start from the same state (the disk
+    bench deletes the files the last write made, or drops them from the page cache)."""
+    functions = (first, second)
     best = [float("inf"), float("inf")]
-    for _ in range(repeat):
-        for i, fn in enumerate((first, second)):
+    for round_ in range(repeat + 1):
+        for i, fn in enumerate(functions):
+            if before is not None:
+                before(i)
             start = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - start)
+            if round_ > 0:  # round 0 warms up (imports, allocations, first faults)
+                best[i] = min(best[i], time.perf_counter() - start)
     return max(best[0], 1e-9), max(best[1], 1e-9)
 
 
@@ -133,7 +140,7 @@ def _bench_page(
 
             moved = sum(end - first for _, first, end in jobs)
             total = moved * layout.page_bytes
-            engine_s, base_s = _best_pair(run_engine, baseline, repeat)
+            engine_s, base_s = best_pair(run_engine, baseline, repeat)
             engine.poll()
             gbps = total / engine_s / 1e9
             base = total / base_s / 1e9

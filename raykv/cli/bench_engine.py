@@ -54,8 +54,15 @@ def _cmd_bench_policy(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.transfer import format_transfer_table, run_transfer_bench
 
-    directions = [d.strip() for d in args.direction.split(",") if d.strip()]
+    disk = args.device == "disk"
+    direction = args.direction or ("store,load" if disk else "store,load,both")
+    directions = [d.strip() for d in direction.split(",") if d.strip()]
     check_output("--json", args.json)
+    if disk:
+        return _bench_disk_transfer(args, directions, console)
+    for flag in ("path", "mode", "blocks_per_chunk", "io_threads"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')}: only with --device disk")
     if args.device != "cpu":
         from raykv.transfer.devices import device_problem
 
@@ -63,10 +70,41 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
         problem = device_problem(args.device)
         if problem:
             raise ValueError(f"--device {args.device}: {problem}; use --device cpu")
+    blocks = args.blocks if args.blocks is not None else 512
     result = run_transfer_bench(
-        args.device, args.page_kib, args.blocks, directions, args.pattern, args.repeat
+        args.device, args.page_kib, blocks, directions, args.pattern, args.repeat
     )
     console.print(format_transfer_table(result), highlight=False)
+    if args.json:
+        write_json(args.json, result, console)
+    return 0
+
+
+def _bench_disk_transfer(args: argparse.Namespace, directions: list[str], console: Console) -> int:
+    from raykv.bench.disk_transfer import (
+        DEFAULT_DISK_BLOCKS,
+        directory_problem,
+        format_disk_table,
+        run_disk_bench,
+    )
+
+    if args.path is not None:
+        problem = directory_problem(args.path)
+        if problem:
+            raise ConfigError(f"--path {args.path}: {problem}")
+    modes = [m.strip() for m in (args.mode or "cold,warm").split(",") if m.strip()]
+    with Console(stderr=True).status("writing and reading chunk files..."):
+        result = run_disk_bench(
+            args.page_kib,
+            args.blocks if args.blocks is not None else DEFAULT_DISK_BLOCKS,
+            directions,
+            modes,
+            args.repeat,
+            args.path,
+            blocks_per_chunk=args.blocks_per_chunk or 1,
+            io_threads=args.io_threads or 4,
+        )
+    console.print(format_disk_table(result), highlight=False)
     if args.json:
         write_json(args.json, result, console)
     return 0
@@ -171,20 +209,25 @@ def register(bench: Any) -> None:
     pol.set_defaults(func=_cmd_bench_policy)
 
     tr = bench.add_parser(
-        "transfer", help="transfer-engine bandwidth against one large copy of the same bytes"
+        "transfer",
+        help="transfer-engine bandwidth against one large copy of the same bytes (disk: against "
+        "a plain sequential write and read of one file)",
     )
-    tr.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default: cpu")
+    tr.add_argument("--device", choices=["cpu", "cuda", "disk"], default="cpu", help="default: cpu")
     tr.add_argument(
         "--page-kib",
         type=int_list,
         default=[64, 256, 1024, 4096],
         help="page sizes in KiB, comma-separated (default 64,256,1024,4096)",
     )
-    tr.add_argument("--blocks", type=int, default=512, help="blocks per job (default 512)")
+    tr.add_argument(
+        "--blocks",
+        type=int,
+        help="blocks per job (default 512; disk: 4096, at most 256 MiB of pages a row)",
+    )
     tr.add_argument(
         "--direction",
-        default="store,load,both",
-        help="comma-separated: store, load, both (default: all three)",
+        help="comma-separated: store, load, both (default: all three; disk: store,load)",
     )
     tr.add_argument(
         "--pattern",
@@ -194,6 +237,22 @@ def register(bench: Any) -> None:
     )
     tr.add_argument("--repeat", type=int, default=3, help="timed runs per row; the fastest counts")
     tr.add_argument("--json", help="write the results to this JSON file")
+    tr.add_argument(
+        "--path",
+        help="disk: the directory to put the files under (default: the system's temporary "
+        "directory); a fresh directory there is removed at the end",
+    )
+    tr.add_argument(
+        "--mode",
+        help="disk, comma-separated: cold (O_DIRECT, or the page cache dropped), warm (buffered, "
+        "the files in the page cache); default: both",
+    )
+    tr.add_argument(
+        "--blocks-per-chunk", type=positive_int, help="disk: pages a chunk file holds (default 1)"
+    )
+    tr.add_argument(
+        "--io-threads", type=positive_int, help="disk: the engine's I/O threads (default 4)"
+    )
     tr.set_defaults(func=_cmd_bench_transfer)
 
     st = bench.add_parser(

@@ -17,6 +17,7 @@ from typing import Any
 from raykv.config import RaykvConfig
 from raykv.connector.worker import ConnectorWorker
 from raykv.core.step import BlockContent, StepPlan, StepReport
+from raykv.engine.disk_tier import disk_slots
 from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.engine.ranks import RankFailed, StepHandle, run_now
 from raykv.engine.tier_namespace import describe, disk_rank_root
@@ -101,6 +102,8 @@ def disk_engine(
         direct_io=d.direct_io,
         fsync=d.fsync,
         sums=sums,
+        # evicted files kept to be written over: a full tier evicts one for each it writes
+        max_free_files=max(64, disk_slots(cfg) // 16),
     )
 
 

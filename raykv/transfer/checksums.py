@@ -10,19 +10,19 @@ checksums mean the same whichever engine wrote them.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 
 import torch
 
 from raykv.core.step import BlockCopy
+from raykv.transfer.crc import crc32
 
 NO_CHECKSUM = -1  # a row nothing vouches for (never stored, or being rewritten)
 
 
 def row_checksum(row: torch.Tensor) -> int:
     """The CRC-32 of one contiguous host-memory row's raw bytes (any dtype)."""
-    return zlib.crc32(row.view(torch.uint8).numpy().data)
+    return crc32(row.view(torch.uint8).numpy().data)
 
 
 def flip_rows(rows: torch.Tensor, row_ids: Iterable[int]) -> None:

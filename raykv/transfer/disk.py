@@ -1,14 +1,16 @@
 """The disk transfer engine: one rank's chunk files read into and written from its CPU-pool shard.
 
 A demotion writes each of its chunks' CPU slots to the rank's file of the chunk's key; a
-promotion reads each file into its CPU slot. The copies run in a pool of ``io_threads`` threads
-(each chunk one large sequential ``pwritev``/``preadv`` of the whole file, header and pages, from
-or into the pool's own memory where the alignment allows, through one aligned bounce buffer per
-thread where ``O_DIRECT`` needs it and the pool's rows are not aligned), and are reported by a
-non-blocking :meth:`DiskTransferEngine.poll`, like the CPU engine's copies: the step never waits
-on the disk but to flush a job the scheduler abandoned. No Python loop touches the bytes: the
-CRC-32 of each page (``zlib``, which, like the reads and writes, releases the GIL) is the only
-pass over them besides the I/O.
+promotion reads each file into its CPU slot. The copies run in a pool of ``io_threads`` threads,
+a job's chunks split into one run per thread (each chunk one large sequential
+``pwritev``/``preadv`` of the whole file, header and pages, from or into the pool's own memory
+where the alignment allows, through one aligned bounce buffer per thread where ``O_DIRECT``
+needs it and the pool's rows are not aligned), and are reported by a non-blocking
+:meth:`DiskTransferEngine.poll`, like the CPU engine's copies: the step never waits on the disk
+but to flush a job the scheduler abandoned. A write goes over an evicted chunk's file where one
+is free (``RankDirectory.recycle``) rather than making a new one. No Python loop touches the
+bytes: the CRC-32 of each page (``transfer/crc.py``, which, like the reads and writes, releases
+the GIL) is the only pass over them besides the I/O.
 
 What can go wrong ends a job as failed, never as bytes from somewhere else: a file that is
 missing, of the wrong size, another key's or whose checksums fail is *corrupt* (the rank deletes
@@ -27,7 +29,6 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,7 +36,14 @@ import torch
 
 from raykv.core.step import TierMove, TransferStats
 from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
-from raykv.transfer.disk_files import ALIGN, ChunkFileError, ChunkFormat, RankDirectory
+from raykv.transfer.crc import crc32
+from raykv.transfer.disk_files import (
+    ALIGN,
+    ChunkFileError,
+    ChunkFormat,
+    RankDirectory,
+    probe_direct_io,
+)
 from raykv.transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -67,31 +75,6 @@ class _Job:
 _RANK = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3}
 
 
-def probe_direct_io(directory: str) -> bool:
-    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (tmpfs and some network
-    file systems refuse it)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return False
-    path = os.path.join(directory, f".direct-probe.{os.getpid()}.{threading.get_ident()}")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flag | os.O_CLOEXEC, 0o600)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return False
-    try:
-        buf = mmap.mmap(-1, ALIGN)
-        os.pwrite(fd, buf, 0)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
 class DiskTransferEngine:
     """Moves chunks between ``pool`` (this rank's CPU-pool shard, ``[num_slots, chunk elems]``)
     and the chunk files under ``root``.
@@ -113,12 +96,14 @@ class DiskTransferEngine:
         direct_io: str = "auto",
         fsync: bool = False,
         sums: RowChecksums | None = None,
+        max_free_files: int = 256,
     ) -> None:
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
         if io_threads <= 0:
             raise ValueError(f"io_threads must be positive, got {io_threads}")
-        self.files = RankDirectory(root)
+        self.files = RankDirectory(root, max_free_files)
+        self.io_threads = io_threads
         try:
             self.files.make()
         except OSError as exc:
@@ -185,16 +170,22 @@ class DiskTransferEngine:
         if not keys:
             self._finish(job)
             return
-        task = self._read if move.promote else self._write
-        for key, slot in zip(keys, move.cpu_slots, strict=True):
-            future: Future[None] = self._pool.submit(task, key, slot, move.check_sums)
-            future.add_done_callback(lambda f, job=job: self._chunk_done(job, f))
+        # one run of chunks per thread: a future, a callback and a lock per chunk cost tens of
+        # microseconds each, a chunk's I/O not much more at 64 KiB
+        pairs = list(zip(keys, move.cpu_slots, strict=True))
+        runs = min(self.io_threads, len(pairs))
+        job.left = runs
+        for i in range(runs):
+            run = pairs[i::runs]
+            future: Future[str] = self._pool.submit(self._run, move, run)
+            future.add_done_callback(lambda f, job=job: self._run_done(job, f))
 
     def drop(self, keys: list[int]) -> None:
-        """Delete these keys' files now (evicted, or found corrupt by another rank). No job of
-        this rank still uses them: the directory evicts only chunks nobody reads or writes."""
+        """Give up these keys' files now (evicted: kept to be written over by a later chunk;
+        or found corrupt by another rank). No job of this rank still uses them: the directory
+        evicts only chunks nobody reads or writes."""
         for key in keys:
-            self.files.remove(key)
+            self.files.recycle(key)
 
     def poll(self) -> tuple[list[int], list[int]]:
         """``(completed, failed)`` job ids finished since the last poll; never blocks."""
@@ -272,18 +263,33 @@ class DiskTransferEngine:
 
     # ---------------------------------------------------------------- the I/O threads
 
-    def _chunk_done(self, job: _Job, future: Future[None]) -> None:
+    def _run(self, move: TierMove, run: list[tuple[int, int]]) -> str:
+        """One thread's share of a job, chunk by chunk; the worst outcome (every chunk is
+        tried: a bad one does not keep the others from being read or written)."""
+        task = self._read if move.promote else self._write
+        worst = "ok"
+        for key, slot in run:
+            outcome = "ok"
+            try:
+                task(key, slot, move.check_sums)
+            except _Corrupt:
+                outcome = "corrupt"
+            except _Full:
+                outcome = "full"
+            except Exception as exc:  # a failed chunk fails its job, never the engine
+                outcome = "failed"
+                log.warning(
+                    "disk job %d: key %#x: %s: %s", move.job_id, key, type(exc).__name__, exc
+                )
+            if _RANK[outcome] > _RANK[worst]:
+                worst = outcome
+        return worst
+
+    def _run_done(self, job: _Job, future: Future[str]) -> None:
         if future.cancelled():
             return  # shut down without waiting: the job is never reported
         exc = future.exception()
-        outcome = "ok"
-        if isinstance(exc, _Corrupt):
-            outcome = "corrupt"
-        elif isinstance(exc, _Full):
-            outcome = "full"
-        elif exc is not None:
-            outcome = "failed"
-            log.warning("disk job %d failed: %s: %s", job.move.job_id, type(exc).__name__, exc)
+        outcome = "failed" if exc is not None else future.result()
         with self._cond:
             if _RANK[outcome] > _RANK[job.outcome]:
                 job.outcome = outcome
@@ -318,7 +324,7 @@ class DiskTransferEngine:
 
     def _page_crcs(self, data: memoryview) -> list[int]:
         pb = self.format.page_bytes
-        return [zlib.crc32(data[i * pb : (i + 1) * pb]) for i in range(self.format.pages)]
+        return [crc32(data[i * pb : (i + 1) * pb]) for i in range(self.format.pages)]
 
     def _rows(self, slot: int) -> list[int]:
         pages = self.format.pages
@@ -335,9 +341,15 @@ class DiskTransferEngine:
                 raise _Corrupt(f"CPU slot {slot} changed since its store (key {key:#x})")
         header, whole = self._buffers()
         header[:] = fmt.header(key, crcs)
-        tmp = self.files.temporary(key)
+        # over a free file where there is one (no file to make), else a new temporary one;
+        # either way renamed into place only once complete
+        tmp = self.files.take_free()
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags, 0o600)
+            if tmp is not None:
+                fd = os.open(tmp, os.O_WRONLY | self._open_flags)
+            else:
+                tmp = self.files.temporary(key)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags, 0o600)
             try:
                 if whole is None:
                     parts = [header, data] + ([self._pad] if self._pad else [])
@@ -358,8 +370,9 @@ class DiskTransferEngine:
             if self.fsync:
                 self._sync_dir(os.path.dirname(tmp))
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _Full(str(exc)) from exc
             raise
