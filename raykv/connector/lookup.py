@@ -25,6 +25,10 @@ from raykv.connector.worth import Candidate, TierCosts
 from raykv.core.kv_groups import KVGroup
 from raykv.offload.directory import Directory
 
+# lookups a request waits for room in the CPU tier for a promotion before it takes what the
+# CPU tier alone holds
+ROOM_WAIT_STEPS = 4
+
 _DELAY_SAMPLES = 4096
 
 
@@ -44,8 +48,6 @@ class PrefixLookup:
         self.moves: DiskMoves | None = None  # the disk tier's moves, where there is one
         # the measured costs that decide whether a hit is worth loading (None: every hit is)
         self.costs: TierCosts | None = None
-        # promotion job -> the request that waits for it (told if it fails)
-        self.promoting: dict[int, RequestOffloadState] = {}
         self.groups = list(groups)
         self.block_size = block_size
         self.bpc = blocks_per_chunk
@@ -63,6 +65,8 @@ class PrefixLookup:
         None to ask again next step. ``loading``: keys that loads in flight are reading."""
         start = time.perf_counter()
         result = self._lookup(state, num_local, loading)
+        if result is not None:
+            state.choice = None  # answered: a later admission decides afresh
         now = time.perf_counter()
         self.lookup_seconds.append(now - start)
         if result is None:
@@ -84,7 +88,8 @@ class PrefixLookup:
         start = num_local // tpc
         end = (state.req.num_tokens - 1) // tpc
         moves = self.moves
-        view = UnionView(self.directory, moves.disk) if moves and not state.disk_failed else None
+        reach = moves is not None and moves.readable() and not state.disk_failed
+        view = UnionView(self.directory, moves.disk) if moves and reach else None
         for gs in state.groups:
             present, _ = (view or self.directory).match_prefix(gs.keys[start:end], count=False)
             end = start + present
@@ -122,7 +127,7 @@ class PrefixLookup:
         view: Directory | UnionView = cpu
         promote: list[int] = []
         moves = self.moves
-        union = UnionView(cpu, moves.disk) if moves is not None else None
+        union = UnionView(cpu, moves.disk) if moves is not None and moves.readable() else None
         if union is not None and not state.disk_failed and end < max_chunks:
             far, far_used, far_pending = self._converge(state, start, max_chunks, union)
             if far > end:
@@ -148,16 +153,17 @@ class PrefixLookup:
             return self._defer(state)
         if promote:
             assert moves is not None
-            job = moves.promote(promote)
-            if job == WAIT:  # the next plan demotes to make room: ask again then
-                return self._defer(state)
-            if job is not None:  # ask again once the chunks have landed in the CPU tier
-                self.promoting[job] = state
+            job = moves.promote(promote, state)
+            if job == WAIT and state.deferred_steps < ROOM_WAIT_STEPS:
+                return self._defer(state)  # the next plans demote to make room: ask again
+            if job is not None and job != WAIT:  # ask again once they have landed
                 state.promoted.update(promote)
                 self.stats.promotions_waited += 1
                 return self._defer(state)
-            # no room in the CPU tier for them: what the CPU tier alone holds
-            end, used, pending = self._converge(state, start, max_chunks, cpu, count=False)
+            # no room in the CPU tier for them (not yet, or never): what it alone holds
+            end, used, pending = near
+            if end <= start:
+                return 0
             if pending or any(k in loading for k in used):
                 return self._defer(state)
         return max(0, end * tpc - num_local)
@@ -177,6 +183,8 @@ class PrefixLookup:
         near_end, near_used = near
         end, used, disk_only = far
         start = num_local // tpc
+        if state.choice is not None:  # decided when it first asked: kept while it waits
+            return state.choice // tpc if state.choice > num_local else start
         options: list[Candidate] = []
         if near_end > start:
             options.append(Candidate(near_end * tpc, cpu_blocks=len(near_used) * bpc))
@@ -186,6 +194,7 @@ class PrefixLookup:
         req = state.req
         decision = self.costs.choose(num_local, req.num_tokens, options)
         req.predicted_s, req.predicted_recompute_s = decision.predicted_s, decision.recompute_s
+        state.choice = decision.end
         return decision.end // tpc if decision.end > num_local else start
 
     def _defer(self, state: RequestOffloadState) -> int | None:

@@ -44,8 +44,7 @@ class ConnectorScheduler:
             its request can compute in the step that loads it (``TransferSpec.same_step``).
         max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
-        disk: the disk tier under the CPU tier, and ``disk_reserve`` the CPU slots its
-            demotions keep free (``offload.disk``).
+        disk: the disk tier, ``disk_reserve`` the CPU slots its demotions keep free.
         costs: the measured costs that decide which hits are worth loading (None: all are).
     """
 
@@ -217,10 +216,12 @@ class ConnectorScheduler:
                 del self._reqs[state.req]
         self._finished = []
         for why in self._flush.values():
-            setattr(self.stats, f"flushes_{why}", getattr(self.stats, f"flushes_{why}") + 1)
-        reack = sorted(j for j, why in self._flush.items() if why == "timeout")
+            key = f"flushes_{'timeout' if why == 'reack' else why}"
+            setattr(self.stats, key, getattr(self.stats, key) + 1)
+        flush = sorted(j for j, why in self._flush.items() if why != "reack")
+        reack = sorted(j for j, why in self._flush.items() if why in ("timeout", "reack"))
         moves, drops = self.moves.plan(step) if self.moves is not None else ([], ChunkKeys())
-        plan = TransferPlan(sorted(self._flush), reack, self._loads, stores, moves, drops)
+        plan = TransferPlan(flush, reack, self._loads, stores, moves, drops)
         self._loads, self._flush, self._allocated = [], {}, set()
         # jobs created from now on (loads and promotions at admission) belong to the next
         self.step = step + 1
@@ -235,15 +236,24 @@ class ConnectorScheduler:
         and stores never ran: they are jobs the recovery has abandoned with the others)."""
         for job_id in plan.flush:
             self._flush.setdefault(job_id, "reset")
+        self.carry_drops(plan)
+
+    def carry_drops(self, plan: TransferPlan) -> None:
+        """The disk files a plan had the ranks drop, dropped again by the next plan: a plan
+        never sent dropped nothing, and a rank that died in one may not have (a drop done twice
+        finds nothing the second time)."""
+        if self.moves is not None and len(plan.disk_drops):
+            self.moves.drop_files(plan.disk_drops.unpack())
 
     def _nudge_overdue(self) -> None:
         """Jobs unacked for a while are flushed again: a rank that finished one but whose report
-        was lost reports it once more; one still copying finishes it now."""
+        was lost reports it once more; one still copying finishes it now. A move between the
+        tiers is only asked again (a rank would wait on its disk I/O in the step)."""
         timeout, step = self.ack_timeout_steps, self.step
         for job in self.jobs.jobs.values():
             age = step - job.created_step
             if age >= timeout and age % timeout == 0:
-                self._flush.setdefault(job.job_id, "timeout")
+                self._flush.setdefault(job.job_id, "reack" if job.move else "timeout")
 
     def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
         """Ranks that still have not acked a job after ``timeout_steps`` (to be declared dead)."""
@@ -383,9 +393,6 @@ class ConnectorScheduler:
         self._corrupt.discard(job.job_id)
         self._full.discard(job.job_id)
         self.moves.finalize(job, corrupt, full, self.step)
-        waiting = self._lookup.promoting.pop(job.job_id, None)
-        if waiting is not None and job.failed:
-            waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.
@@ -421,7 +428,6 @@ class ConnectorScheduler:
             self.directory.reset()
         self.fence.clear()
         self._loading_keys.clear()
-        self._lookup.promoting.clear()
         return cancelled
 
     # ---- queries ---------------------------------------------------------------------------

@@ -46,6 +46,9 @@ class RequestOffloadState:
     # tier no more
     disk_failed: bool = False
     promoted: set[int] = field(default_factory=set)  # keys promoted from disk for it
+    # the tier hit it chose to load (to this token; its start: recompute), kept while it waits
+    # for what it chose (a decision and its probe count once per admission)
+    choice: int | None = None
 
     @classmethod
     def new(cls, req: Request, num_groups: int) -> RequestOffloadState:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.connector.state import RequestOffloadState
 from raykv.core.step import ChunkKeys, TierMove
 from raykv.offload.directory import Directory
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 DEMOTE, PROMOTE = "demote", "promote"
 WAIT = -1  # ``promote``: not yet, room is being made
+MAX_MOVE_CHUNKS = 64  # chunks one demotion job writes at most
+FAILURES_TO_PAUSE = 8  # moves failed in a row that take the tier out of use for a while
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class DiskMoveStats:
     already_on_disk: int = 0  # CPU chunks given up that the disk tier already held
     not_admitted: int = 0  # CPU chunks given up that the disk tier refused (dropped)
     full_events: int = 0  # demotions that found the disk full
+    unavailable_events: int = 0  # times the tier was taken out of use (its I/O kept failing)
 
 
 class DiskMoves:
@@ -83,15 +87,22 @@ class DiskMoves:
         self._drops: list[int] = []  # disk keys whose files go, since the last plan
         self._paused_until = -1  # demotions stop until this step (the disk was full)
         self._room_wanted = 0  # free CPU slots a waiting promotion needs, beyond the reserve
+        self._failures = 0  # moves failed in a row (not for a corrupt source or a full disk)
+        self._waiting: dict[int, RequestOffloadState] = {}  # promotion -> who waits for it
+        self._unavailable_until = -1  # no moves, no lookups until this step
+        self._said_failing = False
         self._said_full = False
 
     # ---- promotions (from a lookup) ------------------------------------------------------
 
-    def promote(self, keys: Sequence[int]) -> int | None:
+    def promote(
+        self, keys: Sequence[int], waiting: RequestOffloadState | None = None
+    ) -> int | None:
         """Start reading these disk-only chunks into free CPU slots: the job's id; ``WAIT``
         when there are not enough free slots yet (the next plans demote to make them: a
         promotion evicts nothing that is not on disk already); None when the CPU tier could
-        never hold them all at once."""
+        never hold them all at once. ``waiting``: the request that waits for them (if the
+        promotion fails, it looks past the CPU tier no more)."""
         keys = list(dict.fromkeys(keys))
         if len(keys) > self.cpu.capacity - self.reserve_slots:
             return None
@@ -107,6 +118,8 @@ class DiskMoves:
         slots = self.disk.prepare_load(keys)
         del slots  # a disk slot is only the tier's count of its room; files are named by key
         job = self.jobs.create(None, keys, False, step=self.step, move=PROMOTE)
+        if waiting is not None:
+            self._waiting[job.job_id] = waiting
         self._moves.append(TierMove.of(job.job_id, True, keys, plan.slots, self.check_sums))
         self.stats.promotion_jobs += 1
         return job.job_id
@@ -126,15 +139,23 @@ class DiskMoves:
     def plan(self, step: int) -> tuple[list[TierMove], ChunkKeys]:
         """The moves to queue this step (demotions to keep room ahead, the promotions started
         since the last plan) and the disk keys whose files go."""
-        if step >= self._paused_until:
-            self._demote(step)
+        self._demote(step)
         moves, drops = self._moves, ChunkKeys.of(self._drops)
         self._moves, self._drops = [], []
         return moves, drops
 
+    def readable(self) -> bool:
+        """Lookups may reach the disk tier (not while its I/O keeps failing)."""
+        return self.step >= self._unavailable_until
+
     def _demote(self, step: int) -> None:
+        """Keep the reserve free, and the room waiting promotions need. While the tier takes
+        no writes (full, or failing), only the room for promotions is made, from chunks already
+        on disk or, failing those, by dropping the coldest."""
         cpu, disk = self.cpu, self.disk
-        want = self.reserve_slots + self._room_wanted - cpu.num_free - cpu.num_leaving
+        writable = step >= max(self._paused_until, self._unavailable_until)
+        reserve = self.reserve_slots if writable else 0
+        want = reserve + self._room_wanted - cpu.num_free - cpu.num_leaving
         self._room_wanted = 0
         if want <= 0:
             return
@@ -149,6 +170,10 @@ class DiskMoves:
         rest = [k for k in victims if k not in disk]
         if not rest:
             return
+        if not writable:
+            self.stats.not_admitted += len(rest)
+            cpu.finish_leaving(rest)
+            return
         plan = disk.prepare_store(rest)
         admitted = plan.keys if plan is not None else []
         taken = set(admitted)
@@ -159,10 +184,14 @@ class DiskMoves:
         if plan is None or not admitted:
             return
         self._drops.extend(plan.evicted)
-        job = self.jobs.create(None, list(admitted), True, step=step, move=DEMOTE)
-        slots = [cpu.slot_of(k) for k in admitted]
-        self._moves.append(TierMove.of(job.job_id, False, admitted, slots, self.check_sums))
-        self.stats.demotion_jobs += 1
+        # jobs of a bounded size: a rank flushing one (a reset) waits for that much I/O only,
+        # and the acks of the first chunks do not wait for the last
+        for i in range(0, len(admitted), MAX_MOVE_CHUNKS):
+            part = admitted[i : i + MAX_MOVE_CHUNKS]
+            job = self.jobs.create(None, part, True, step=step, move=DEMOTE)
+            slots = [cpu.slot_of(k) for k in part]
+            self._moves.append(TierMove.of(job.job_id, False, part, slots, self.check_sums))
+            self.stats.demotion_jobs += 1
 
     # ---- the ranks' acks ---------------------------------------------------------------------
 
@@ -170,6 +199,7 @@ class DiskMoves:
         """Every rank reported this move (``corrupt``: some rank found its source bad;
         ``full``: some rank found the disk full)."""
         ok = not job.failed
+        self._count_outcome(ok or corrupt or full, step)
         if job.move == DEMOTE:
             self.disk.complete_store(job.keys, success=ok)
             self.cpu.finish_leaving(job.keys)
@@ -184,14 +214,40 @@ class DiskMoves:
             return
         self.cpu.complete_store(job.keys, success=ok)
         self.disk.complete_load(job.keys)
+        waiting = self._waiting.pop(job.job_id, None)
         if ok:
             self.stats.promoted += len(job.keys)
             return
+        if waiting is not None:
+            waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
         self.stats.promotions_failed += len(job.keys)
-        if corrupt:  # which chunk is not said: every one of them leaves, on every rank
-            self.stats.corrupt += len(job.keys)
-            self.disk.discard(job.keys)
-            self._drops.extend(k for k in job.keys if k not in self.disk)
+        self.stats.corrupt += len(job.keys) if corrupt else 0
+        # which chunk is not said, nor (a read error) whether its file will read again: every
+        # one of them leaves the tier, and its files go on every rank
+        self.disk.discard(job.keys)
+        self._drops.extend(k for k in job.keys if k not in self.disk)
+
+    def _count_outcome(self, worked: bool, step: int) -> None:
+        """A move that failed for no reason of its own (not a corrupt source, not a full disk)
+        counts towards the tier's being taken out of use: ``FAILURES_TO_PAUSE`` in a row, and
+        it takes no moves and serves no lookups for ``retry_full_steps`` steps."""
+        if worked:
+            self._failures = 0
+            return
+        self._failures += 1
+        if self._failures < FAILURES_TO_PAUSE:
+            return
+        self._failures = 0
+        self._unavailable_until = step + self.retry_full_steps
+        self.stats.unavailable_events += 1
+        if not self._said_failing:
+            self._said_failing = True
+            log.warning(
+                "the disk tier's I/O keeps failing (%d moves in a row): it is out of use for %d "
+                "steps at a time, the run goes on with the CPU tier alone meanwhile",
+                FAILURES_TO_PAUSE,
+                self.retry_full_steps,
+            )
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
         """A reset abandoned this move (its ranks flush it next step; late acks are stale):
@@ -204,6 +260,7 @@ class DiskMoves:
                 self.cpu.finish_leaving(job.keys)
         else:
             self.disk.complete_load(job.keys)
+            self._waiting.pop(job.job_id, None)
             if keep_cpu:
                 self.cpu.complete_store(job.keys, success=False)
 

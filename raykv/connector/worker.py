@@ -98,15 +98,18 @@ class ConnectorWorker:
         self._step = step
         backend = self.backend
         flush = set(plan.flush)
+        if plan.flush and self.disk is not None:
+            # moves a reset abandoned may still use CPU slots this plan hands to new copies:
+            # they end first, before anything of this plan is queued
+            self.disk.flush(plan.flush)
         # a job flushed in the plan that creates it (a finished request's last store whose blocks
         # were handed out this step) must be submitted before it can be waited for
-        for spec in plan.stores:
-            if spec.job_id in flush:
-                backend.submit(spec)
+        early = [spec for spec in plan.stores if spec.job_id in flush]
+        self.check_slots(early, "store into")
+        for spec in early:
+            backend.submit(spec)
         if plan.flush:
             backend.flush(plan.flush)
-            if self.disk is not None:
-                self.disk.flush(plan.flush)
             # a flushed load is finished now, and its blocks may be handed to a new owner later
             # in this very step (its request was restarted): check its bytes before that, and
             # count the result once the poll says whether the copy succeeded

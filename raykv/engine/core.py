@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from raykv.config import RaykvConfig
 from raykv.connector.scheduler import ConnectorScheduler
@@ -37,44 +36,8 @@ from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.ranks import RankFailed, StepHandle, Workers
 from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler
-from raykv.engine.step_output import SchedulerOutput
+from raykv.engine.step_output import EngineTotals, PlannedStep, SchedulerOutput
 from raykv.offload.directory import Directory
-
-
-@dataclass(slots=True)
-class PlannedStep:
-    """A step planned. Planned ahead (async scheduling): ``pending``, its entries whose tokens
-    wait for the step before's samples, and ``sampling``, its entries that sample (both empty
-    one step at a time)."""
-
-    sched: SchedulerOutput
-    plan: StepPlan
-    pending: list[int] = field(default_factory=list)
-    sampling: frozenset[int] = frozenset()
-
-
-@dataclass(slots=True)
-class EngineTotals:
-    """The engine's own counters (``engine/stats.py`` snapshots them with the others')."""
-
-    steps: int = 0
-    idle_steps: int = 0  # steps with no tokens scheduled (polling and acking only)
-    rank_restarts: int = 0  # ranks that died or went silent and were replaced
-    tier_kept_restarts: int = 0  # of those, restarts after which the CPU tier was kept
-    transfer: TransferStats = field(default_factory=TransferStats)
-    per_rank: list[TransferStats] = field(default_factory=list)  # transfer stats by rank
-    finished: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    # wall seconds of the steps here (plan, fan-out, update), and of the slowest rank's own
-    # work in each (its copies and model): the difference is the control plane and scheduler
-    step_seconds: float = 0.0
-    ranks_busy_seconds: float = 0.0
-    # async scheduling: tokens sampled for requests that had ended (EOS in the step before,
-    # unknown when this one was planned) or were aborted while the step ran
-    discarded_samples: int = 0
-    # requests ended by a sample their rank could not draw (``RequestStatus.FINISHED_ERROR``)
-    failed_requests: int = 0
 
 
 class EngineCore:
@@ -237,6 +200,8 @@ class EngineCore:
             # the step's tokens are lost with the rank: everything is recomputed anyway
             self._absorb(failure.reports)
             self.recover(failure.dead)
+            if self.connector is not None:
+                self.connector.carry_drops(plan.transfers)
             return []
         finished = self._update(sched, plan, reports)
         self._timed(started, reports)
@@ -262,6 +227,8 @@ class EngineCore:
         except RankFailed as failure:
             self._absorb(failure.reports)
             self.recover(failure.dead)
+            if self.connector is not None:
+                self.connector.carry_drops(current.plan.transfers)
             self._drop(ahead)
             return []
         finished = self._update(current.sched, current.plan, reports, current.sampling)

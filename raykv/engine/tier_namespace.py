@@ -4,9 +4,10 @@ A chunk's key says which tokens it holds; whether its bytes are the KV a run wou
 them depends on everything else: the model (its weights' fingerprint for a checkpoint, the
 synthetic model's geometry otherwise), the dtype, the KV layout a rank's page has (groups, their
 attention kinds and windows, layers per page, heads per rank, head size), the block size, the
-blocks per chunk, the TP size (a rank's file holds its heads only) and the on-disk format's
-version. A run reads only chunk files under its own namespace, so a different model, dtype,
-layout or TP size never reads another's bytes, and two runs that agree on all of it share.
+blocks per chunk, the TP size (a rank's file holds its heads only), the device (CPU and CUDA
+kernels may round differently) and the on-disk format's version. A run reads only chunk files
+under its own namespace, so a different model, dtype, layout or TP size never reads another's
+bytes, and two runs that agree on all of it share.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def namespace_parts(cfg: RaykvConfig) -> dict[str, Any]:
         "block_size": c.block_size,
         "blocks_per_chunk": o.blocks_per_chunk,
         "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+        # the same model's KV computed by another device's kernels may differ in its last bits
+        "device": cfg.parallel.device,
     }
 
 

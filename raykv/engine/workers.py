@@ -37,6 +37,10 @@ from raykv.transfer.layout import KVLayout
 from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.rank import build_rank
 
+# a rank replacing a dead one waits this long for its predecessor's process to let go of the
+# disk tier's directory (a killed process can run on for a moment)
+PREDECESSOR_EXIT_S = 20.0
+
 ExecDelay = Callable[[int], int]  # job id -> steps its copy stays pending (unthreaded engines)
 
 
@@ -86,7 +90,12 @@ def make_layout(cfg: RaykvConfig, num_slots: int) -> KVLayout:
 
 
 def disk_engine(
-    cfg: RaykvConfig, rank: int, pool: Any, layout: KVLayout, sums: RowChecksums
+    cfg: RaykvConfig,
+    rank: int,
+    pool: Any,
+    layout: KVLayout,
+    sums: RowChecksums,
+    incarnation: int = 0,
 ) -> DiskTransferEngine | None:
     """This rank's disk engine over its directory of the namespace (None: no disk tier)."""
     d = cfg.offload.disk
@@ -104,6 +113,8 @@ def disk_engine(
         sums=sums,
         # evicted files kept to be written over: a full tier evicts one for each it writes
         max_free_files=max(64, disk_slots(cfg) // 16),
+        # a rank replacing a dead one takes its directory once its process has exited
+        claim_wait_s=PREDECESSOR_EXIT_S if incarnation else 0.0,
     )
 
 
@@ -148,7 +159,9 @@ class LocalWorker:
         step_model: ModelBackend = model
         if cfg.model.path is not None:
             step_model, verify = real_model(cfg, rank, kv.device, all_reduce), None
-        self.disk = disk_engine(cfg, rank, self.pool, self.layout, self.engine.checksums)
+        self.disk = disk_engine(
+            cfg, rank, self.pool, self.layout, self.engine.checksums, incarnation
+        )
         if self.disk is not None and incarnation > 0:
             self.disk.index()  # sweeps the temporary files a predecessor died writing
         disk = self.disk

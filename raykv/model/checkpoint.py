@@ -285,9 +285,10 @@ _FINGERPRINT_WINDOW = 64 * 1024
 def fingerprint(path: Path) -> str:
     """What identifies a checkpoint's weights (hex): each weights file's name and size and 16
     windows of 64 KiB spread over it (its first and last included), and the config. The same on
-    every node that holds the same files, wherever they are and whenever they were copied; any
-    change to a header, a quantization or a layer's values changes it. About 1 MiB read per
-    file."""
+    every node that holds the same files, wherever they are and whenever they were copied; a
+    change to a header, a file's size, a quantization or most retrained layers changes it, but
+    an edit confined to bytes between the windows (a few layers changed in place) does not: give
+    such a checkpoint its own ``offload.disk.path``. About 1 MiB read per file."""
     files = [path] if not path.is_dir() else [*safetensors_files(path), config_file(path)]
     digest = hashlib.blake2b(digest_size=16)
     for file in files:

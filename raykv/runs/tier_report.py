@@ -62,6 +62,7 @@ def tier_report(
         "demotions_failed": m.demotions_failed,
         "corrupt": m.corrupt,
         "full_events": m.full_events,
+        "unavailable_events": m.unavailable_events,
         "evictions": k.evictions,
         "skipped_slower": skipped.get("disk", 0),
         "probes": probes.get("disk", 0),

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raykv.config import ConfigError
 from raykv.core.step import TierMove, TransferStats
 from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
 from raykv.transfer.crc import crc32
@@ -42,6 +43,7 @@ from raykv.transfer.disk_files import (
     ChunkFileError,
     ChunkFormat,
     RankDirectory,
+    claim_directory,
     probe_direct_io,
 )
 from raykv.transfer.layout import KVLayout
@@ -51,9 +53,9 @@ log = logging.getLogger(__name__)
 DIRECT_IO_MODES = ("auto", "on", "off")
 
 
-class DiskUnavailable(RuntimeError):
+class DiskUnavailable(ConfigError):
     """The disk tier cannot work where it was pointed (``offload.disk.*``): named in the
-    message."""
+    message (a configuration problem: ``raykv`` exits 2)."""
 
 
 class _Corrupt(Exception):
@@ -77,14 +79,16 @@ _RANK = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3}
 
 class DiskTransferEngine:
     """Moves chunks between ``pool`` (this rank's CPU-pool shard, ``[num_slots, chunk elems]``)
-    and the chunk files under ``root``.
+    and the chunk files under ``root`` (or ``root.1``, ``root.2``... while other engines on the
+    node hold it: ``disk_files.claim_directory``, waiting ``claim_wait_s`` for ``root`` first).
 
     ``direct_io``: ``on`` opens every file with ``O_DIRECT`` (``DiskUnavailable`` where the file
     system refuses it), ``off`` never, ``auto`` where the file system allows it (``io_mode``
     says which ran). ``fsync``: each file reaches the device before it is renamed into place
     (and the rename before the job is reported), so a power loss keeps every chunk reported
     stored; without it a crash of the machine (not of raykv) may lose recent chunks, never serve
-    a torn one. ``sums``: the CPU pool's row checksums (``offload.verify``)."""
+    a torn one. ``sums``: the CPU pool's row checksums (``offload.verify``). ``max_free_files``:
+    evicted chunks' files kept to be written over."""
 
     def __init__(
         self,
@@ -97,17 +101,20 @@ class DiskTransferEngine:
         fsync: bool = False,
         sums: RowChecksums | None = None,
         max_free_files: int = 256,
+        claim_wait_s: float = 0.0,
     ) -> None:
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
         if io_threads <= 0:
             raise ValueError(f"io_threads must be positive, got {io_threads}")
-        self.files = RankDirectory(root, max_free_files)
-        self.io_threads = io_threads
         try:
+            # this engine's alone while it lives (another engine on the node takes the next)
+            root, self._lock_fd = claim_directory(root, claim_wait_s)
+            self.files = RankDirectory(root, max_free_files)
             self.files.make()
         except OSError as exc:
-            raise DiskUnavailable(f"offload.disk.path: cannot create {root!r}: {exc}") from exc
+            raise DiskUnavailable(f"offload.disk.path: cannot use {root!r}: {exc}") from exc
+        self.io_threads = io_threads
         direct = direct_io != "off" and probe_direct_io(root)
         if direct_io == "on" and not direct:
             raise DiskUnavailable(
@@ -249,6 +256,7 @@ class DiskTransferEngine:
             self._closed = True
             self._cond.notify_all()
         self._pool.shutdown(wait=True, cancel_futures=not wait)
+        os.close(self._lock_fd)  # the directory is free for a successor
 
     def corrupt_file(self, key: int) -> None:
         """Fault hook (``corrupt-disk``): flip one byte in the middle of ``key``'s pages, in

@@ -31,11 +31,15 @@ No torch here: what the engine writes and reads are buffers.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import itertools
 import mmap
 import os
 import re
+import secrets
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -48,7 +52,7 @@ ALIGN = 4096  # O_DIRECT's alignment on every file system raykv meets (and a pag
 # magic, version, header bytes, key (two u64 halves: keys are up to 72 bits), page bytes, pages
 _FIXED = struct.Struct("<8sIIQQQI")
 _SUFFIX = ".kv"
-_TMP_RE = re.compile(r"^\.(?P<key>[0-9a-f]+)\.(?P<pid>\d+)\.(?P<n>\d+)\.tmp$")
+_TMP_RE = re.compile(r"^\.(?P<key>[0-9a-f]+)\.(?P<pid>\d+)\.(?P<n>[0-9a-f]+-\d+)\.tmp$")
 _NAME_RE = re.compile(r"^(?P<key>[0-9a-f]+)\.kv$")
 FREE_DIR = "free"  # evicted chunks' files, written over by later chunks
 
@@ -132,7 +136,11 @@ class RankDirectory:
         self.free_dir = os.path.join(root, FREE_DIR)
         self.max_free = max_free
         self._pid = os.getpid()
-        self._tmp_counter = 0
+        # names this instance makes: its pid, a token of its own (two instances in one process,
+        # or a pid the system gave again, never make the same name) and a counter whose next()
+        # is one C call, safe from any thread
+        self._stem = f"{self._pid}.{secrets.token_hex(4)}"
+        self._names = itertools.count(1)
         self._free: list[str] = []
         self._free_lock = threading.Lock()
 
@@ -141,11 +149,10 @@ class RankDirectory:
         return os.path.join(self.root, name[-4:-2], name + _SUFFIX)
 
     def temporary(self, key: int) -> str:
-        """A fresh temporary name beside ``key``'s file, this process's own (thread-safe: the
-        counter's increment is one bytecode under the GIL, and each name is used once)."""
-        self._tmp_counter += 1
+        """A fresh temporary name beside ``key``'s file, this process's own (each name is
+        made once: pid, this instance's token, a counter)."""
         name = f"{key:018x}"
-        tmp = f".{name}.{self._pid}.{self._tmp_counter}.tmp"
+        tmp = f".{name}.{self._stem}-{next(self._names)}.tmp"
         return os.path.join(self.root, name[-4:-2], tmp)
 
     def make(self) -> None:
@@ -159,11 +166,10 @@ class RankDirectory:
         gone already)."""
         path = self.path(key)
         with self._free_lock:
-            if len(self._free) >= self.max_free:
-                spare = None
-            else:
-                self._tmp_counter += 1
-                spare = os.path.join(self.free_dir, f".free-{self._pid}-{self._tmp_counter}")
+            full = len(self._free) >= self.max_free
+        spare = (
+            None if full else os.path.join(self.free_dir, f".free-{self._stem}-{next(self._names)}")
+        )
         if spare is None:
             self.remove(key)
             return
@@ -266,3 +272,42 @@ def probe_direct_io(directory: str) -> bool:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+LOCK_NAME = ".lock"
+MAX_DIRECTORIES = 64  # engines on one node that can share a path
+
+
+def claim_directory(base: str, wait_s: float = 0.0) -> tuple[str, int]:
+    """A rank's directory under ``base`` (``<path>/<namespace>/rank-<r>``) that no live engine
+    uses: ``base`` itself or, while other engines hold it, ``base.1``, ``base.2``, ... (their
+    files mean the same: the namespace says so, so whichever an engine's ranks claim, a chunk
+    found under all of them is sound). ``wait_s``: how long to wait for ``base`` first (a rank
+    replacing one whose process may still be exiting). Returns the directory and the descriptor
+    whose exclusive lock holds it until it is closed or the process ends; ``OSError`` when the
+    directories cannot be made or all are held."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = _try_lock(base)
+        if fd is not None:
+            return base, fd
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    for k in range(1, MAX_DIRECTORIES):
+        root = f"{base}.{k}"
+        fd = _try_lock(root)
+        if fd is not None:
+            return root, fd
+    raise OSError(f"{MAX_DIRECTORIES} engines hold every directory of {base!r}")
+
+
+def _try_lock(root: str) -> int | None:
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

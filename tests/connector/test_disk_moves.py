@@ -125,3 +125,38 @@ def test_an_abandoned_demotion_leaves_nothing_readable_on_disk() -> None:
     assert set(keys) <= set(drops.unpack())  # a survivor may have renamed its file in place
     t.cpu.check_invariants()
     t.disk.check_invariants()
+
+
+def test_a_request_waiting_for_room_takes_the_cpu_tiers_hit_after_a_few_lookups() -> None:
+    """Found by review: a promotion waiting for room (none is made while the disk takes no
+    writes) waited the whole deferral budget and then recomputed the CPU tier's hit too."""
+    t = setup(cpu_slots=4, reserve=1)
+    state = request(4)
+    keys = state.groups[0].keys
+    store(t.cpu, keys[:2])  # two of four slots, none on disk
+    store(t.cpu, request(2, tag=9).groups[0].keys)  # the other two
+    t.disk.adopt(keys[2:])
+    answers = [t.lookup.lookup(state, 0, {}) for _ in range(6)]
+    assert answers[0] is None  # waits for room at first
+    assert answers[-1] == 2 * BLOCK  # then loads what the CPU tier holds, not nothing
+
+
+def test_a_disk_whose_moves_keep_failing_is_taken_out_of_use_for_a_while() -> None:
+    from raykv.connector.tier_moves import FAILURES_TO_PAUSE
+
+    t = setup()
+    state = request(2)
+    keys = state.groups[0].keys
+    t.disk.adopt(keys)
+    for step in range(FAILURES_TO_PAUSE):
+        t.disk.adopt(keys)  # each failed promotion drops them: put them back
+        assert t.lookup.lookup(state, 0, {}) is None
+        (move,), _ = t.moves.plan(step)
+        t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), False, False, step)
+        state.disk_failed = False
+    assert not t.moves.readable()
+    t.disk.adopt(keys)
+    assert t.lookup.lookup(state, 0, {}) == 0  # the disk is not asked: recompute
+    assert t.moves.stats.unavailable_events == 1
+    t.moves.step = 10_000  # retried later
+    assert t.moves.readable()

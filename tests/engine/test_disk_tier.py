@@ -131,6 +131,7 @@ def test_files_damaged_or_deleted_between_runs_are_recomputed(baseline: str, dis
         ("corrupt-disk:rate=0.5", "corrupt"),
         ("slow-disk:ms=15", "promoted_chunks"),
         ("full-disk:after=20", "full_events"),
+        ("fail-disk:rate=1", "unavailable_events"),
         ("kill-worker:step=40:rank=1", "demoted_chunks"),
     ],
 )
@@ -176,3 +177,38 @@ def test_direct_io_on_and_off_mean_the_words_not_yaml_booleans() -> None:
     # YAML 1.1 reads a bare on/off as true/false: ``direct_io: off`` was refused
     for text, mode in (("off", "off"), ("on", "on"), ("auto", "auto")):
         assert load_config(None, [f"offload.disk.direct_io={text}"]).offload.disk.direct_io == mode
+
+
+def test_a_rank_that_died_before_dropping_a_file_drops_it_after_its_replacement(
+    disk_dir: str,
+) -> None:
+    """Found by review: the files a plan dropped were not dropped again when a rank died in
+    that plan's step, so the dead rank's copy stayed, outside the tier's books, for good."""
+    from raykv.transfer.disk_files import RankDirectory
+
+    sets = SMALL + disk(disk_dir)
+    cfg = load_config(None, sets)
+    orphan = RankDirectory(disk_rank_root(cfg, 1)).path(0xABCDEF << 8)
+    os.makedirs(os.path.dirname(orphan), exist_ok=True)
+    with open(orphan, "wb") as fh:  # rank 1 only: a partial chunk, dropped by the first plan
+        fh.write(b"x" * 8192)
+    report, _ = run([*sets, 'faults=["kill-worker:step=0:rank=1"]'])
+    assert report["rank_restarts"] == 1
+    assert not os.path.exists(orphan)
+
+
+def test_a_disk_that_refuses_direct_io_on_is_exit_2_naming_the_key(
+    disk_dir: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: a disk the engine could not use ended in a traceback and exit 1. The
+    probe's answer is forced (every file system here takes O_DIRECT)."""
+    import raykv.transfer.disk as disk_engine
+    from raykv.cli import main
+
+    monkeypatch.setattr(disk_engine, "probe_direct_io", lambda directory: False)
+    argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml", "--num-requests", "2"]
+    for s in disk(disk_dir, "offload.disk.direct_io=on"):
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "offload.disk.direct_io" in err[0] and "Traceback" not in err[0]

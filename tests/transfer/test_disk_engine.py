@@ -162,8 +162,8 @@ def test_the_index_sweeps_temporary_files_of_dead_writers_only(disk_dir: str) ->
         )
         pid = int(dead.stdout)
         sub = os.path.join(disk_dir, "00")
-        stale = os.path.join(sub, f".{0x1234:018x}.{pid}.1.tmp")
-        live = os.path.join(sub, f".{0x1234:018x}.{os.getpid()}.9.tmp")
+        stale = os.path.join(sub, f".{0x1234:018x}.{pid}.ab12-1.tmp")
+        live = os.path.join(sub, f".{0x1234:018x}.{os.getpid()}.cd34-9.tmp")
         foreign = os.path.join(sub, "notes.txt")
         for path in (stale, live, foreign):
             with open(path, "wb") as fh:
@@ -188,3 +188,48 @@ def test_direct_io_on_where_the_file_system_refuses_it_names_the_key(
     auto = engine(disk_dir, filled_pool(), direct_io="auto")
     assert auto.io_mode == "buffered"
     auto.shutdown()
+
+
+def test_free_files_are_never_handed_out_twice(disk_dir: str) -> None:
+    """Found by review: free files were named by pid and a counter that a second directory of the
+    same process started again, so a name already on the (adopted) free list was made again and
+    two writers got one file."""
+    from raykv.transfer.disk_files import RankDirectory
+
+    first = RankDirectory(disk_dir, max_free=16)
+    first.make()
+    for key in (1, 2, 3):
+        with open(first.path(key), "wb") as fh:
+            fh.write(b"x")
+        first.recycle(key)
+    second = RankDirectory(disk_dir, max_free=16)  # a rank replaced in the same process
+    second.scan()  # adopts the three free files
+    with open(second.path(7), "wb") as fh:
+        fh.write(b"y")
+    second.recycle(7)
+    handed = [second.take_free() for _ in range(5)]
+    spares = [h for h in handed if h is not None]
+    assert len(spares) == 4 and len(set(spares)) == 4
+    assert all(os.path.exists(p) for p in spares)
+
+
+def test_a_second_engine_on_the_same_path_takes_a_directory_of_its_own(disk_dir: str) -> None:
+    pool = filled_pool()
+    first = engine(disk_dir, pool)
+    second = engine(disk_dir, pool)
+    try:
+        assert first.files.root == disk_dir
+        assert second.files.root == disk_dir + ".1"
+        run(first, TierMove.of(1, False, [KEYS[0]], [0], False))
+        assert second.index() == []  # never sees the other's files
+    finally:
+        first.shutdown()
+        second.shutdown()
+    again = engine(disk_dir, pool)  # the lock went with the first engine
+    try:
+        assert again.files.root == disk_dir and again.index() == [KEYS[0]]
+    finally:
+        again.shutdown()
+        import shutil
+
+        shutil.rmtree(disk_dir + ".1", ignore_errors=True)
