@@ -247,7 +247,7 @@ def _bench_mode(
                     "ratio": gbps / base,
                     # the pool's own rows go to the disk (no bounce buffer): O_DIRECT needs
                     # 4 KiB-aligned rows; buffered I/O always can
-                    "zero_copy": bool(engine._zero_copy),
+                    "zero_copy": bool(engine.chunks.zero_copy),
                 }
             )
     finally:

@@ -3,12 +3,13 @@
 The rank runner calls it around the model step: ``before_model`` flushes (finishes the listed
 jobs now, submitting any of them that arrive in this very plan first), deletes the disk files
 the plan drops and submits the loads (finishing those the model reads in this same step);
-``after_model`` queues the stores and the moves between the CPU tier and the disk tier, and
-polls finished jobs without blocking. Before the model writes a block, or a load is queued into
-one, the rank asks ``check_writable``: no unfinished store on this rank may still read that
-block (the fence invariant, checked where it matters), and no unfinished load may still write
-it. A store into a CPU slot, or a load out of one, must find no unfinished move between the
-tiers still reading or writing that slot (``check_slots``).
+``after_model`` queues the stores and polls finished jobs without blocking; the moves between
+the CPU tier and the disk tier are queued before the model, so that their I/O runs beside it.
+Before the model writes a block, or a load is queued into one, the rank asks ``check_writable``:
+no unfinished store on this rank may still read that block (the fence invariant, checked where
+it matters), and no unfinished load may still write it. A store into a CPU slot, or a load out
+of one, must find no unfinished move between the tiers still reading or writing that slot
+(``check_slots``).
 
 No torch here: the copy backend and the verifier of loaded blocks are passed in.
 """
@@ -114,8 +115,13 @@ class ConnectorWorker:
             # in this very step (its request was restarted): check its bytes before that, and
             # count the result once the poll says whether the copy succeeded
             self._check_loads(plan.flush)
-        if plan.disk_drops and self.disk is not None:
-            self.disk.drop(plan.disk_drops.unpack())
+        if self.disk is not None:
+            if plan.disk_drops:
+                self.disk.drop(plan.disk_drops.unpack())
+            # queued now, so that their I/O runs beside this step's model: a promotion that
+            # lands by the step's poll lets its request load in the very next step
+            for move in plan.tier_moves:
+                self.disk.submit(move)
         self.check_slots(plan.loads, "load from")
         for spec in plan.loads:
             self.check_writable(spec.copy.gpu_blocks, "load into")
@@ -136,9 +142,6 @@ class ConnectorWorker:
         for spec in plan.stores:
             if spec.job_id not in flush:
                 backend.submit(spec)
-        if disk is not None:
-            for move in plan.tier_moves:
-                disk.submit(move)
         if idle:
             backend.wait(IDLE_WAIT_S)
             if disk is not None and disk.in_flight():

@@ -13,7 +13,7 @@ from raykv.bench import disk_transfer
 from raykv.bench.disk_transfer import format_disk_table, run_disk_bench
 from raykv.bench.transfer import best_pair
 from raykv.cli import main
-from raykv.transfer.disk import DiskTransferEngine, probe_direct_io
+from raykv.transfer.disk import probe_direct_io
 
 
 def _leftovers(path: Path) -> list[str]:
@@ -73,10 +73,12 @@ def test_cold_without_o_direct_drops_the_page_cache(
 def test_a_failed_engine_job_is_an_error_and_leaves_no_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_read(self: DiskTransferEngine, key: int, slot: int, check: bool) -> None:
+    from raykv.transfer.chunk_io import ChunkIO
+
+    def broken_read(self: ChunkIO, key: int, slot: int, check: bool) -> None:
         raise OSError(5, "injected")
 
-    monkeypatch.setattr(DiskTransferEngine, "_read", broken_read)
+    monkeypatch.setattr(ChunkIO, "read", broken_read)
     with pytest.raises(RuntimeError, match="load of 8 chunks failed"):
         run_disk_bench([64], 8, ["store", "load"], ["warm"], 1, str(tmp_path))
     assert _leftovers(tmp_path) == []
