@@ -168,17 +168,23 @@ class Recorded:
         return sum(self.values(**tags))
 
 
+def recorded_metrics(monkeypatch):
+    """``raykv.cluster.metrics`` with ``Recorded`` in place of Ray's metric classes."""
+    import raykv.cluster.metrics as m
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(m, kind, Recorded)
+    Recorded.made = {}
+    return m
+
+
 def test_metrics_export_what_the_run_report_counts(monkeypatch) -> None:
     """What the engine hands Ray's metrics API, per metric and tag, against the run report's
     own numbers (and per-rank, per-step copies the test samples itself): a metric that is not
     exported, or exported under another convention, fails here. The config is one where every
     counter moves (reuse, preemption and reset flushes; unknown, stale and duplicate acks;
     allocation failures, evictions, pending hits, deferred lookups), so none compares 0 to 0."""
-    import raykv.cluster.metrics as m
-
-    for kind in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(m, kind, Recorded)
-    Recorded.made = {}
+    m = recorded_metrics(monkeypatch)
     sets = [
         *SMALL,
         "parallel.tensor_parallel_size=2",
@@ -272,11 +278,7 @@ def test_the_disk_tier_s_metrics_export_what_the_run_report_counts(monkeypatch, 
     """The disk tier's metrics (its I/O bytes and seconds each way, the chunks moved, the hits
     by tier and the prefill by source) against the run report's own numbers; each compared
     value is checked to be non-zero first."""
-    import raykv.cluster.metrics as m
-
-    for kind in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(m, kind, Recorded)
-    Recorded.made = {}
+    m = recorded_metrics(monkeypatch)
     sets = [
         *SMALL,
         "parallel.tensor_parallel_size=2",
