@@ -95,6 +95,7 @@ class ChunkIO:
         tmp = self.files.take_free()
         try:
             if tmp is not None:
+                self.files.subdirectory(key)  # the rename's destination
                 fd = os.open(tmp, os.O_WRONLY | self._open_flags)
             else:
                 tmp = self.files.temporary(key)

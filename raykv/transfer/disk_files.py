@@ -143,6 +143,9 @@ class RankDirectory:
         self._names = itertools.count(1)
         self._free: list[str] = []
         self._free_lock = threading.Lock()
+        # subdirectories known to exist: made on a key's first write, not all 256 up front (a
+        # small tier, or a test's many engines, would pay for 256 directories each)
+        self._made: set[str] = set()
 
     def path(self, key: int) -> str:
         name = f"{key:018x}"
@@ -150,15 +153,24 @@ class RankDirectory:
 
     def temporary(self, key: int) -> str:
         """A fresh temporary name beside ``key``'s file, this process's own (each name is
-        made once: pid, this instance's token, a counter)."""
+        made once: pid, this instance's token, a counter); its subdirectory made if new."""
         name = f"{key:018x}"
         tmp = f".{name}.{self._stem}-{next(self._names)}.tmp"
-        return os.path.join(self.root, name[-4:-2], tmp)
+        return os.path.join(self.subdirectory(key), tmp)
+
+    def subdirectory(self, key: int) -> str:
+        """The subdirectory ``key``'s file goes in, made where this instance has not made or
+        seen it yet (safe from any thread: makedirs tolerates a racing twin)."""
+        sub = f"{key:018x}"[-4:-2]
+        path = os.path.join(self.root, sub)
+        if sub not in self._made:
+            os.makedirs(path, exist_ok=True)
+            self._made.add(sub)
+        return path
 
     def make(self) -> None:
-        """Create the directory, its 256 subdirectories and ``free/`` (where missing)."""
-        for i in range(256):
-            os.makedirs(os.path.join(self.root, f"{i:02x}"), exist_ok=True)
+        """Create the directory and ``free/`` (where missing); the 256 subdirectories come
+        with their first files."""
         os.makedirs(self.free_dir, exist_ok=True)
 
     def recycle(self, key: int) -> None:

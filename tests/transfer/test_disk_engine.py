@@ -162,6 +162,7 @@ def test_the_index_sweeps_temporary_files_of_dead_writers_only(disk_dir: str) ->
         )
         pid = int(dead.stdout)
         sub = os.path.join(disk_dir, "00")
+        os.makedirs(sub, exist_ok=True)  # subdirectories come with their first file
         stale = os.path.join(sub, f".{0x1234:018x}.{pid}.ab12-1.tmp")
         live = os.path.join(sub, f".{0x1234:018x}.{os.getpid()}.cd34-9.tmp")
         foreign = os.path.join(sub, "notes.txt")
@@ -199,11 +200,13 @@ def test_free_files_are_never_handed_out_twice(disk_dir: str) -> None:
     first = RankDirectory(disk_dir, max_free=16)
     first.make()
     for key in (1, 2, 3):
+        first.subdirectory(key)
         with open(first.path(key), "wb") as fh:
             fh.write(b"x")
         first.recycle(key)
     second = RankDirectory(disk_dir, max_free=16)  # a rank replaced in the same process
     second.scan()  # adopts the three free files
+    second.subdirectory(7)
     with open(second.path(7), "wb") as fh:
         fh.write(b"y")
     second.recycle(7)
