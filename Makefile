@@ -7,7 +7,10 @@ TORCH_SPEC ?= torch==2.13.0
 TRACE ?= ../shared/traces/mooncake_synthetic_trace.jsonl
 BIN := $(VENV)/bin
 
-.PHONY: install run test lint clean bench-policy
+# what Mooncake Store's library (the shared tier, raykv[shared]) loads
+SHARED_LIBS := libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 rdma-core
+
+.PHONY: install shared run test lint clean bench-policy
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +27,23 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# the shared tier: Mooncake Store and the system libraries it loads (installed where this runs as
+# root with apt; named otherwise: raykv runs without the tier, its tests say why they skip)
+$(VENV)/.shared: pyproject.toml | $(VENV)/.installed
+	@missing=$$(for p in $(SHARED_LIBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else \
+	    echo "the shared tier needs the system libraries: $$(echo $$missing) (apt-get install, as root)"; \
+	  fi; \
+	fi
+	$(BIN)/python -m pip install --quiet -e ".[shared]" || \
+	  echo "raykv[shared] did not install: the shared tier's tests will skip"
+	touch $@
+
+shared: $(VENV)/.shared
+
 run: install
 	$(BIN)/raykv run --config configs/local.yaml
 
@@ -36,7 +56,7 @@ lint: install
 	# no import circle, torch and ray only in their layers (../shared/DESIGN.md)
 	$(BIN)/python scripts/import_graph.py
 
-test: lint
+test: lint shared
 	$(BIN)/python -m pytest
 
 clean:

@@ -98,3 +98,33 @@ def disk_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_store() -> Iterator[str]:
+    """A Mooncake master of this session's (loopback, free port) and a 256 MiB segment given to
+    its pool by this process: the master's address. Skips, saying why, where the store cannot
+    start (its package or the system libraries it loads are missing)."""
+    from raykv.transfer.shared_master import EmbeddedMaster
+    from raykv.transfer.shared_store import (
+        SegmentHolder,
+        SharedStoreError,
+        StoreEndpoint,
+        mooncake_problem,
+    )
+
+    problem = mooncake_problem()
+    if problem:
+        pytest.skip(f"the shared tier's store cannot start here: {problem}")
+    master = EmbeddedMaster()
+    try:
+        address = master.start()
+        holder = SegmentHolder(StoreEndpoint(address), 256 * 2**20)
+    except SharedStoreError as exc:
+        master.stop()
+        pytest.skip(f"the shared tier's store cannot start here: {exc}")
+    try:
+        yield address
+    finally:
+        holder.close()
+        master.stop()

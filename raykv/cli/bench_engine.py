@@ -55,14 +55,19 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.transfer import format_transfer_table, run_transfer_bench
 
     disk = args.device == "disk"
-    direction = args.direction or ("store,load" if disk else "store,load,both")
+    direction = args.direction or (
+        "store,load" if disk or args.device == "shared" else "store,load,both"
+    )
     directions = [d.strip() for d in direction.split(",") if d.strip()]
     check_output("--json", args.json)
     if disk:
         return _bench_disk_transfer(args, directions, console)
-    for flag in ("path", "mode", "blocks_per_chunk", "io_threads"):
+    if args.device == "shared":
+        return _bench_shared_transfer(args, directions, console)
+    for flag in ("path", "mode", "blocks_per_chunk", "io_threads", "master"):
         if getattr(args, flag) is not None:
-            raise ConfigError(f"--{flag.replace('_', '-')}: only with --device disk")
+            device = "shared" if flag == "master" else "disk"
+            raise ConfigError(f"--{flag.replace('_', '-')}: only with --device {device}")
     if args.device != "cpu":
         from raykv.transfer.devices import device_problem
 
@@ -75,6 +80,43 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
         args.device, args.page_kib, blocks, directions, args.pattern, args.repeat
     )
     console.print(format_transfer_table(result), highlight=False)
+    if args.json:
+        write_json(args.json, result, console)
+    return 0
+
+
+def _bench_shared_transfer(
+    args: argparse.Namespace, directions: list[str], console: Console
+) -> int:
+    from raykv.bench.shared_transfer import (
+        DEFAULT_SHARED_BLOCKS,
+        format_shared_table,
+        run_shared_bench,
+    )
+    from raykv.config.shared import check_address
+    from raykv.transfer.shared_store import mooncake_problem
+
+    for flag in ("path", "mode", "io_threads"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')}: only with --device disk")
+    if args.master is not None:
+        try:
+            check_address(args.master)
+        except ValueError as exc:
+            raise ConfigError(f"--master {args.master}: {exc}") from None
+    problem = mooncake_problem()
+    if problem:
+        raise ConfigError(f"--device shared: {problem}")
+    with Console(stderr=True).status("putting chunks into the store and reading them back..."):
+        result = run_shared_bench(
+            args.page_kib,
+            args.blocks if args.blocks is not None else DEFAULT_SHARED_BLOCKS,
+            directions,
+            args.repeat,
+            None if args.master in (None, "embedded") else args.master,
+            blocks_per_chunk=args.blocks_per_chunk or 1,
+        )
+    console.print(format_shared_table(result), highlight=False)
     if args.json:
         write_json(args.json, result, console)
     return 0
@@ -213,7 +255,12 @@ def register(bench: Any) -> None:
         help="transfer-engine bandwidth against one large copy of the same bytes (disk: against "
         "a plain sequential write and read of one file)",
     )
-    tr.add_argument("--device", choices=["cpu", "cuda", "disk"], default="cpu", help="default: cpu")
+    tr.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "disk", "shared"],
+        default="cpu",
+        help="default: cpu; shared: Mooncake Store (against a local copy)",
+    )
     tr.add_argument(
         "--page-kib",
         type=int_list,
@@ -248,10 +295,17 @@ def register(bench: Any) -> None:
         "the files in the page cache); default: both",
     )
     tr.add_argument(
-        "--blocks-per-chunk", type=positive_int, help="disk: pages a chunk file holds (default 1)"
+        "--blocks-per-chunk",
+        type=positive_int,
+        help="disk, shared: pages a chunk file or object holds (default 1)",
     )
     tr.add_argument(
         "--io-threads", type=positive_int, help="disk: the engine's I/O threads (default 4)"
+    )
+    tr.add_argument(
+        "--master",
+        help="shared: host:port of a running mooncake_master (default: embedded, started for "
+        "the run on loopback)",
     )
     tr.set_defaults(func=_cmd_bench_transfer)
 

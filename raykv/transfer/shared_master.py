@@ -1,0 +1,140 @@
+"""The shared tier's master for one run (``offload.shared.master: embedded``): Mooncake's
+``mooncake_master`` started on loopback on free ports, and stopped (by its pid) at the end, as
+raykv does for an embedded Ray.
+
+Its RPC port is where clients join (``StoreEndpoint.master``); clients exchange their transfer
+metadata directly (``P2PHANDSHAKE``), so no metadata server runs. The master's log goes to a
+file of its own in the temporary directory (named in the error if it fails to start)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
+
+BINARY = "mooncake_master"
+
+
+def master_binary() -> str:
+    """The ``mooncake_master`` executable: beside this Python (a virtual environment's bin/,
+    not always on PATH), on PATH, or inside the mooncake package."""
+    beside = os.path.join(os.path.dirname(sys.executable), BINARY)
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(BINARY)
+    if found:
+        return found
+    problem = mooncake_problem()
+    if problem:
+        raise SharedStoreError(problem)
+    import mooncake
+
+    inside = os.path.join(os.path.dirname(mooncake.__file__), BINARY)
+    if os.access(inside, os.X_OK):
+        return inside
+    raise SharedStoreError(f"{BINARY} not found beside {sys.executable}, on PATH or in mooncake")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedMaster:
+    """A ``mooncake_master`` of this process's own on ``host`` (loopback by default).
+    ``lease_ms``: how long an object read stays safe from eviction."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", lease_ms: int = 5000, start_timeout_s: float = 15.0
+    ) -> None:
+        self.host = host
+        self.lease_ms = lease_ms
+        self.start_timeout_s = start_timeout_s
+        self.port = 0
+        self.log_path = ""
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        """host:port of its RPC (where clients join)."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> str:
+        """Start it and wait until it accepts connections: its address."""
+        if self._process is not None:
+            return self.address
+        binary = master_binary()
+        self.port = free_port(self.host)
+        fd, self.log_path = tempfile.mkstemp(prefix="raykv-mooncake-master-", suffix=".log")
+        args = [
+            binary,
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.port}",
+            f"--metrics_port={free_port(self.host)}",  # never the fixed default another holds
+            "--enable_metric_reporting=false",
+            f"--default_kv_lease_ttl={self.lease_ms}",
+        ]
+        with os.fdopen(fd, "wb") as log:
+            self._process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                code = self._process.returncode
+                self._process = None
+                raise SharedStoreError(
+                    f"{BINARY} exited with status {code} at start (log: {self.log_path})"
+                )
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((self.host, self.port), timeout=0.2),
+            ):
+                return self.address
+            time.sleep(0.05)
+        self.stop()
+        raise SharedStoreError(
+            f"{BINARY} did not listen on {self.address} within {self.start_timeout_s:g} s "
+            f"(log: {self.log_path})"
+        )
+
+    def kill(self) -> None:
+        """End it at once (a fault: the master dies mid-run)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait(10)
+
+    def stop(self) -> None:
+        """Stop it (SIGTERM, then SIGKILL after 5 s) and remove its log if it ended cleanly."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+        if self.log_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+
+    def __enter__(self) -> EmbeddedMaster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

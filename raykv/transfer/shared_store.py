@@ -1,0 +1,257 @@
+"""Mooncake Store as raykv's shared tier: a client of the store, and one rank's chunks put into it
+and read back, each from and into the rank's own CPU-pool shard.
+
+A chunk goes to the store as one object per rank, ``<namespace>/<chunk key>/<rank>``, holding
+the same header a disk file has (``disk_files.ChunkFormat``: the key, the sizes, every page's
+CRC-32) followed by the pages. The pages travel straight from and into the pool's shared
+memory, which the rank registers with its client once (Mooncake's zero-copy calls: no Python
+loop over bytes, no pickling); the headers go through a small registered buffer of their own.
+A read checks the header and every page's checksum before the bytes count: an object of
+another key, another geometry, torn or spoiled is never served.
+
+The pool's memory itself is not the ranks': a client that gives the pool a segment of its DRAM
+(``SegmentHolder``) is held by one long-lived process per node (the store actor,
+``cluster/store_actor.py``, or a bench's child process), so that an engine's death or restart
+loses nothing of it. A rank's client gives no segment; it only reads and writes.
+
+Mooncake's client logs through glog on stderr; its library needs a few system libraries
+(``mooncake_problem`` says which are missing). No torch here: pools are buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raykv.transfer.crc import crc32
+from raykv.transfer.disk_files import ChunkFileError, ChunkFormat
+
+P2P = "P2PHANDSHAKE"  # clients exchange their transfer metadata directly (no metadata server)
+SYSTEM_LIBRARIES = "libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 rdma-core"
+# Mooncake's statuses: a key that is not there (or was evicted); an object larger than asked
+OBJECT_NOT_FOUND = -704
+BUFFER_OVERFLOW = -600
+
+
+class SharedStoreError(RuntimeError):
+    """The shared tier's store cannot be reached or refused an operation (named)."""
+
+
+def mooncake_problem() -> str | None:
+    """Why Mooncake Store cannot be used in this process (None: it can)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        if "mooncake" in str(exc) and "No module named" in str(exc):
+            return (
+                "the shared tier needs Mooncake Store: pip install 'raykv[shared]' "
+                "(mooncake-transfer-engine-non-cuda, or mooncake-transfer-engine on CUDA nodes)"
+            )
+        return (
+            f"Mooncake Store does not load ({exc}); it needs the system libraries "
+            f"{SYSTEM_LIBRARIES} (Debian: apt-get install {SYSTEM_LIBRARIES})"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEndpoint:
+    """Where the store's master listens and how this node's clients move bytes."""
+
+    master: str  # host:port of the master's RPC
+    host: str = "127.0.0.1"  # this node's address, for the transfers to and from it
+    protocol: str = "tcp"
+    devices: str = ""  # RDMA devices (empty: found by Mooncake)
+
+
+def connect(endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int) -> Any:
+    """A set-up ``MooncakeDistributedStore`` client (``segment_bytes``: DRAM it gives the
+    pool, 0 for a client that only reads and writes); ``SharedStoreError`` naming the master
+    when it cannot be set up."""
+    problem = mooncake_problem()
+    if problem:
+        raise SharedStoreError(problem)
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    rc = client.setup(
+        endpoint.host,
+        P2P,
+        segment_bytes,
+        local_buffer_bytes,
+        endpoint.protocol,
+        endpoint.devices,
+        endpoint.master,
+    )
+    if rc != 0:
+        raise SharedStoreError(
+            f"cannot join the shared tier's store at {endpoint.master} (setup returned {rc})"
+        )
+    return client
+
+
+class SegmentHolder:
+    """A client that gives the pool ``segment_bytes`` of this node's DRAM and keeps them there
+    while it lives (the store actor holds one per node)."""
+
+    def __init__(self, endpoint: StoreEndpoint, segment_bytes: int) -> None:
+        self.segment_bytes = segment_bytes
+        self._client = connect(endpoint, segment_bytes, 1 << 20)
+
+    def healthy(self) -> bool:
+        """The master answers this client."""
+        return self._client.health_check() == 0
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def object_key(namespace: str, key: int, rank: int) -> str:
+    """A rank's part of chunk ``key`` in the store."""
+    return f"{namespace}/{key:x}/{rank}"
+
+
+class SharedChunks:
+    """One rank's chunks in the store, put from and read into the slots of its CPU-pool shard
+    (``pool_ptr``, ``num_slots`` rows of ``fmt.data_bytes`` each, registered once). Batches of at
+    most ``max_batch`` chunks; each thread has its own registered header buffer."""
+
+    def __init__(
+        self,
+        endpoint: StoreEndpoint,
+        namespace: str,
+        rank: int,
+        fmt: ChunkFormat,
+        pool_ptr: int,
+        num_slots: int,
+        max_batch: int = 64,
+    ) -> None:
+        self.namespace = namespace
+        self.rank = rank
+        self.format = fmt
+        self.max_batch = max_batch
+        self._pool_ptr = pool_ptr
+        self._num_slots = num_slots
+        self._client = connect(endpoint, 0, 1 << 20)
+        rc = self._client.register_buffer(pool_ptr, num_slots * fmt.data_bytes)
+        if rc != 0:
+            self._client.close()
+            raise SharedStoreError(f"cannot register the CPU pool with the store ({rc})")
+        self._local = threading.local()
+        self._headers: list[mmap.mmap] = []  # every thread's, unregistered at close
+        self._lock = threading.Lock()
+
+    def _header_buffer(self) -> tuple[mmap.mmap, int]:
+        local = self._local
+        if not hasattr(local, "buf"):
+            buf = mmap.mmap(-1, self.max_batch * self.format.header_bytes)
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            rc = self._client.register_buffer(ptr, len(buf))
+            if rc != 0:
+                raise SharedStoreError(f"cannot register a header buffer with the store ({rc})")
+            local.buf, local.ptr = buf, ptr
+            with self._lock:
+                self._headers.append(buf)
+        return local.buf, local.ptr
+
+    def _slot_ptr(self, slot: int) -> int:
+        if not 0 <= slot < self._num_slots:
+            raise IndexError(f"CPU slot {slot} outside the pool's {self._num_slots}")
+        return self._pool_ptr + slot * self.format.data_bytes
+
+    def _slot_view(self, slot: int) -> memoryview:
+        nbytes = self.format.data_bytes
+        return memoryview((ctypes.c_char * nbytes).from_address(self._slot_ptr(slot))).cast("B")
+
+    def page_crcs(self, slot: int) -> list[int]:
+        pb, data = self.format.page_bytes, self._slot_view(slot)
+        return [crc32(data[i * pb : (i + 1) * pb]) for i in range(self.format.pages)]
+
+    def put(self, keys: Sequence[int], slots: Sequence[int]) -> list[bool]:
+        """Put these chunks' parts (a key already there is left as it is: its bytes are the
+        same); whether each is in the store now."""
+        out: list[bool] = []
+        for start in range(0, len(keys), self.max_batch):
+            out += self._put(
+                keys[start : start + self.max_batch], slots[start : start + self.max_batch]
+            )
+        return out
+
+    def _put(self, keys: Sequence[int], slots: Sequence[int]) -> list[bool]:
+        fmt = self.format
+        hb = fmt.header_bytes
+        buf, ptr = self._header_buffer()
+        names, ptrs, sizes = [], [], []
+        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
+            buf[i * hb : (i + 1) * hb] = fmt.header(key, self.page_crcs(slot))
+            names.append(object_key(self.namespace, key, self.rank))
+            ptrs.append([ptr + i * hb, self._slot_ptr(slot)])
+            sizes.append([hb, fmt.data_bytes])
+        codes = self._client.batch_put_from_multi_buffers(names, ptrs, sizes)
+        return [code == 0 for code in codes]
+
+    def get(self, keys: Sequence[int], slots: Sequence[int]) -> list[str]:
+        """Read these chunks' parts into their slots: for each, ``ok``, ``missing`` (not in the
+        store: evicted, or never put), ``corrupt`` (the object is not this key's intact part) or
+        ``failed`` (the store did not deliver it: unreachable, or an object of another size);
+        a slot's bytes count only where ``ok``."""
+        out: list[str] = []
+        for start in range(0, len(keys), self.max_batch):
+            out += self._get(
+                keys[start : start + self.max_batch], slots[start : start + self.max_batch]
+            )
+        return out
+
+    def _get(self, keys: Sequence[int], slots: Sequence[int]) -> list[str]:
+        fmt = self.format
+        hb = fmt.header_bytes
+        buf, ptr = self._header_buffer()
+        names = [object_key(self.namespace, key, self.rank) for key in keys]
+        ptrs = [[ptr + i * hb, self._slot_ptr(slot)] for i, slot in enumerate(slots)]
+        sizes = [[hb, fmt.data_bytes]] * len(keys)
+        got = self._client.batch_get_into_multi_buffers(names, ptrs, sizes)
+        out: list[str] = []
+        whole = hb + fmt.data_bytes
+        for i, (key, slot, n) in enumerate(zip(keys, slots, got, strict=True)):
+            if n == OBJECT_NOT_FOUND:
+                out.append("missing")
+                continue
+            if n < 0:
+                out.append("corrupt" if n == BUFFER_OVERFLOW else "failed")
+                continue
+            if n != whole:
+                out.append("corrupt")
+                continue
+            try:
+                crcs = fmt.parse_header(key, memoryview(buf)[i * hb : (i + 1) * hb])
+            except ChunkFileError:
+                out.append("corrupt")
+                continue
+            out.append("ok" if self.page_crcs(slot) == crcs else "corrupt")
+        return out
+
+    def exists(self, keys: Sequence[int]) -> list[bool]:
+        """Whether this rank's part of each chunk is in the store now; ``SharedStoreError``
+        when the store could not say (its master unreachable)."""
+        names = [object_key(self.namespace, key, self.rank) for key in keys]
+        codes = self._client.batch_is_exist(names)
+        if any(code < 0 for code in codes):
+            raise SharedStoreError("the store's master did not answer whether chunks exist")
+        return [code == 1 for code in codes]
+
+    def remove(self, keys: Sequence[int]) -> None:
+        """Remove these chunks' parts (found corrupt); a part another client reads is left."""
+        names = [object_key(self.namespace, key, self.rank) for key in keys]
+        self._client.batch_remove(names, True)
+
+    def close(self) -> None:
+        with self._lock:
+            headers, self._headers = self._headers, []
+        for buf in headers:
+            self._client.unregister_buffer(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
+        self._client.unregister_buffer(self._pool_ptr)
+        self._client.close()
