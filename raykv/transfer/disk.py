@@ -25,17 +25,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from raykv.config import ConfigError
-from raykv.core.step import TierMove, TransferStats
+from raykv.core.step import TierMove
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.chunk_io import ChunkIO, DiskFull, SourceCorrupt
+from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
 from raykv.transfer.disk_files import (
     ChunkFormat,
     RankDirectory,
@@ -54,18 +52,7 @@ class DiskUnavailable(ConfigError):
     message (a configuration problem: ``raykv`` exits 2)."""
 
 
-@dataclass(slots=True)
-class _Job:
-    move: TierMove
-    left: int
-    outcome: str = "ok"  # ok | failed | corrupt | full (the worst of its chunks)
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-_RANK = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3}
-
-
-class DiskTransferEngine:
+class DiskTransferEngine(ChunkJobEngine):
     """Moves chunks between ``pool`` (this rank's CPU-pool shard, ``[num_slots, chunk elems]``)
     and the chunk files under ``root`` (or ``root.1``, ``root.2``... while other engines on the
     node hold it: ``disk_files.claim_directory``, waiting ``claim_wait_s`` for ``root`` first).
@@ -77,6 +64,8 @@ class DiskTransferEngine:
     stored; without it a crash of the machine (not of raykv) may lose recent chunks, never serve
     a torn one. ``sums``: the CPU pool's row checksums (``offload.verify``). ``max_free_files``:
     evicted chunks' files kept to be written over."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -102,7 +91,6 @@ class DiskTransferEngine:
             self.files.make()
         except OSError as exc:
             raise DiskUnavailable(f"offload.disk.path: cannot use {root!r}: {exc}") from exc
-        self.io_threads = io_threads
         direct = direct_io != "off" and probe_direct_io(root)
         if direct_io == "on" and not direct:
             raise DiskUnavailable(
@@ -113,22 +101,10 @@ class DiskTransferEngine:
         self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
         self.layout = layout
         self.chunks = ChunkIO(self.files, self.format, pool, direct, fsync, sums)
-        self._cond = threading.Condition()
-        self._jobs: dict[int, _Job] = {}
-        self._completed: list[int] = []
-        self._failed: list[int] = []
-        self._corrupt: list[int] = []
-        self._full: list[int] = []
-        self._stats = TransferStats()
-        # promotions at the process's priority (a request waits for them); demotions, which
-        # nobody waits for, a few nice levels below, so that their checksums and system calls
-        # yield the cores to the model (measured: a trace whose CPU tier demoted 3 GB ran its
-        # requests without a tier hit 3% slower than without the disk tier)
-        self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="raykv-disk-read")
-        self._writes = ThreadPoolExecutor(
-            io_threads, thread_name_prefix="raykv-disk-write", initializer=_lower_priority
-        )
-        self._closed = False
+        # promotions at the process's priority, demotions a few nice levels below (measured:
+        # a trace whose CPU tier demoted 3 GB ran its requests without a tier hit 3% slower
+        # than without the disk tier when they ran at the same priority)
+        super().__init__(io_threads)
 
     # ---------------------------------------------------------------- public API
 
@@ -143,34 +119,6 @@ class DiskTransferEngine:
             )
         return keys
 
-    def submit(self, move: TierMove) -> None:
-        """Queue one job's chunks on the I/O threads."""
-        keys = move.chunks.unpack()
-        if len(keys) != len(move.cpu_slots):
-            raise ValueError(
-                f"tier move {move.job_id}: {len(keys)} keys, {len(move.cpu_slots)} slots"
-            )
-        job = _Job(move, len(keys))
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("DiskTransferEngine is shut down")
-            if move.job_id in self._jobs:
-                raise ValueError(f"job {move.job_id} is already queued")
-            self._jobs[move.job_id] = job
-        if not keys:
-            self._finish(job)
-            return
-        # one run of chunks per thread: a future, a callback and a lock per chunk cost tens of
-        # microseconds each, a chunk's I/O not much more at 64 KiB
-        pairs = list(zip(keys, move.cpu_slots, strict=True))
-        runs = min(self.io_threads, len(pairs))
-        job.left = runs
-        for i in range(runs):
-            run = pairs[i::runs]
-            pool = self._reads if move.promote else self._writes
-            future: Future[str] = pool.submit(self._run, move, run)
-            future.add_done_callback(lambda f, job=job: self._run_done(job, f))
-
     def drop(self, keys: list[int]) -> None:
         """Give up these keys' files now (evicted: kept to be written over by a later chunk;
         or found corrupt by another rank). No job of this rank still uses them: the directory
@@ -178,69 +126,7 @@ class DiskTransferEngine:
         for key in keys:
             self.files.recycle(key)
 
-    def poll(self) -> tuple[list[int], list[int]]:
-        """``(completed, failed)`` job ids finished since the last poll; never blocks."""
-        with self._cond:
-            completed, self._completed = self._completed, []
-            failed, self._failed = self._failed, []
-        return completed, failed
-
-    def take_corrupt(self) -> list[int]:
-        """Failed jobs whose source was bad (the key leaves the tier it was read from)."""
-        with self._cond:
-            out, self._corrupt = self._corrupt, []
-        return out
-
-    def take_full(self) -> list[int]:
-        """Failed demotions that found the disk full."""
-        with self._cond:
-            out, self._full = self._full, []
-        return out
-
-    def take_stats(self) -> TransferStats:
-        with self._cond:
-            stats, self._stats = self._stats, TransferStats()
-        return stats
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until a job finishes or ``timeout_s`` passes (at once when none is queued)."""
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._completed or self._failed or not self._jobs or self._closed,
-                timeout_s,
-            )
-
-    def flush(self, job_ids: list[int]) -> None:
-        """Block until every listed job still queued has finished (unknown ids are ignored)."""
-        with self._cond:
-            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
-        for job in jobs:
-            job.done.wait()
-
-    def pending_slots(self) -> tuple[set[int], set[int]]:
-        """CPU slots that unfinished demotions read, and that unfinished promotions write."""
-        reads: set[int] = set()
-        writes: set[int] = set()
-        with self._cond:
-            for job in self._jobs.values():
-                (writes if job.move.promote else reads).update(job.move.cpu_slots)
-        return reads, writes
-
-    def in_flight(self) -> int:
-        with self._cond:
-            return len(self._jobs)
-
-    def shutdown(self, wait: bool = True) -> None:
-        """Stop the I/O threads; ``wait``: finish every queued chunk first (else queued chunks
-        are dropped and their jobs never reported: what a crash leaves). Either way it returns
-        once no thread touches the pool or a file any more."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        self._reads.shutdown(wait=True, cancel_futures=not wait)
-        self._writes.shutdown(wait=True, cancel_futures=not wait)
+    def _close(self) -> None:
         os.close(self._lock_fd)  # the directory is free for a successor
 
     def corrupt_file(self, key: int) -> None:
@@ -257,8 +143,6 @@ class DiskTransferEngine:
     # ---------------------------------------------------------------- the I/O threads
 
     def _run(self, move: TierMove, run: list[tuple[int, int]]) -> str:
-        """One thread's share of a job, chunk by chunk; the worst outcome (every chunk is
-        tried: a bad one does not keep the others from being read or written)."""
         task = self.chunks.read if move.promote else self.chunks.write
         worst = "ok"
         for key, slot in run:
@@ -275,61 +159,18 @@ class DiskTransferEngine:
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning("disk job %d: key %#x: %s", move.job_id, key, why)
             self._count(move.promote, outcome, time.perf_counter() - start)
-            if _RANK[outcome] > _RANK[worst]:
-                worst = outcome
+            worst = worse(outcome, worst)
         return worst
 
     def _count(self, read: bool, outcome: str, seconds: float) -> None:
         nbytes = self.format.data_bytes
-        with self._cond:
-            s = self._stats
-            if outcome == "corrupt" and read:
-                s.disk_corrupt += 1
-            if outcome != "ok":
-                return
-            if read:
-                s.disk_read_chunks += 1
-                s.disk_read_bytes += nbytes
-                s.disk_read_seconds += seconds
-            else:
-                s.disk_write_chunks += 1
-                s.disk_write_bytes += nbytes
-                s.disk_write_seconds += seconds
-
-    def _run_done(self, job: _Job, future: Future[str]) -> None:
-        if future.cancelled():
-            return  # shut down without waiting: the job is never reported
-        exc = future.exception()
-        outcome = "failed" if exc is not None else future.result()
-        with self._cond:
-            if _RANK[outcome] > _RANK[job.outcome]:
-                job.outcome = outcome
-            job.left -= 1
-            last = job.left == 0
-        if last:
-            self._finish(job)
-
-    def _finish(self, job: _Job) -> None:
-        job_id = job.move.job_id
-        with self._cond:
-            del self._jobs[job_id]
-            if job.outcome == "ok":
-                self._completed.append(job_id)
-            else:
-                self._failed.append(job_id)
-                if job.outcome == "corrupt":
-                    self._corrupt.append(job_id)
-                elif job.outcome == "full":
-                    self._full.append(job_id)
-            self._cond.notify_all()
-        job.done.set()
-
-
-WRITE_NICENESS = 5  # how far below the process's priority a demotion's thread runs
-
-
-def _lower_priority() -> None:
-    """Run this thread (Linux schedules threads one by one) ``WRITE_NICENESS`` levels below."""
-    with contextlib.suppress(AttributeError, OSError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITE_NICENESS)
+        if outcome == "corrupt" and read:
+            self._add_stats(disk_corrupt=1)
+        if outcome != "ok":
+            return
+        if read:
+            self._add_stats(disk_read_chunks=1, disk_read_bytes=nbytes, disk_read_seconds=seconds)
+        else:
+            self._add_stats(
+                disk_write_chunks=1, disk_write_bytes=nbytes, disk_write_seconds=seconds
+            )

@@ -1,0 +1,209 @@
+"""Jobs of chunks between a rank's CPU-pool shard and a tier below it, run on I/O threads and
+polled like the CPU engine's copies: the machinery the disk engine and the shared-store engine
+have in common.
+
+A job (a ``TierMove``: a promotion into CPU slots, or a demotion or publish out of them) is split
+into one run of chunks per I/O thread; promotions run on threads at the process's priority (a
+request waits for them), the rest a few nice levels below, so that their checksums and system
+calls yield the cores to the model. Each run reports its worst outcome, the job the worst of its
+runs: ``ok``, ``failed`` (an I/O error: the tier may be failing), ``full`` (the tier had no
+room) or ``corrupt`` (the source was bad: the key leaves the tier it was read from). A finished
+job is reported by the non-blocking :meth:`ChunkJobEngine.poll`; the step never waits on the
+tier but to flush a job the scheduler abandoned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from raykv.core.step import TierMove, TransferStats
+
+OUTCOMES = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3}  # worse ones rank higher
+WRITE_NICENESS = 5  # how far below the process's priority a write's thread runs
+
+
+def worse(a: str, b: str) -> str:
+    """The worse of two outcomes."""
+    return a if OUTCOMES[a] >= OUTCOMES[b] else b
+
+
+@dataclass(slots=True)
+class _Job:
+    move: TierMove
+    left: int
+    outcome: str = "ok"  # the worst of its runs
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ChunkJobEngine:
+    """Runs ``TierMove`` jobs on ``io_threads`` threads each way; subclasses say how one run of
+    chunks moves (``_run``) and what the tier is called in errors (``name``)."""
+
+    name = "tier"
+
+    def __init__(self, io_threads: int) -> None:
+        if io_threads <= 0:
+            raise ValueError(f"io_threads must be positive, got {io_threads}")
+        self.io_threads = io_threads
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._completed: list[int] = []
+        self._failed: list[int] = []
+        self._corrupt: list[int] = []
+        self._full: list[int] = []
+        self._stats = TransferStats()
+        self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix=f"raykv-{self.name}-read")
+        self._writes = ThreadPoolExecutor(
+            io_threads, thread_name_prefix=f"raykv-{self.name}-write", initializer=lower_priority
+        )
+        self._closed = False
+
+    # ---------------------------------------------------------------- what subclasses do
+
+    def _run(self, move: TierMove, run: list[tuple[int, int]]) -> str:
+        """Move one run of ``(key, slot)`` chunks of ``move`` on this thread: the worst
+        outcome (every chunk is tried: a bad one does not keep the others from moving)."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Release what the subclass holds, once no thread runs any more."""
+
+    # ---------------------------------------------------------------- public API
+
+    def submit(self, move: TierMove) -> None:
+        """Queue one job's chunks on the I/O threads."""
+        keys = move.chunks.unpack()
+        if len(keys) != len(move.cpu_slots):
+            raise ValueError(
+                f"tier move {move.job_id}: {len(keys)} keys, {len(move.cpu_slots)} slots"
+            )
+        job = _Job(move, len(keys))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} engine is shut down")
+            if move.job_id in self._jobs:
+                raise ValueError(f"job {move.job_id} is already queued")
+            self._jobs[move.job_id] = job
+        if not keys:
+            self._finish(job)
+            return
+        # one run of chunks per thread: a future, a callback and a lock per chunk cost tens of
+        # microseconds each, a chunk's I/O not much more at 64 KiB
+        pairs = list(zip(keys, move.cpu_slots, strict=True))
+        runs = min(self.io_threads, len(pairs))
+        job.left = runs
+        pool = self._reads if move.promote else self._writes
+        for i in range(runs):
+            future: Future[str] = pool.submit(self._run, move, pairs[i::runs])
+            future.add_done_callback(lambda f, job=job: self._run_done(job, f))
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        """``(completed, failed)`` job ids finished since the last poll; never blocks."""
+        with self._cond:
+            completed, self._completed = self._completed, []
+            failed, self._failed = self._failed, []
+        return completed, failed
+
+    def take_corrupt(self) -> list[int]:
+        """Failed jobs whose source was bad (the key leaves the tier it was read from)."""
+        with self._cond:
+            out, self._corrupt = self._corrupt, []
+        return out
+
+    def take_full(self) -> list[int]:
+        """Failed writes that found the tier full."""
+        with self._cond:
+            out, self._full = self._full, []
+        return out
+
+    def take_stats(self) -> TransferStats:
+        with self._cond:
+            stats, self._stats = self._stats, TransferStats()
+        return stats
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a job finishes or ``timeout_s`` passes (at once when none is queued)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._completed or self._failed or not self._jobs or self._closed,
+                timeout_s,
+            )
+
+    def flush(self, job_ids: list[int]) -> None:
+        """Block until every listed job still queued has finished (unknown ids are ignored)."""
+        with self._cond:
+            jobs = [self._jobs[j] for j in job_ids if j in self._jobs]
+        for job in jobs:
+            job.done.wait()
+
+    def pending_slots(self) -> tuple[set[int], set[int]]:
+        """CPU slots that unfinished writes read, and that unfinished promotions write."""
+        reads: set[int] = set()
+        writes: set[int] = set()
+        with self._cond:
+            for job in self._jobs.values():
+                (writes if job.move.promote else reads).update(job.move.cpu_slots)
+        return reads, writes
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._jobs)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the I/O threads; ``wait``: finish every queued chunk first (else queued chunks
+        are dropped and their jobs never reported: what a crash leaves). Either way it returns
+        once no thread touches the pool or the tier any more."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._reads.shutdown(wait=True, cancel_futures=not wait)
+        self._writes.shutdown(wait=True, cancel_futures=not wait)
+        self._close()
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _add_stats(self, **fields: float) -> None:
+        """Add to this period's counters (from any thread)."""
+        with self._cond:
+            s = self._stats
+            for name, value in fields.items():
+                setattr(s, name, getattr(s, name) + value)
+
+    def _run_done(self, job: _Job, future: Future[str]) -> None:
+        if future.cancelled():
+            return  # shut down without waiting: the job is never reported
+        outcome = "failed" if future.exception() is not None else future.result()
+        with self._cond:
+            job.outcome = worse(outcome, job.outcome)
+            job.left -= 1
+            last = job.left == 0
+        if last:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        job_id = job.move.job_id
+        with self._cond:
+            del self._jobs[job_id]
+            if job.outcome == "ok":
+                self._completed.append(job_id)
+            else:
+                self._failed.append(job_id)
+                if job.outcome == "corrupt":
+                    self._corrupt.append(job_id)
+                elif job.outcome == "full":
+                    self._full.append(job_id)
+            self._cond.notify_all()
+        job.done.set()
+
+
+def lower_priority() -> None:
+    """Run this thread (Linux schedules threads one by one) ``WRITE_NICENESS`` levels below."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITE_NICENESS)
