@@ -108,9 +108,11 @@ def _bench_page(
     )
 
     def put() -> None:
-        done = store.put(keys, slots)
-        if not all(done):
-            raise SharedStoreError(f"{done.count(False)} of {chunks} puts failed (store full?)")
+        failed = [code for code in store.put(keys, slots) if code != 0]
+        if failed:
+            raise SharedStoreError(
+                f"{len(failed)} of {chunks} puts failed (status {failed[0]}: store full?)"
+            )
 
     def get() -> None:
         got = store.get(keys, slots)

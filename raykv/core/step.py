@@ -304,6 +304,14 @@ class TransferStats(msgspec.Struct, array_like=True):
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_corrupt: int = 0  # chunk files that failed their checks (torn, changed, missing)
+    # the shared tier (Mooncake Store), per direction: publishes out, promotions in
+    shared_write_chunks: int = 0
+    shared_write_bytes: int = 0
+    shared_write_seconds: float = 0.0
+    shared_read_chunks: int = 0
+    shared_read_bytes: int = 0
+    shared_read_seconds: float = 0.0
+    shared_corrupt: int = 0  # parts that failed their checks (removed from the store)
 
     def add(self, other: TransferStats) -> None:
         for name in self.__struct_fields__:

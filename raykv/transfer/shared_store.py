@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,9 +33,12 @@ from raykv.transfer.disk_files import ChunkFileError, ChunkFormat
 
 P2P = "P2PHANDSHAKE"  # clients exchange their transfer metadata directly (no metadata server)
 SYSTEM_LIBRARIES = "libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 rdma-core"
-# Mooncake's statuses: a key that is not there (or was evicted); an object larger than asked
+# Mooncake's statuses (its ErrorCode): the pool had no room; an object of another size than
+# asked for; a key that is not there (or was evicted); one that is there already
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
-BUFFER_OVERFLOW = -600
+OBJECT_ALREADY_EXISTS = -705
 
 
 class SharedStoreError(RuntimeError):
@@ -68,13 +72,31 @@ class StoreEndpoint:
     devices: str = ""  # RDMA devices (empty: found by Mooncake)
 
 
-def connect(endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int) -> Any:
+def reachable(address: str, timeout_s: float) -> bool:
+    """Something accepts TCP connections at ``host:port`` within ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def connect(
+    endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int, timeout_s: float = 5.0
+) -> Any:
     """A set-up ``MooncakeDistributedStore`` client (``segment_bytes``: DRAM it gives the
     pool, 0 for a client that only reads and writes); ``SharedStoreError`` naming the master
-    when it cannot be set up."""
+    when it cannot be set up. A master nothing answers for is refused within ``timeout_s``
+    (Mooncake's own setup retries for a minute and more)."""
     problem = mooncake_problem()
     if problem:
         raise SharedStoreError(problem)
+    if not reachable(endpoint.master, timeout_s):
+        raise SharedStoreError(
+            f"nothing answers at {endpoint.master} (the shared tier's master) within "
+            f"{timeout_s:g} s"
+        )
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
@@ -171,42 +193,54 @@ class SharedChunks:
         pb, data = self.format.page_bytes, self._slot_view(slot)
         return [crc32(data[i * pb : (i + 1) * pb]) for i in range(self.format.pages)]
 
-    def put(self, keys: Sequence[int], slots: Sequence[int]) -> list[bool]:
-        """Put these chunks' parts (a key already there is left as it is: its bytes are the
-        same); whether each is in the store now."""
-        out: list[bool] = []
-        for start in range(0, len(keys), self.max_batch):
-            out += self._put(
-                keys[start : start + self.max_batch], slots[start : start + self.max_batch]
-            )
+    def put(
+        self,
+        keys: Sequence[int],
+        slots: Sequence[int],
+        crcs: Sequence[list[int]] | None = None,
+    ) -> list[int]:
+        """Put these chunks' parts (``crcs``: their pages' CRC-32s where the caller has them,
+        else computed); the store's status of each (0: in the store now; a key already there
+        is left as it is, its bytes being the same)."""
+        out: list[int] = []
+        step = self.max_batch
+        for start in range(0, len(keys), step):
+            part = None if crcs is None else crcs[start : start + step]
+            out += self._put(keys[start : start + step], slots[start : start + step], part)
         return out
 
-    def _put(self, keys: Sequence[int], slots: Sequence[int]) -> list[bool]:
+    def _put(
+        self, keys: Sequence[int], slots: Sequence[int], crcs: Sequence[list[int]] | None
+    ) -> list[int]:
         fmt = self.format
         hb = fmt.header_bytes
         buf, ptr = self._header_buffer()
         names, ptrs, sizes = [], [], []
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-            buf[i * hb : (i + 1) * hb] = fmt.header(key, self.page_crcs(slot))
+            sums = self.page_crcs(slot) if crcs is None else crcs[i]
+            buf[i * hb : (i + 1) * hb] = fmt.header(key, sums)
             names.append(object_key(self.namespace, key, self.rank))
             ptrs.append([ptr + i * hb, self._slot_ptr(slot)])
             sizes.append([hb, fmt.data_bytes])
-        codes = self._client.batch_put_from_multi_buffers(names, ptrs, sizes)
-        return [code == 0 for code in codes]
+        return list(self._client.batch_put_from_multi_buffers(names, ptrs, sizes))
 
-    def get(self, keys: Sequence[int], slots: Sequence[int]) -> list[str]:
+    def get(
+        self, keys: Sequence[int], slots: Sequence[int], crcs: list[list[int]] | None = None
+    ) -> list[str]:
         """Read these chunks' parts into their slots: for each, ``ok``, ``missing`` (not in the
         store: evicted, or never put), ``corrupt`` (the object is not this key's intact part) or
         ``failed`` (the store did not deliver it: unreachable, or an object of another size);
-        a slot's bytes count only where ``ok``."""
+        a slot's bytes count only where ``ok``. ``crcs`` (where given) gets each chunk's
+        verified page CRC-32s, empty where not ``ok``."""
         out: list[str] = []
-        for start in range(0, len(keys), self.max_batch):
-            out += self._get(
-                keys[start : start + self.max_batch], slots[start : start + self.max_batch]
-            )
+        step = self.max_batch
+        for start in range(0, len(keys), step):
+            out += self._get(keys[start : start + step], slots[start : start + step], crcs)
         return out
 
-    def _get(self, keys: Sequence[int], slots: Sequence[int]) -> list[str]:
+    def _get(
+        self, keys: Sequence[int], slots: Sequence[int], crcs: list[list[int]] | None
+    ) -> list[str]:
         fmt = self.format
         hb = fmt.header_bytes
         buf, ptr = self._header_buffer()
@@ -217,21 +251,23 @@ class SharedChunks:
         out: list[str] = []
         whole = hb + fmt.data_bytes
         for i, (key, slot, n) in enumerate(zip(keys, slots, got, strict=True)):
+            recorded: list[int] | None = None
             if n == OBJECT_NOT_FOUND:
-                out.append("missing")
-                continue
-            if n < 0:
-                out.append("corrupt" if n == BUFFER_OVERFLOW else "failed")
-                continue
-            if n != whole:
-                out.append("corrupt")
-                continue
-            try:
-                crcs = fmt.parse_header(key, memoryview(buf)[i * hb : (i + 1) * hb])
-            except ChunkFileError:
-                out.append("corrupt")
-                continue
-            out.append("ok" if self.page_crcs(slot) == crcs else "corrupt")
+                status = "missing"
+            elif n == INVALID_PARAMS or (n >= 0 and n != whole):
+                status = "corrupt"  # an object of another size
+            elif n < 0:
+                status = "failed"
+            else:
+                try:
+                    recorded = fmt.parse_header(key, memoryview(buf)[i * hb : (i + 1) * hb])
+                except ChunkFileError:
+                    recorded = None
+                ok = recorded is not None and self.page_crcs(slot) == recorded
+                status = "ok" if ok else "corrupt"
+            out.append(status)
+            if crcs is not None:
+                crcs.append(recorded if status == "ok" and recorded is not None else [])
         return out
 
     def exists(self, keys: Sequence[int]) -> list[bool]:

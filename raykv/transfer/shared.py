@@ -1,0 +1,164 @@
+"""The shared tier's transfer engine: one rank's chunks published from its CPU-pool shard into
+Mooncake Store and promoted from the store back into CPU slots, as jobs on I/O threads polled
+like the disk engine's (``transfer/chunk_jobs.py``).
+
+A publish (``TierMove`` with ``promote`` false) puts each chunk's part, ``<namespace>/<key>/
+<rank>``, with its pages' CRC-32s (``transfer/shared_store.py``); a promotion reads each part
+into its CPU slot and checks it. Outcomes, per job (the worst of its chunks):
+
+- a publish that found the pool full is ``full`` (the tier stops publishing for a while); one
+  whose CPU bytes no longer match the checksums their store recorded (``offload.verify``) is
+  ``corrupt`` and puts nothing; any other refusal is ``failed``;
+- a promotion of a part the store no longer has (evicted, or its node's segment gone) or whose
+  bytes fail their checks is ``corrupt``: the chunk leaves the tier and its request recomputes
+  (a spoiled part is removed from the store); one the store did not deliver (unreachable) is
+  ``failed``.
+
+A part a key already has in the store is never written again: a chunk's bytes are a function of
+its key and namespace, so two engines publishing the same key at once put the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from raykv.config import ConfigError
+from raykv.core.step import TierMove
+from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
+from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
+from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.layout import KVLayout
+from raykv.transfer.shared_store import (
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    SharedChunks,
+    SharedStoreError,
+    StoreEndpoint,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SharedUnavailable(ConfigError):
+    """The shared tier's store cannot be used as configured (``offload.shared.*``): named in
+    the message (a configuration problem: ``raykv`` exits 2)."""
+
+
+class SharedTransferEngine(ChunkJobEngine):
+    """Moves chunks between ``pool`` (this rank's CPU-pool shard, ``[num_slots, chunk elems]``)
+    and the store at ``endpoint``, under ``namespace`` as rank ``rank``. ``sums``: the CPU
+    pool's row checksums (``offload.verify``): a publish checks the slot against them first, a
+    promotion records the checksums it verified."""
+
+    name = "shared"
+
+    def __init__(
+        self,
+        endpoint: StoreEndpoint,
+        namespace: str,
+        rank: int,
+        pool: torch.Tensor,
+        layout: KVLayout,
+        *,
+        io_threads: int = 2,
+        sums: RowChecksums | None = None,
+    ) -> None:
+        self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
+        self.sums = sums
+        if pool.dim() != 2 or pool.shape[1] * pool.element_size() != self.format.data_bytes:
+            raise ValueError("the pool's rows are not one chunk each")
+        try:
+            self.chunks = SharedChunks(
+                endpoint, namespace, rank, self.format, pool.data_ptr(), pool.shape[0]
+            )
+        except SharedStoreError as exc:
+            raise SharedUnavailable(f"offload.shared.master: {exc}") from exc
+        super().__init__(io_threads)
+
+    def exists(self, keys: list[int]) -> list[bool]:
+        """Whether this rank's part of each chunk is in the store (``SharedStoreError`` when
+        the store cannot say)."""
+        return self.chunks.exists(keys)
+
+    def drop(self, keys: list[int]) -> None:
+        """Remove this rank's parts of these chunks (another rank found theirs bad)."""
+        try:
+            self.chunks.remove(keys)
+        except Exception as exc:  # an unreachable store keeps them: reads check every part
+            log.warning("shared tier: removing %d parts failed: %s", len(keys), exc)
+
+    def _close(self) -> None:
+        self.chunks.close()
+
+    # ---------------------------------------------------------------- the I/O threads
+
+    def _rows(self, slot: int) -> list[int]:
+        pages = self.format.pages
+        return list(range(slot * pages, (slot + 1) * pages))
+
+    def _run(self, move: TierMove, run: list[tuple[int, int]]) -> str:
+        start = time.perf_counter()
+        try:
+            worst, moved = (self._promote if move.promote else self._publish)(move, run)
+        except Exception as exc:  # the store failed the call: the job fails, never the engine
+            log.warning("shared job %d: %s: %s", move.job_id, type(exc).__name__, exc)
+            return "failed"
+        seconds = time.perf_counter() - start
+        nbytes = moved * self.format.data_bytes
+        if move.promote:
+            self._add_stats(
+                shared_read_chunks=moved, shared_read_bytes=nbytes, shared_read_seconds=seconds
+            )
+        else:
+            self._add_stats(
+                shared_write_chunks=moved, shared_write_bytes=nbytes, shared_write_seconds=seconds
+            )
+        return worst
+
+    def _promote(self, move: TierMove, run: list[tuple[int, int]]) -> tuple[str, int]:
+        keys = [k for k, _ in run]
+        slots = [s for _, s in run]
+        crcs: list[list[int]] = []
+        statuses = self.chunks.get(keys, slots, crcs)
+        worst, moved, spoiled = "ok", 0, []
+        for key, slot, status, sums in zip(keys, slots, statuses, crcs, strict=True):
+            if status == "ok":
+                moved += 1
+                if move.check_sums and self.sums is not None:
+                    self.sums.sums[self._rows(slot)] = torch.tensor(sums, dtype=torch.int64)
+                continue
+            # gone from the store, or not this key's intact part: the chunk leaves the tier
+            worst = worse("failed" if status == "failed" else "corrupt", worst)
+            if status == "corrupt":
+                spoiled.append(key)
+        if spoiled:
+            self._add_stats(shared_corrupt=len(spoiled))
+            self.drop(spoiled)
+        return worst, moved
+
+    def _publish(self, move: TierMove, run: list[tuple[int, int]]) -> tuple[str, int]:
+        worst = "ok"
+        keys: list[int] = []
+        slots: list[int] = []
+        crcs: list[list[int]] = []
+        for key, slot in run:
+            sums = self.chunks.page_crcs(slot)
+            if move.check_sums and self.sums is not None:
+                recorded = self.sums.sums[self._rows(slot)].tolist()
+                if any(r != NO_CHECKSUM and r != c for r, c in zip(recorded, sums, strict=True)):
+                    worst = "corrupt"  # changed since its store: never published
+                    continue
+            keys.append(key)
+            slots.append(slot)
+            crcs.append(sums)
+        codes = self.chunks.put(keys, slots, crcs) if keys else []
+        moved = 0
+        for code in codes:
+            if code in (0, OBJECT_ALREADY_EXISTS):
+                moved += 1
+            else:
+                worst = worse("full" if code == NO_AVAILABLE_HANDLE else "failed", worst)
+        return worst, moved

@@ -1,0 +1,120 @@
+"""The shared tier's engine on a real Mooncake Store: chunks published from one engine's pool
+are promoted into another's byte for byte, and every way a part can be missing or wrong ends in
+a job that fails as corrupt (the chunk leaves the tier), never in bytes from somewhere else."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from raykv.core.step import TierMove
+from raykv.transfer.checksums import RowChecksums
+from raykv.transfer.layout import KVLayout, allocate_pool
+from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
+from raykv.transfer.shared_store import StoreEndpoint, object_key
+
+LAYOUT = KVLayout(
+    num_gpu_blocks=4,
+    block_size=4,
+    num_groups=1,
+    layers_per_group=2,
+    kv_heads=2,
+    head_dim=8,
+    dtype="float16",
+    blocks_per_chunk=2,
+    num_slots=8,
+)
+KEYS = [(0xFEDC_BA98_7654_3210 << 8) | 3, 0x1234, (2**64 - 1) << 8]  # up to 72 bits
+_names = itertools.count()
+
+
+@pytest.fixture()
+def namespace() -> str:
+    return f"engine-{time.time_ns()}-{next(_names)}"
+
+
+def filled_pool(seed: int) -> torch.Tensor:
+    pool = allocate_pool(LAYOUT, zero=True)
+    torch.manual_seed(seed)
+    pool.copy_(torch.randn(pool.shape).to(pool.dtype))
+    return pool
+
+
+def run(eng: SharedTransferEngine, move: TierMove) -> tuple[list[int], list[int], list[int]]:
+    eng.submit(move)
+    eng.flush([move.job_id])
+    completed, failed = eng.poll()
+    return completed, failed, eng.take_corrupt()
+
+
+def test_published_chunks_are_promoted_by_another_engine_byte_for_byte(
+    shared_store: str, namespace: str
+) -> None:
+    source, target = filled_pool(1), allocate_pool(LAYOUT, zero=True)
+    a = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, source, LAYOUT)
+    b = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, target, LAYOUT)
+    try:
+        assert run(a, TierMove.of(1, False, KEYS, [0, 1, 2], False)) == ([1], [], [])
+        assert b.exists(KEYS) == [True, True, True]
+        assert run(b, TierMove.of(2, True, KEYS, [5, 6, 7], False)) == ([2], [], [])
+        assert torch.equal(target[5:8], source[0:3])
+        stats = b.take_stats()
+        assert stats.shared_read_chunks == 3 and stats.shared_read_bytes == 3 * LAYOUT.chunk_bytes
+        # published again (another engine, the same key at once): the store keeps one part
+        assert run(b, TierMove.of(3, False, KEYS[:1], [5], False)) == ([3], [], [])
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_missing_or_spoiled_part_fails_the_promotion_as_corrupt(
+    shared_store: str, namespace: str
+) -> None:
+    pool = filled_pool(2)
+    eng = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, pool, LAYOUT)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS[:1], [0], False)) == ([1], [], [])
+        before = pool[3].clone()
+        # never published
+        assert run(eng, TierMove.of(2, True, KEYS[1:2], [3], False)) == ([], [2], [2])
+        # another writer's bytes under a key's name: its header names another key
+        client = eng.chunks._client
+        name = object_key(namespace, KEYS[2], 0)
+        header = eng.format.header(KEYS[0], eng.chunks.page_crcs(0))
+        assert client.put(name, bytes(header) + pool[0].view(torch.uint8).numpy().tobytes()) == 0
+        assert run(eng, TierMove.of(3, True, KEYS[2:3], [3], False)) == ([], [3], [3])
+        assert eng.exists(KEYS[2:3]) == [False]  # the spoiled part is removed
+        assert eng.take_stats().shared_corrupt == 1
+        del before
+    finally:
+        eng.shutdown()
+
+
+def test_a_publish_of_bytes_changed_since_their_store_puts_nothing(
+    shared_store: str, namespace: str
+) -> None:
+    pool = filled_pool(3)
+    rows = pool.view(LAYOUT.num_slots * LAYOUT.blocks_per_chunk, -1)
+    sums = RowChecksums(rows)
+    sums.record(range(rows.shape[0]))
+    eng = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, pool, LAYOUT, sums=sums)
+    try:
+        pool[1].view(torch.uint8)[7] ^= 0xFF  # a bit flipped in the CPU pool after the store
+        assert run(eng, TierMove.of(1, False, KEYS[:2], [0, 1], True)) == ([], [1], [1])
+        assert eng.exists(KEYS[:2]) == [True, False]
+    finally:
+        eng.shutdown()
+
+
+def test_an_unreachable_master_is_a_configuration_error_naming_the_key() -> None:
+    from raykv.transfer.shared_master import free_port
+    from raykv.transfer.shared_store import mooncake_problem
+
+    if mooncake_problem():
+        pytest.skip(mooncake_problem() or "")
+    pool = filled_pool(4)
+    with pytest.raises(SharedUnavailable, match=r"offload\.shared\.master"):
+        SharedTransferEngine(StoreEndpoint(f"127.0.0.1:{free_port()}"), "x", 0, pool, LAYOUT)
