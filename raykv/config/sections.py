@@ -14,6 +14,7 @@ from pydantic import (
 
 from raykv.config.base import ByteSize, _Strict
 from raykv.config.disk import DiskTierConfig, check_policy
+from raykv.config.shared import SharedTierConfig
 
 
 class OffloadConfig(_Strict):
@@ -79,6 +80,7 @@ class OffloadConfig(_Strict):
     )
 
     disk: DiskTierConfig = DiskTierConfig()
+    shared: SharedTierConfig = SharedTierConfig()
     take_hits: Literal["faster", "always"] = Field(
         default="faster",
         description="Which tier hits are loaded. faster: only where the scheduler predicts the "

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 from raykv.connector.fence import Fence
 from raykv.connector.jobs import JobTable
+from raykv.connector.lower_tiers import LowerTiers
 from raykv.connector.state import RequestOffloadState
-from raykv.connector.tier_moves import DiskMoves
 from raykv.core.request import Request
 
 
@@ -16,7 +16,7 @@ def check_connector(
     jobs: JobTable,
     fence: Fence,
     states: Mapping[Request, RequestOffloadState],
-    moves: DiskMoves | None,
+    lower: LowerTiers,
 ) -> None:
     """AssertionError where the connector's job table, fence and request states disagree."""
     fenced: dict[int, set[int]] = {}
@@ -28,7 +28,7 @@ def check_connector(
         for b in blocks:
             fenced.setdefault(b, set()).add(job.job_id)
         if job.request is None:
-            assert job.move and moves is not None, f"job {job.job_id} of no request"
+            assert job.move and lower, f"job {job.job_id} of no request"
             continue
         state = states.get(job.request)
         assert state is not None and job.job_id in state.jobs, f"orphan job {job.job_id}"
@@ -38,5 +38,4 @@ def check_connector(
         kinds = {jobs.jobs[j].is_store for j in state.jobs}
         assert not (state.has_load and len(state.jobs) != 1), "a load beside other jobs"
         assert state.has_load == (kinds == {False}), "load flag disagrees with jobs"
-    if moves is not None:
-        moves.check_invariants()
+    lower.check_invariants()

@@ -5,10 +5,13 @@ the boundary where computing resumes. The answer is the largest chunk boundary e
 resume at ("convergence"), or "ask again next step" (None) while those chunks are still being
 written or another request is loading them, bounded per request.
 
-With a disk tier the boundary is found twice: over the CPU tier alone, and over the CPU and
-disk tiers together (``connector/tier_view.py``). Where the second reaches further, the chunks
-only the disk holds are promoted into the CPU tier (``DiskMoves.promote``) and the request asks
-again until they have landed; then it loads them like any CPU hit (one load per admission).
+With tiers below the CPU tier (disk, shared store) the boundary is found twice: over the CPU
+tier alone, and over every tier together (``connector/tier_view.py``). Where the second reaches
+further, the chunks only a lower tier holds are promoted into the CPU tier (``DiskMoves.promote``,
+``SharedMoves.promote``; from the nearest tier that holds each) and the request asks again until
+they have landed; then it loads them like any CPU hit (one load per admission). What the shared
+store holds is asked once per admission, for the chunks past what the local tiers hold
+(``SharedMoves.discover``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from raykv.connector.shared_moves import SharedMoves
 from raykv.connector.state import RequestOffloadState
 from raykv.connector.stats import ConnectorStats
 from raykv.connector.tier_moves import WAIT, DiskMoves
@@ -46,6 +50,7 @@ class PrefixLookup:
     ) -> None:
         self.directory = directory
         self.moves: DiskMoves | None = None  # the disk tier's moves, where there is one
+        self.shared_moves: SharedMoves | None = None  # the shared tier's, where there is one
         # the measured costs that decide whether a hit is worth loading (None: every hit is)
         self.costs: TierCosts | None = None
         self.groups = list(groups)
@@ -67,6 +72,7 @@ class PrefixLookup:
         result = self._lookup(state, num_local, loading)
         if result is not None:
             state.choice = None  # answered: a later admission decides afresh
+            state.store_asked = False
         now = time.perf_counter()
         self.lookup_seconds.append(now - start)
         if result is None:
@@ -87,13 +93,26 @@ class PrefixLookup:
         tpc = self.tpc
         start = num_local // tpc
         end = (state.req.num_tokens - 1) // tpc
-        moves = self.moves
-        reach = moves is not None and moves.readable() and not state.disk_failed
-        view = UnionView(self.directory, moves.disk) if moves and reach else None
+        lowers = self._lowers(state)
+        view = UnionView(self.directory, *(d for _, d in lowers)) if lowers else None
         for gs in state.groups:
             present, _ = (view or self.directory).match_prefix(gs.keys[start:end], count=False)
             end = start + present
         return max(0, end * tpc - num_local)
+
+    def _lowers(
+        self, state: RequestOffloadState
+    ) -> list[tuple[DiskMoves | SharedMoves, Directory]]:
+        """The tiers below the CPU tier a lookup of ``state`` may reach, nearest first, with
+        their moves (none once a promotion it waited for failed)."""
+        if state.disk_failed:
+            return []
+        out: list[tuple[DiskMoves | SharedMoves, Directory]] = []
+        if self.moves is not None and self.moves.readable():
+            out.append((self.moves, self.moves.disk))
+        if self.shared_moves is not None and self.shared_moves.readable():
+            out.append((self.shared_moves, self.shared_moves.shared))
+        return out
 
     def take_delays(self) -> tuple[list[float], list[float]]:
         """Seconds spent in each lookup, and from a request's first deferred lookup to the one
@@ -125,14 +144,20 @@ class PrefixLookup:
         end, used, pending = self._converge(state, start, max_chunks, cpu)
         near = (end, used, pending)
         view: Directory | UnionView = cpu
-        promote: list[int] = []
+        lowers = self._lowers(state) if end < max_chunks else []
+        promote: list[list[int]] = [[] for _ in lowers]
         moves = self.moves
-        union = UnionView(cpu, moves.disk) if moves is not None and moves.readable() else None
-        if union is not None and not state.disk_failed and end < max_chunks:
+        if lowers:
+            shared = self.shared_moves
+            if shared is not None and not state.store_asked and any(m is shared for m, _ in lowers):
+                state.store_asked = True  # once per admission: the store is another process
+                for gs in state.groups:
+                    shared.discover(gs.keys[end:max_chunks])
+            union = UnionView(cpu, *(d for _, d in lowers))
             far, far_used, far_pending = self._converge(state, start, max_chunks, union)
             if far > end:
                 end, used, pending, view = far, far_used, far_pending, union
-                promote = union.disk_only(used)
+                promote = union.sources(used)
         # refresh what resuming at ``end`` needs: a full-attention group's whole prefix, a
         # sliding-window group's last window only (older chunks of it are never read again)
         touched: list[int] = []
@@ -143,21 +168,34 @@ class PrefixLookup:
         if moves is not None:  # asked for: what the disk tier's own filter admits by
             moves.disk.note_asked(k for k in touched if k in cpu)
         if self.costs is not None and end > start:
-            taken = self._choose(state, num_local, (near[0], near[1]), (end, used, promote))
+            by_tier = {
+                self._tier_name(m): len(k) for (m, _), k in zip(lowers, promote, strict=True)
+            }
+            taken = self._choose(state, num_local, (near[0], near[1]), (end, used, by_tier))
             if taken < end:  # recomputing, or the CPU tier's hit alone, comes sooner
                 end, used, pending = near if taken == near[0] else (start, [], False)
-                promote = []
+                promote = [[] for _ in lowers]
         if end <= start:
             return 0
         if pending or any(k in loading for k in used):
             return self._defer(state)
-        if promote:
-            assert moves is not None
-            job = moves.promote(promote, state)
-            if job == WAIT and state.deferred_steps < ROOM_WAIT_STEPS:
-                return self._defer(state)  # the next plans demote to make room: ask again
-            if job is not None and job != WAIT:  # ask again once they have landed
-                state.promoted.update(promote)
+        if any(promote):
+            started = waiting = False
+            refused = False
+            for (mover, _), keys in zip(lowers, promote, strict=True):
+                if not keys:
+                    continue
+                job = mover.promote(keys, state)
+                if job == WAIT:
+                    waiting = True
+                elif job is None:
+                    refused = True
+                else:
+                    started = True
+                    (state.fetched if mover is self.shared_moves else state.promoted).update(keys)
+            if waiting and not refused and state.deferred_steps < ROOM_WAIT_STEPS:
+                return self._defer(state)  # the next plans make room: ask again
+            if started and not waiting and not refused:  # ask again once they have landed
                 self.stats.promotions_waited += 1
                 return self._defer(state)
             # no room in the CPU tier for them (not yet, or never): what it alone holds
@@ -168,20 +206,24 @@ class PrefixLookup:
                 return self._defer(state)
         return max(0, end * tpc - num_local)
 
+    def _tier_name(self, mover: DiskMoves | SharedMoves) -> str:
+        return "shared" if mover is self.shared_moves else "disk"
+
     def _choose(
         self,
         state: RequestOffloadState,
         num_local: int,
         near: tuple[int, list[int]],
-        far: tuple[int, list[int], list[int]],
+        far: tuple[int, list[int], dict[str, int]],
     ) -> int:
         """The chunk boundary worth loading to (``connector/worth.py``): ``near``'s end (the CPU
-        tier's hit, and the keys it loads), ``far``'s (with the chunks only the disk holds, its
-        last part), or none (the request's own start); the prediction goes on the request."""
+        tier's hit, and the keys it loads), ``far``'s (with the chunks only a tier below holds,
+        counted by tier), or none (the request's own start); the prediction goes on the
+        request."""
         assert self.costs is not None
         tpc, bpc = self.tpc, self.bpc
         near_end, near_used = near
-        end, used, disk_only = far
+        end, used, below = far
         start = num_local // tpc
         if state.choice is not None:  # decided when it first asked: kept while it waits
             return state.choice // tpc if state.choice > num_local else start
@@ -189,8 +231,8 @@ class PrefixLookup:
         if near_end > start:
             options.append(Candidate(near_end * tpc, cpu_blocks=len(near_used) * bpc))
         if end > near_end:
-            disk = len(disk_only) * bpc
-            options.append(Candidate(end * tpc, len(used) * bpc - disk, disk))
+            disk, shared = below.get("disk", 0) * bpc, below.get("shared", 0) * bpc
+            options.append(Candidate(end * tpc, len(used) * bpc - disk - shared, disk, shared))
         req = state.req
         decision = self.costs.choose(num_local, req.num_tokens, options)
         req.predicted_s, req.predicted_recompute_s = decision.predicted_s, decision.recompute_s

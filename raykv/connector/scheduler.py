@@ -4,9 +4,10 @@ It never touches tensors, and its only caller is the engine scheduler, in the pr
 ``lookup`` (how much of a waiting request the tiers can supply, ``connector/lookup.py``),
 ``on_allocated`` / ``on_released`` (every GPU block allocation and sliding-window release, from
 every path; an admission with a hit brings its load), ``plan`` (the step's flushes, loads and
-stores, and the disk tier's moves), ``process_reports`` (the ranks' acks), ``request_finished``
+stores, and the lower tiers' moves), ``process_reports`` (the ranks' acks), ``request_finished``
 and ``reset``. Per-request state and its changes are ``connector/state.py``'s; the moves between
-the CPU tier and the disk tier, ``connector/tier_moves.py``'s.
+the CPU tier and the tiers below it, ``connector/tier_moves.py``'s (disk) and
+``connector/shared_moves.py``'s (shared store), planned together by ``connector/lower_tiers.py``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from raykv.connector.fence import Fence, FenceError
 from raykv.connector.invariants import check_connector
 from raykv.connector.jobs import JobTable, TransferJobStatus
 from raykv.connector.lookup import PrefixLookup
+from raykv.connector.lower_tiers import LowerTiers
 from raykv.connector.scheduled import FinishedLoad, ScheduledRequest
+from raykv.connector.shared_moves import StoreIndex
 from raykv.connector.state import ReleasedBlocks, RequestOffloadState
 from raykv.connector.stats import ConnectorStats
-from raykv.connector.tier_moves import DiskMoves
 from raykv.connector.worth import TierCosts
 from raykv.core.kv_groups import KVGroup
 from raykv.core.request import Request
-from raykv.core.step import BlockCopy, ChunkKeys, StepReport, TransferPlan, TransferSpec
+from raykv.core.step import BlockCopy, StepReport, TransferPlan, TransferSpec
 from raykv.offload.directory import Directory
 
 
@@ -45,6 +47,7 @@ class ConnectorScheduler:
         max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
         disk: the disk tier, ``disk_reserve`` the CPU slots its demotions keep free.
+        shared: the shared tier's index of the store, ``store_index`` the store's answers.
         costs: the measured costs that decide which hits are worth loading (None: all are).
     """
 
@@ -64,6 +67,9 @@ class ConnectorScheduler:
         disk_reserve: int = 0,
         retry_full_steps: int = 512,
         costs: TierCosts | None = None,
+        shared: Directory | None = None,
+        store_index: StoreIndex | None = None,
+        shared_retry_steps: int = 512,
     ) -> None:
         self.directory = directory
         self.load_in_step = load_in_step
@@ -80,16 +86,15 @@ class ConnectorScheduler:
         self.jobs = JobTable(num_ranks)
         self.fence = Fence()
         self.stats = ConnectorStats()
-        self.disk = disk
-        self.moves = (
-            DiskMoves(directory, disk, self.jobs, disk_reserve, check_sums, retry_full_steps)
-            if disk is not None
-            else None
-        )
+        self.lower = LowerTiers.build(
+            directory, self.jobs, check_sums, (disk, disk_reserve, retry_full_steps),
+            (shared, store_index, shared_retry_steps),
+        )  # fmt: skip
+        self.moves, self.shared_moves = self.lower.disk, self.lower.shared
         self._lookup = PrefixLookup(
             directory, groups, block_size, blocks_per_chunk, max_deferred_steps, self.stats
         )
-        self._lookup.moves = self.moves
+        self._lookup.moves, self._lookup.shared_moves = self.moves, self.shared_moves
         self.costs = costs
         self._lookup.costs = costs
         # keyed by the request object: state belongs to one admission, never to an id (serving
@@ -126,11 +131,11 @@ class ConnectorScheduler:
         effect on the tier or the request (``PrefixLookup.peek``)."""
         return self._lookup.peek(self._state(req), num_local)
 
-    def disk_tokens(self, req: Request, num_local: int, hit: int) -> int:
+    def disk_tokens(self, req: Request, num_local: int, hit: int, shared: bool = False) -> int:
         """Of the ``hit`` tokens a load brings after ``num_local``, those promoted from the
-        disk tier for this request (the rest came from the CPU tier)."""
+        disk tier (``shared``: from the shared store) for this request."""
         state = self._reqs.get(req)
-        return state.promoted_tokens(num_local, num_local + hit, self.tpc) if state else 0
+        return state.promoted_tokens(num_local, num_local + hit, self.tpc, shared) if state else 0
 
     def take_delays(self) -> tuple[list[float], list[float]]:
         """Lookup delays since the last call (see ``PrefixLookup.take_delays``)."""
@@ -220,13 +225,12 @@ class ConnectorScheduler:
             setattr(self.stats, key, getattr(self.stats, key) + 1)
         flush = sorted(j for j, why in self._flush.items() if why != "reack")
         reack = sorted(j for j, why in self._flush.items() if why in ("timeout", "reack"))
-        moves, drops = self.moves.plan(step) if self.moves is not None else ([], ChunkKeys())
-        plan = TransferPlan(flush, reack, self._loads, stores, moves, drops)
+        moves, disk_drops, shared_drops = self.lower.plan(step)
+        plan = TransferPlan(flush, reack, self._loads, stores, moves, disk_drops, shared_drops)
         self._loads, self._flush, self._allocated = [], {}, set()
         # jobs created from now on (loads and promotions at admission) belong to the next
         self.step = step + 1
-        if self.moves is not None:
-            self.moves.step = self.step
+        self.lower.set_step(self.step)
         return plan
 
     def carry_flushes(self, plan: TransferPlan) -> None:
@@ -239,11 +243,9 @@ class ConnectorScheduler:
         self.carry_drops(plan)
 
     def carry_drops(self, plan: TransferPlan) -> None:
-        """The disk files a plan had the ranks drop, dropped again by the next plan: a plan
-        never sent dropped nothing, and a rank that died in one may not have (a drop done twice
-        finds nothing the second time)."""
-        if self.moves is not None and len(plan.disk_drops):
-            self.moves.drop_files(plan.disk_drops.unpack())
+        """The disk files and store parts a plan had the ranks drop, dropped again by the next
+        plan: a plan never sent dropped nothing, and a rank that died in one may not have."""
+        self.lower.carry_drops(plan)
 
     def _nudge_overdue(self) -> None:
         """Jobs unacked for a while are flushed again: a rank that finished one but whose report
@@ -362,6 +364,8 @@ class ConnectorScheduler:
         if job.is_store:
             d.complete_store(job.keys, success=not job.failed)
             self.stats.failed_stores += job.failed
+            if not job.failed:
+                self.lower.stored(job.keys)  # write-through to the shared tier
             self.fence.remove(job.job_id, job.fenced_block_ids)
             if job.deferred_fenced:
                 self.fence.remove(job.job_id, job.deferred_fence_block_ids)
@@ -388,11 +392,10 @@ class ConnectorScheduler:
         return None if job.is_store else FinishedLoad(job.request, not job.failed)
 
     def _finalize_move(self, job: TransferJobStatus) -> None:
-        assert self.moves is not None
         corrupt, full = job.job_id in self._corrupt, job.job_id in self._full
         self._corrupt.discard(job.job_id)
         self._full.discard(job.job_id)
-        self.moves.finalize(job, corrupt, full, self.step)
+        self.lower.finalize(job, corrupt, full, self.step)
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.
@@ -407,8 +410,7 @@ class ConnectorScheduler:
         for job in self.jobs.reset():
             self._flush[job.job_id] = "reset"
             if job.move:
-                assert self.moves is not None
-                self.moves.abandon(job, keep_cpu=keep_tier)
+                self.lower.abandon(job, keep_cpu=keep_tier)
                 continue
             if not keep_tier:
                 continue
@@ -445,4 +447,4 @@ class ConnectorScheduler:
 
     def check_invariants(self) -> None:
         """The scheduler-side invariants of DESIGN.md (fence, acks, one load xor stores)."""
-        check_connector(self.jobs, self.fence, self._reqs, self.moves)
+        check_connector(self.jobs, self.fence, self._reqs, self.lower)

@@ -46,6 +46,8 @@ class RequestOffloadState:
     # tier no more
     disk_failed: bool = False
     promoted: set[int] = field(default_factory=set)  # keys promoted from disk for it
+    fetched: set[int] = field(default_factory=set)  # keys promoted from the shared store for it
+    store_asked: bool = False  # the shared store was asked what it holds for this admission
     # the tier hit it chose to load (to this token; its start: recompute), kept while it waits
     # for what it chose (a decision and its probe count once per admission)
     choice: int | None = None
@@ -117,11 +119,13 @@ class RequestOffloadState:
             (fenced if sliding[g] or self.finished else deferred).extend(chunk_blocks)
         return blocks, slots, subs, fenced, deferred
 
-    def promoted_tokens(self, start: int, end: int, tokens_per_chunk: int) -> int:
+    def promoted_tokens(
+        self, start: int, end: int, tokens_per_chunk: int, shared: bool = False
+    ) -> int:
         """Of token positions ``start .. end - 1``, how many lie in chunks that (in some group)
-        were promoted from the disk tier for this request (a chunk the range cuts counts only
-        its part in the range)."""
-        promoted, tpc = self.promoted, tokens_per_chunk
+        were promoted from the disk tier (``shared``: from the shared store) for this request
+        (a chunk the range cuts counts only its part in the range)."""
+        promoted, tpc = (self.fetched if shared else self.promoted), tokens_per_chunk
         if not promoted or end <= start:
             return 0
         return sum(

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from raykv.core.step import (
+    TIER_DISK,
+    TIER_SHARED,
     BlockContent,
     TierMove,
     TransferPlan,
@@ -54,7 +56,8 @@ class TransferBackend(Protocol):
 
 
 class DiskBackend(Protocol):
-    """What a rank's disk transfer engine (possibly wrapped in a fault) offers."""
+    """What a rank's engine for a tier below the CPU tier (the disk's, the shared store's,
+    possibly wrapped in a fault) offers."""
 
     def submit(self, move: TierMove) -> None: ...
     def drop(self, keys: list[int]) -> None: ...
@@ -82,10 +85,18 @@ class ConnectorWorker:
         backend: TransferBackend,
         verify: BlockVerifier | None = None,
         disk: DiskBackend | None = None,
+        shared: DiskBackend | None = None,
     ) -> None:
         self.rank = rank
         self.backend = backend
         self.disk = disk
+        self.shared = shared
+        # the tiers below the CPU tier, by the number a move names them with
+        self.lowers: dict[int, DiskBackend] = {
+            tier: engine
+            for tier, engine in ((TIER_DISK, disk), (TIER_SHARED, shared))
+            if engine is not None
+        }
         self.verify = verify
         self._verify: dict[int, TransferSpec] = {}  # loads to check once finished
         self._checked: dict[int, tuple[int, int]] = {}  # checked, not yet reported: (n, bad)
@@ -99,10 +110,11 @@ class ConnectorWorker:
         self._step = step
         backend = self.backend
         flush = set(plan.flush)
-        if plan.flush and self.disk is not None:
+        if plan.flush:
             # moves a reset abandoned may still use CPU slots this plan hands to new copies:
             # they end first, before anything of this plan is queued
-            self.disk.flush(plan.flush)
+            for lower in self.lowers.values():
+                lower.flush(plan.flush)
         # a job flushed in the plan that creates it (a finished request's last store whose blocks
         # were handed out this step) must be submitted before it can be waited for
         early = [spec for spec in plan.stores if spec.job_id in flush]
@@ -115,13 +127,14 @@ class ConnectorWorker:
             # in this very step (its request was restarted): check its bytes before that, and
             # count the result once the poll says whether the copy succeeded
             self._check_loads(plan.flush)
-        if self.disk is not None:
-            if plan.disk_drops:
-                self.disk.drop(plan.disk_drops.unpack())
-            # queued now, so that their I/O runs beside this step's model: a promotion that
-            # lands by the step's poll lets its request load in the very next step
-            for move in plan.tier_moves:
-                self.disk.submit(move)
+        if self.disk is not None and plan.disk_drops:
+            self.disk.drop(plan.disk_drops.unpack())
+        if self.shared is not None and plan.shared_drops:
+            self.shared.drop(plan.shared_drops.unpack())
+        # queued now, so that their I/O runs beside this step's model: a promotion that lands
+        # by the step's poll lets its request load in the very next step
+        for move in plan.tier_moves:
+            self.lowers[move.tier].submit(move)
         self.check_slots(plan.loads, "load from")
         for spec in plan.loads:
             self.check_writable(spec.copy.gpu_blocks, "load into")
@@ -136,7 +149,7 @@ class ConnectorWorker:
 
     def after_model(self, plan: TransferPlan, idle: bool) -> TransferReport:
         """Queue the stores, poll, and report what ended (and what the plan asks again)."""
-        backend, disk = self.backend, self.disk
+        backend = self.backend
         flush = set(plan.flush)
         self.check_slots([s for s in plan.stores if s.job_id not in flush], "store into")
         for spec in plan.stores:
@@ -144,16 +157,17 @@ class ConnectorWorker:
                 backend.submit(spec)
         if idle:
             backend.wait(IDLE_WAIT_S)
-            if disk is not None and disk.in_flight():
-                disk.wait(IDLE_WAIT_S)
+            for lower in self.lowers.values():
+                if lower.in_flight():
+                    lower.wait(IDLE_WAIT_S)
         completed, failed = backend.poll()
         stats = backend.take_stats()
         corrupt, full = backend.take_corrupt(), []
-        if disk is not None:
-            moved, not_moved = disk.poll()
+        for lower in self.lowers.values():
+            moved, not_moved = lower.poll()
             completed, failed = completed + moved, failed + not_moved
-            stats.add(disk.take_stats())
-            corrupt, full = corrupt + disk.take_corrupt(), disk.take_full()
+            stats.add(lower.take_stats())
+            corrupt, full = corrupt + lower.take_corrupt(), full + lower.take_full()
         self._verify_loads(completed, failed, stats)
         self._remember(completed, failed)
         # a job the scheduler has waited for too long: if this rank reported it already (and
@@ -180,15 +194,21 @@ class ConnectorWorker:
         """Raise if an unfinished move between the tiers still uses a CPU slot these copies
         use: a demotion reads its slots, a promotion writes them (a store into either, or a load
         out of a slot being promoted into, would race it)."""
-        if self.disk is None or not specs or not self.disk.in_flight():
+        busy_lowers = [lower for lower in self.lowers.values() if lower.in_flight()]
+        if not specs or not busy_lowers:
             return
-        reads, writes = self.disk.pending_slots()
+        reads: set[int] = set()
+        writes: set[int] = set()
+        for lower in busy_lowers:
+            r, w = lower.pending_slots()
+            reads |= r
+            writes |= w
         busy = (reads | writes) if what == "store into" else writes
         bad = busy.intersection(s for spec in specs for s in spec.copy.cpu_slots)
         if bad:
             raise FenceViolation(
                 f"rank {self.rank} step {self._step}: asked to {what} CPU slots {sorted(bad)} "
-                "that unfinished moves between the CPU and disk tiers still use"
+                "that unfinished moves between the CPU tier and a tier below it still use"
             )
 
     def check_readable(self, blocks: Iterable[int]) -> None:

@@ -52,6 +52,7 @@ class Candidate:
     end: int
     cpu_blocks: int = 0
     disk_blocks: int = 0
+    shared_blocks: int = 0
 
 
 class LineFit:
@@ -166,14 +167,15 @@ class TierCosts:
         self.step_tokens = step_tokens
         self.cpu = LineFit()  # seconds a CPU-tier load delays its request, by blocks
         self.disk = LineFit()  # seconds a promotion from disk takes, by blocks
+        self.shared = LineFit()  # seconds a promotion from the shared store takes, by blocks
         self.prefill = PrefillFit()
         self.step_s = 0.0  # a step's time besides its prefill (moving average)
         self._last_step: float | None = None
         self._ended: float | None = None  # when the last step's replies came in
         self._busy = False  # ... and whether it computed tokens
-        self.skipped_slower = {"cpu": 0, "disk": 0}
-        self.probes = {"cpu": 0, "disk": 0}
-        self._skips = {"cpu": 0, "disk": 0}
+        self.skipped_slower = {"cpu": 0, "disk": 0, "shared": 0}
+        self.probes = {"cpu": 0, "disk": 0, "shared": 0}
+        self._skips = {"cpu": 0, "disk": 0, "shared": 0}
 
     # ---- what was measured -----------------------------------------------------------------
 
@@ -224,13 +226,15 @@ class TierCosts:
         seconds = time.perf_counter() - job.created_s
         if job.move == "promote":
             self.observe_promotion(len(job.keys) * bpc, seconds)
+        elif job.move == "fetch":
+            self.shared.add(len(job.keys) * bpc, seconds)
         elif not job.move and not load_in_step:
             self.observe_load(len(job.keys) * bpc, seconds)
 
     # ---- the choice ------------------------------------------------------------------------
 
     def measured(self, tier: str) -> bool:
-        fit = self.cpu if tier == "cpu" else self.disk
+        fit = {"cpu": self.cpu, "disk": self.disk, "shared": self.shared}[tier]
         return len(fit) >= MIN_SAMPLES and len(self.prefill) >= MIN_SAMPLES
 
     def cost(self, start: int, prompt: int, option: Candidate) -> float:
@@ -238,11 +242,14 @@ class TierCosts:
         begin = max(start, option.end)
         steps = max(1, -(-(prompt - begin) // self.step_tokens))
         seconds = steps * self.step_s + self.prefill.predict(begin, prompt)
-        blocks = option.cpu_blocks + option.disk_blocks
+        blocks = option.cpu_blocks + option.disk_blocks + option.shared_blocks
         if blocks:
             seconds += self.cpu.predict(blocks)
-        if option.disk_blocks:
-            seconds += self.disk.predict(option.disk_blocks)
+        # promotions from the two tiers run side by side: the slower one is waited for
+        seconds += max(
+            self.disk.predict(option.disk_blocks) if option.disk_blocks else 0.0,
+            self.shared.predict(option.shared_blocks) if option.shared_blocks else 0.0,
+        )
         return seconds
 
     def choose(self, start: int, prompt: int, options: list[Candidate]) -> Decision:
@@ -277,12 +284,15 @@ class TierCosts:
         """The current estimates, for the report."""
         a_cpu, b_cpu = self.cpu.coefficients()
         a_disk, b_disk = self.disk.coefficients()
+        a_shared, b_shared = self.shared.coefficients()
         c1, c2 = self.prefill.coefficients()
         return {
             "cpu_load_fixed_s": a_cpu,
             "cpu_load_s_per_block": b_cpu,
             "disk_promotion_fixed_s": a_disk,
             "disk_promotion_s_per_block": b_disk,
+            "shared_promotion_fixed_s": a_shared,
+            "shared_promotion_s_per_block": b_shared,
             "prefill_s_per_token": c1,
             "prefill_s_per_token_position": c2,
             "step_s_besides_prefill": self.step_s,
@@ -291,4 +301,6 @@ class TierCosts:
 
 def _tier(option: Candidate) -> str:
     """The deepest tier an option loads from."""
+    if option.shared_blocks:
+        return "shared"
     return "disk" if option.disk_blocks else "cpu"

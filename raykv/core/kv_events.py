@@ -14,6 +14,7 @@ from dataclasses import dataclass
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
+MEDIUM_SHARED = "SHARED"
 
 
 @dataclass(slots=True, frozen=True)

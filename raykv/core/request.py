@@ -90,6 +90,7 @@ class Request:
     admitted_s: float | None = None  # wall clock when it got its seat (first admission)
     loaded_s: float | None = None  # ... and when its load from a tier landed
     num_disk_hit_tokens: int = 0  # of its tier hit, tokens promoted from the disk tier
+    num_shared_hit_tokens: int = 0  # ... and from the shared tier (Mooncake Store)
     # what the scheduler predicted when it decided on its tier hit: seconds to its prompt's
     # last token with the hit it took, and by recomputing (None: no tier hit was in reach)
     predicted_s: float | None = None

@@ -79,25 +79,35 @@ class ChunkKeys(msgspec.Struct, array_like=True):
         return len(self.hashes)
 
 
+TIER_DISK, TIER_SHARED = 0, 1  # the tiers below the CPU tier, as a move names them
+
+
 class TierMove(msgspec.Struct, array_like=True):
-    """One job between the CPU tier and the disk tier, on every rank: a demotion writes each
-    chunk's CPU slot to the rank's file of its key; a promotion reads each file into its CPU
-    slot. Ranks see keys (their file names) and slots, never requests."""
+    """One job between the CPU tier and a tier below it, on every rank: a demotion (disk) or a
+    publish (shared) writes each chunk's CPU slot to the rank's file or store object of its
+    key; a promotion reads each into its CPU slot. Ranks see keys and slots, never requests."""
 
     job_id: int
-    promote: bool  # disk -> CPU slot (else CPU slot -> disk)
+    promote: bool  # lower tier -> CPU slot (else CPU slot -> lower tier)
     chunks: ChunkKeys
     cpu_slots: list[int]  # one per key, same order
     # a demotion checks each page's bytes against the CPU pool's recorded checksum before
     # writing it (a corrupt chunk never reaches the disk); a promotion records the checksums it
     # verified for the CPU tier's loads (offload.verify)
     check_sums: bool = False
+    tier: int = TIER_DISK  # which tier below the CPU tier: TIER_DISK or TIER_SHARED
 
     @classmethod
     def of(
-        cls, job_id: int, promote: bool, keys: Sequence[int], slots: list[int], check: bool
+        cls,
+        job_id: int,
+        promote: bool,
+        keys: Sequence[int],
+        slots: list[int],
+        check: bool,
+        tier: int = TIER_DISK,
     ) -> TierMove:
-        return cls(job_id, promote, ChunkKeys.of(keys), slots, check)
+        return cls(job_id, promote, ChunkKeys.of(keys), slots, check, tier)
 
 
 class WriteSpan(msgspec.Struct, array_like=True):
@@ -260,10 +270,12 @@ class TransferPlan(msgspec.Struct, array_like=True):
     reack: list[int] = field(default_factory=list)
     loads: list[TransferSpec] = field(default_factory=list)
     stores: list[TransferSpec] = field(default_factory=list)
-    # the disk tier: demotions and promotions (queued after the stores), and the keys whose
-    # files go (evicted or found corrupt), removed before anything of this plan is queued
+    # the tiers below the CPU tier: their moves (queued before the model), the keys whose disk
+    # files go (evicted or found corrupt) and whose parts leave the shared store (found
+    # corrupt), removed before anything of this plan is queued
     tier_moves: list[TierMove] = field(default_factory=list)
     disk_drops: ChunkKeys = field(default_factory=ChunkKeys)
+    shared_drops: ChunkKeys = field(default_factory=ChunkKeys)
 
 
 class StepPlan(msgspec.Struct, array_like=True):

@@ -36,6 +36,7 @@ from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.ranks import RankFailed, StepHandle, Workers
 from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler
+from raykv.engine.shared_tier import shared_directory, store_index_of
 from raykv.engine.step_output import EngineTotals, PlannedStep, SchedulerOutput
 from raykv.offload.directory import Directory
 
@@ -99,6 +100,9 @@ class EngineCore:
                 disk=disk,
                 disk_reserve=reserve_slots(cfg) if disk is not None else 0,
                 retry_full_steps=o.disk.retry_full_steps,
+                shared=shared_directory(cfg, self.events),
+                store_index=store_index_of(cfg, workers),
+                shared_retry_steps=o.shared.retry_steps,
                 costs=(
                     TierCosts(cfg.engine.max_num_batched_tokens)
                     if o.take_hits == "faster"
@@ -379,8 +383,8 @@ class EngineCore:
         held = {MEDIUM_GPU: self.pool.cached_keys()}
         if self.connector is not None:
             held[MEDIUM_CPU] = list(self.directory.readable_keys())
-            if self.connector.disk is not None:
-                held[MEDIUM_DISK] = list(self.connector.disk.readable_keys())
+            if self.connector.moves is not None:
+                held[MEDIUM_DISK] = list(self.connector.moves.disk.readable_keys())
         return self.events.next_seq, held
 
     def reset_offload(self) -> None:

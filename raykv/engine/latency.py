@@ -146,7 +146,9 @@ class LatencyBook:
     _new_itl: list[float] = field(default_factory=list)
     # per tier: requests with a hit from it whose first token came later (from admission) than
     # the scheduler's own prediction of recomputing them
-    later_than_recompute: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
+    later_than_recompute: dict[str, int] = field(
+        default_factory=lambda: {"cpu": 0, "disk": 0, "shared": 0}
+    )
 
     def __post_init__(self) -> None:
         self.started = self.clock()
@@ -185,7 +187,15 @@ class LatencyBook:
         admitted = req.admitted_s if req.admitted_s is not None else arrival
         loaded = req.loaded_s if req.loaded_s is not None else admitted
         recompute = req.predicted_recompute_s
-        tier = "disk" if req.num_disk_hit_tokens else "cpu" if req.num_cpu_hit_tokens else None
+        tier = (
+            "shared"
+            if req.num_shared_hit_tokens
+            else "disk"
+            if req.num_disk_hit_tokens
+            else "cpu"
+            if req.num_cpu_hit_tokens
+            else None
+        )
         if tier is not None and recompute is not None and now - admitted > recompute:
             self.later_than_recompute[tier] += 1
         return RequestLatency(

@@ -215,16 +215,19 @@ class Scheduler:
         return True
 
     def _count_hits(self, req: Request, local: int, ext: int) -> None:
-        disk = self.connector.disk_tokens(req, local, ext) if ext and self.connector else 0
+        c = self.connector if ext else None
+        disk = c.disk_tokens(req, local, ext) if c else 0
+        shared = c.disk_tokens(req, local, ext, shared=True) if c else 0
         hits = req.num_gpu_hit_tokens + req.num_cpu_hit_tokens + req.num_disk_hit_tokens
-        if req.num_preemptions == 0 and hits == 0:
-            req.num_gpu_hit_tokens, req.num_cpu_hit_tokens = local, ext - disk
-            req.num_disk_hit_tokens = disk
+        if req.num_preemptions == 0 and hits + req.num_shared_hit_tokens == 0:
+            req.num_gpu_hit_tokens, req.num_cpu_hit_tokens = local, ext - disk - shared
+            req.num_disk_hit_tokens, req.num_shared_hit_tokens = disk, shared
         if req.admitted_s is None:
             req.admitted_s = time.perf_counter()
         self.stats.gpu_hit_tokens += local
-        self.stats.cpu_hit_tokens += ext - disk
+        self.stats.cpu_hit_tokens += ext - disk - shared
         self.stats.disk_hit_tokens += disk
+        self.stats.shared_hit_tokens += shared
         self.stats.admitted_tokens += req.num_tokens
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

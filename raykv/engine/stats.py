@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from msgspec import structs
 
 from raykv.connector.jobs import AckStats
+from raykv.connector.shared_moves import SharedMoveStats
 from raykv.connector.stats import ConnectorStats
 from raykv.connector.tier_moves import DiskMoveStats
 from raykv.core.step import TransferStats
@@ -43,6 +44,8 @@ class EngineStats:
     jobs_in_flight: int = 0
     disk: DirectoryStats | None = None  # the disk tier (None: none)
     disk_moves: DiskMoveStats | None = None
+    shared: DirectoryStats | None = None  # the shared tier's index of the store (None: none)
+    shared_moves: SharedMoveStats | None = None
     disk_warm_chunks: int = 0  # chunks a warm start found in the disk tier's files
     disk_io: str | None = None  # direct (O_DIRECT) or buffered
     # which tier hits were worth loading (``offload.take_hits: faster``): hits passed over as
@@ -74,8 +77,10 @@ def snapshot(engine: EngineCore) -> EngineStats:
         directory=c.directory.stats() if c is not None else None,
         acks=replace(c.jobs.stats) if c is not None else None,
         jobs_in_flight=len(c.jobs) if c is not None else 0,
-        disk=c.disk.stats() if c is not None and c.disk is not None else None,
+        disk=c.moves.disk.stats() if c is not None and c.moves is not None else None,
         disk_moves=replace(c.moves.stats) if c is not None and c.moves is not None else None,
+        shared=c.shared_moves.shared.stats() if c and c.shared_moves is not None else None,
+        shared_moves=replace(c.shared_moves.stats) if c and c.shared_moves is not None else None,
         disk_warm_chunks=engine.disk_start.taken,
         disk_io=engine.disk_start.io,
         skipped_slower=dict(costs.skipped_slower) if costs is not None else {},
@@ -93,6 +98,8 @@ def drain_books(engine: EngineCore) -> dict[str, int]:
     if c is None:
         return {}
     d = c.directory.stats()
+    k = c.moves.disk.stats() if c.moves is not None else None
+    x = c.shared_moves.shared.stats() if c.shared_moves is not None else None
     pool = engine.pool
     return {
         "jobs": len(c.jobs),
@@ -100,8 +107,10 @@ def drain_books(engine: EngineCore) -> dict[str, int]:
         "tracked": c.tracked(),
         "writing": d.writing,
         "reading": d.reading,
-        "disk_writing": c.disk.stats().writing if c.disk is not None else 0,
-        "disk_reading": c.disk.stats().reading if c.disk is not None else 0,
+        "disk_writing": k.writing if k is not None else 0,
+        "disk_reading": k.reading if k is not None else 0,
+        "shared_writing": x.writing if x is not None else 0,
+        "shared_reading": x.reading if x is not None else 0,
         "loading": len(engine.scheduler.loading),
         "gpu_blocks_leaked": pool.num_usable - pool.num_free,
     }

@@ -39,6 +39,7 @@ class SchedulerStats:
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     disk_hit_tokens: int = 0  # tier hits promoted from the disk tier (not in cpu_hit_tokens)
+    shared_hit_tokens: int = 0  # ... and from the shared tier (in neither)
     recomputed_tokens: int = 0  # prompt tokens computed again after a preemption or failed load
     # tokens each admission had to provide, from a cache or by computing them (re-admissions after
     # a preemption, a failed load or a rank restart count again): what hits are a share of

@@ -20,6 +20,7 @@ from raykv.core.step import BlockContent, StepPlan, StepReport
 from raykv.engine.disk_tier import disk_slots
 from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.engine.ranks import RankFailed, StepHandle, run_now
+from raykv.engine.shared_tier import SharedRuntime, shared_enabled, shared_engine
 from raykv.engine.tier_namespace import describe, disk_rank_root
 from raykv.faults import (
     FaultyBackend,
@@ -36,6 +37,7 @@ from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
 from raykv.transfer.rank import build_rank
+from raykv.transfer.shared_store import StoreEndpoint
 
 # a rank replacing a dead one waits this long for its predecessor's process to let go of the
 # disk tier's directory (a killed process can run on for a moment)
@@ -131,9 +133,11 @@ class LocalWorker:
         incarnation: int = 0,
         pool_path: str | None = None,
         all_reduce: AllReduce | None = None,
+        store: StoreEndpoint | None = None,
     ) -> None:
         """``pool_path``: keep the CPU-pool shard in that shared-memory file (attached if a dead
-        predecessor left it). ``all_reduce``: a real model's collective over the TP group."""
+        predecessor left it). ``all_reduce``: a real model's collective over the TP group.
+        ``store``: where the shared tier's store is (None: no shared tier)."""
         self.rank = rank
         self.layout = make_layout(cfg, num_slots)
         self.faults = RankFaults(rank, [parse_fault(f) for f in cfg.faults], incarnation)
@@ -167,7 +171,8 @@ class LocalWorker:
         disk = self.disk
         if disk is not None and self.faults.disk_active:
             disk = FaultyDisk(disk, self.faults)
-        self.connector = ConnectorWorker(rank, backend, verify, disk)
+        self.store = shared_engine(cfg, rank, self.pool, self.layout, self.engine.checksums, store)
+        self.connector = ConnectorWorker(rank, backend, verify, disk, self.store)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)
@@ -201,6 +206,8 @@ class LocalWorker:
         self.engine.shutdown(wait=False)
         if self.disk is not None:
             self.disk.shutdown(wait=False)
+        if self.store is not None:
+            self.store.shutdown(wait=False)
         if self.shared is not None:
             self.shared.unpin()
 
@@ -208,6 +215,8 @@ class LocalWorker:
         self.engine.shutdown()
         if self.disk is not None:
             self.disk.shutdown()
+        if self.store is not None:
+            self.store.shutdown()
         if self.shared is not None:
             self.shared.unpin()
             remove_generations(self.shared.path)
@@ -236,7 +245,15 @@ class LocalWorkerGroup:
             self.pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
             # also when a test drops the group without shutdown, or the interpreter exits
             weakref.finalize(self, self.pool_files.remove)
-        self.workers = [self._make(rank) for rank in range(cfg.parallel.tensor_parallel_size)]
+        # the shared tier's store: its master, this process's segment, the scheduler's index
+        self.shared_runtime = SharedRuntime(cfg) if shared_enabled(cfg) else None
+        self.store_index = self.shared_runtime.index if self.shared_runtime else None
+        try:
+            self.workers = [self._make(rank) for rank in range(cfg.parallel.tensor_parallel_size)]
+        except BaseException:
+            if self.shared_runtime is not None:
+                self.shared_runtime.close()
+            raise
         # async scheduling with copy threads: the ranks run a step on a thread of their own
         # while the engine plans the next (the model and copies release the GIL)
         self._step_thread = (
@@ -254,6 +271,7 @@ class LocalWorkerGroup:
             self._threaded,
             self.incarnations[rank],
             self.pool_files.path(rank) if self.pool_files is not None else None,
+            store=self.shared_runtime.endpoint if self.shared_runtime is not None else None,
         )
 
     @property
@@ -308,6 +326,9 @@ class LocalWorkerGroup:
             self._step_thread.shutdown()
         for w in self.workers:
             w.shutdown()
+        if self.shared_runtime is not None:
+            self.shared_runtime.close()
+            self.shared_runtime = None
         if self.pool_files is not None:
             self.pool_files.remove()
 

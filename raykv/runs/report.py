@@ -102,6 +102,7 @@ class RunReport:
     scheduler_restarts: int | None = None
     samples: list[dict[str, Any]] | None = None  # a chat run's questions and answers
     disk_hit_tokens: int = 0  # tier hits promoted from the disk tier (not in cpu_hit_tokens)
+    shared_hit_tokens: int = 0  # ... and from the shared tier (in neither)
     tiers: dict[str, dict[str, Any]] | None = None  # per tier (``runs/tier_report.py``)
     # what the scheduler's choice of tier hits rests on (offload.take_hits: faster)
     tier_costs: dict[str, float] | None = None
@@ -132,12 +133,15 @@ class RunReport:
                 "computed": s.admitted_tokens
                 - s.gpu_hit_tokens
                 - s.cpu_hit_tokens
-                - s.disk_hit_tokens,
+                - s.disk_hit_tokens
+                - s.shared_hit_tokens,
                 "gpu_cache": s.gpu_hit_tokens,
                 "cpu_tier": s.cpu_hit_tokens,
                 "disk_tier": s.disk_hit_tokens,
+                "shared_tier": s.shared_hit_tokens,
             },
             disk_hit_tokens=s.disk_hit_tokens,
+            shared_hit_tokens=s.shared_hit_tokens,
             tiers=tier_report(stats, latency.later_than_recompute if latency else {}),
             tier_costs=stats.costs or None,
             step_time=_step_time(stats),

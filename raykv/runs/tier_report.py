@@ -45,6 +45,8 @@ def tier_report(
             "used_chunks": d.used,
         }
     }
+    if stats.shared is not None and stats.shared_moves is not None:
+        tiers["shared"] = _shared_tier(stats, later_than_recompute)
     k, m = stats.disk, stats.disk_moves
     if k is None or m is None:
         return tiers
@@ -78,3 +80,32 @@ def tier_report(
         "io": stats.disk_io or "unknown",
     }
     return tiers
+
+
+def _shared_tier(stats: EngineStats, later_than_recompute: dict[str, int]) -> dict[str, Any]:
+    """The shared tier's part of the report: hits, bytes each way, moves, what lookups found."""
+    t, s, m, k = stats.transfer, stats.scheduler, stats.shared_moves, stats.shared
+    assert m is not None and k is not None
+    return {
+        "hit_tokens": s.shared_hit_tokens,
+        "read_bytes": t.shared_read_bytes,
+        "read_gbps": _rate(t.shared_read_bytes, t.shared_read_seconds),
+        "write_bytes": t.shared_write_bytes,
+        "write_gbps": _rate(t.shared_write_bytes, t.shared_write_seconds),
+        "publishes": m.publish_jobs,
+        "published_chunks": m.published,
+        "publishes_failed": m.publishes_failed,
+        "promotions": m.promotion_jobs,
+        "promoted_chunks": m.promoted,
+        "promotions_failed": m.promotions_failed,
+        "gone": m.gone,  # chunks a promotion found missing or spoiled
+        "corrupt_parts": t.shared_corrupt,
+        "asked_chunks": m.asked,
+        "found_chunks": m.found,
+        "full_events": m.full_events,
+        "unavailable_events": m.unavailable_events,
+        "skipped_slower": stats.skipped_slower.get("shared", 0),
+        "probes": stats.probes.get("shared", 0),
+        "later_than_recompute": later_than_recompute.get("shared", 0),
+        "index_chunks": k.used,
+    }

@@ -291,3 +291,30 @@ class SharedChunks:
             self._client.unregister_buffer(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
         self._client.unregister_buffer(self._pool_ptr)
         self._client.close()
+
+
+class StoreIndex:
+    """What the store holds, as the scheduler asks it: a chunk is there only where every rank's
+    part is (``present``). A client of its own that gives no segment."""
+
+    def __init__(self, endpoint: StoreEndpoint, namespace: str, num_ranks: int) -> None:
+        self.namespace = namespace
+        self.num_ranks = num_ranks
+        self._client = connect(endpoint, 0, 1 << 20)
+
+    def present(self, keys: Sequence[int]) -> list[bool]:
+        """For each chunk, whether every rank's part is in the store now; ``SharedStoreError``
+        when the store cannot say."""
+        if not keys:
+            return []
+        ranks = self.num_ranks
+        names = [object_key(self.namespace, key, rank) for key in keys for rank in range(ranks)]
+        codes = self._client.batch_is_exist(names)
+        if any(code < 0 for code in codes):
+            raise SharedStoreError("the store's master did not answer whether chunks exist")
+        return [
+            all(code == 1 for code in codes[i * ranks : (i + 1) * ranks]) for i in range(len(keys))
+        ]
+
+    def close(self) -> None:
+        self._client.close()

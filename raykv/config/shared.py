@@ -1,0 +1,65 @@
+"""The shared tier's section (``offload.shared``): the cluster-wide tier on Mooncake Store, where
+its master is, how much DRAM this node gives the pool, and how chunks reach it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from raykv.config.base import ByteSize, _Strict
+
+EMBEDDED = "embedded"
+
+
+def check_address(value: str) -> str:
+    """``embedded`` or ``host:port`` (a port in 1..65535)."""
+    if value == EMBEDDED:
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("neither 'embedded' nor host:port")
+    return value
+
+
+class SharedTierConfig(_Strict):
+    """A tier every engine of the cluster reads and writes: each rank puts its part of a chunk
+    into Mooncake Store under the chunk's namespaced key and reads what any engine put there.
+    The pool's memory belongs to one store actor per node, not to an engine, so a replica's
+    restart or scale-down loses nothing of it."""
+
+    enabled: bool = Field(default=False, description="Use the shared tier (Mooncake Store).")
+    master: str = Field(
+        default=EMBEDDED,
+        description="host:port of a running mooncake_master, or embedded: raykv starts one for "
+        "the run on loopback on a free port and stops it at the end.",
+    )
+    segment: ByteSize = Field(
+        default=2**30,
+        gt=0,
+        description="Bytes of DRAM this node gives the pool (mounted by the node's store actor).",
+    )
+    protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp", description="How the store moves bytes: tcp, or rdma where the NICs have it."
+    )
+    devices: str = Field(
+        default="",
+        description="RDMA devices (e.g. mlx5_0,mlx5_1); empty: found by Mooncake (rdma only).",
+    )
+    timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds a rank waits for the store on one operation (connect, put, get) "
+        "before the job fails and its requests recompute.",
+    )
+    retry_steps: int = Field(
+        default=512,
+        gt=0,
+        description="Steps the tier stays out of use after its operations kept failing (the "
+        "master unreachable), before it is tried again.",
+    )
+
+    @field_validator("master")
+    @classmethod
+    def _master(cls, value: str) -> str:
+        return check_address(value)

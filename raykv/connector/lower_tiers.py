@@ -1,0 +1,101 @@
+"""The tiers below the CPU tier as the connector sees them together: the disk tier's moves and
+the shared tier's, one plan of both per step, each final move handed to the tier it belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.connector.shared_moves import FETCH, PUBLISH, SharedMoves, StoreIndex
+from raykv.connector.tier_moves import DiskMoves
+from raykv.core.step import ChunkKeys, TierMove, TransferPlan
+from raykv.offload.directory import Directory
+
+
+class LowerTiers:
+    """The disk tier's moves and the shared tier's (either may be absent)."""
+
+    def __init__(self, disk: DiskMoves | None, shared: SharedMoves | None) -> None:
+        self.disk = disk
+        self.shared = shared
+
+    @classmethod
+    def build(
+        cls,
+        cpu: Directory,
+        jobs: JobTable,
+        check_sums: bool,
+        disk: tuple[Directory | None, int, int],
+        shared: tuple[Directory | None, StoreIndex | None, int],
+    ) -> LowerTiers:
+        """The tiers' moves over ``cpu``: ``disk`` is (its directory, the CPU slots its
+        demotions keep free, steps it pauses when full), ``shared`` (its index of the store, the
+        store's answers, steps it pauses after failures); a None directory: no such tier."""
+        disk_dir, reserve, retry_full = disk
+        shared_dir, index, retry = shared
+        return cls(
+            None
+            if disk_dir is None
+            else DiskMoves(cpu, disk_dir, jobs, reserve, check_sums, retry_full),
+            None
+            if shared_dir is None
+            else SharedMoves(cpu, shared_dir, jobs, index, check_sums, retry),
+        )
+
+    def __bool__(self) -> bool:
+        return self.disk is not None or self.shared is not None
+
+    def set_step(self, step: int) -> None:
+        """Moves started from now on belong to ``step``."""
+        if self.disk is not None:
+            self.disk.step = step
+        if self.shared is not None:
+            self.shared.step = step
+
+    def plan(self, step: int) -> tuple[list[TierMove], ChunkKeys, ChunkKeys]:
+        """This step's moves of both tiers, the disk files to delete and the store parts to
+        remove."""
+        moves: list[TierMove] = []
+        disk_drops = shared_drops = ChunkKeys()
+        if self.disk is not None:
+            moves, disk_drops = self.disk.plan(step)
+        if self.shared is not None:
+            published, shared_drops = self.shared.plan()
+            moves = moves + published
+        return moves, disk_drops, shared_drops
+
+    def stored(self, keys: Sequence[int]) -> None:
+        """A store into the CPU tier landed: the shared tier publishes its chunks."""
+        if self.shared is not None:
+            self.shared.publish(keys)
+
+    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool, step: int) -> None:
+        if job.move in (PUBLISH, FETCH):
+            assert self.shared is not None
+            self.shared.finalize(job, corrupt, full)
+        else:
+            assert self.disk is not None
+            self.disk.finalize(job, corrupt, full, step)
+
+    def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
+        if job.move in (PUBLISH, FETCH):
+            assert self.shared is not None
+            self.shared.abandon(job, keep_cpu)
+        else:
+            assert self.disk is not None
+            self.disk.abandon(job, keep_cpu)
+
+    def carry_drops(self, plan: TransferPlan) -> None:
+        """The drops of a plan that may not have run, in the next plan again (a drop done twice
+        finds nothing the second time)."""
+        if self.disk is not None and len(plan.disk_drops):
+            self.disk.drop_files(plan.disk_drops.unpack())
+        if self.shared is not None and len(plan.shared_drops):
+            self.shared.drop_parts(plan.shared_drops.unpack())
+
+    def check_invariants(self) -> None:
+        if self.disk is not None:
+            self.disk.check_invariants()
+        if self.shared is not None:
+            self.shared.check_invariants()

@@ -1,0 +1,269 @@
+"""Moves between the CPU tier and the shared tier (Mooncake Store): publishes, promotions, and the
+parts to remove.
+
+Both are jobs of the connector's job table, acked by every rank like loads and stores:
+
+- **Publish** (write-through). A chunk the CPU tier has just stored is put into the store by
+  every rank from its own CPU-pool shard: its CPU slot is pinned (being read, still readable by
+  a load) and its entry in this engine's index of the store being written until every rank has
+  acked. A chunk the index already holds is not published again (another engine, or this one,
+  put the same bytes under the same key).
+- **Promotion.** A lookup that reaches chunks only the store holds has them read by every rank
+  into fresh CPU slots (being written until every rank acked); the request waits and then
+  loads them like any CPU hit. A promotion that finds a part missing (the store evicted it, or
+  its node's segment is gone) or spoiled fails as corrupt: the chunk leaves the index (a
+  spoiled part is removed from the store on every rank) and the request recomputes.
+
+The index (a ``Directory`` of its own, LRU) holds what this engine published and what lookups
+found in the store (``discover``: the store is asked once per admission for the chunks a
+request's prompt has past the local tiers; a chunk counts only where every rank's part is
+there). The store evicts on its own, so the index may name a chunk that is gone: the promotion
+finds out, never serves other bytes. Moves that keep failing for no reason of their own (the
+master unreachable) take the tier out of use for ``retry_steps`` steps, said once in the log;
+a publish that found the pool full stops publishes for as long.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.connector.state import RequestOffloadState
+from raykv.core.step import TIER_SHARED, ChunkKeys, TierMove
+from raykv.offload.directory import Directory
+
+log = logging.getLogger(__name__)
+
+PUBLISH, FETCH = "publish", "fetch"
+WAIT = -1  # ``promote``: not yet, room is being made
+FAILURES_TO_PAUSE = 8
+
+
+class StoreIndex(Protocol):
+    """What the scheduler asks the store (``transfer/shared_store.StoreIndex``)."""
+
+    def present(self, keys: Sequence[int]) -> list[bool]: ...
+
+
+@dataclass(slots=True)
+class SharedMoveStats:
+    """The shared tier's moves and lookups, counted in chunks (and jobs)."""
+
+    publish_jobs: int = 0
+    published: int = 0  # chunks every rank put into the store
+    publishes_failed: int = 0
+    promotion_jobs: int = 0
+    promoted: int = 0  # chunks read back into the CPU tier
+    promotions_failed: int = 0
+    gone: int = 0  # chunks a promotion found missing or spoiled (left the index)
+    asked: int = 0  # chunks the store was asked about
+    found: int = 0  # ... and found there (every rank's part)
+    full_events: int = 0
+    unavailable_events: int = 0
+
+
+class SharedMoves:
+    """Plans the shared tier's moves and closes them when their jobs are final."""
+
+    def __init__(
+        self,
+        cpu: Directory,
+        shared: Directory,
+        jobs: JobTable,
+        index: StoreIndex | None,
+        check_sums: bool = False,
+        retry_steps: int = 512,
+    ) -> None:
+        """``index``: asks the store what it holds (None: only what this engine published);
+        ``retry_steps``: steps the tier stays out of use after its moves kept failing."""
+        self.cpu = cpu
+        self.shared = shared
+        self.jobs = jobs
+        self.index = index
+        self.check_sums = check_sums
+        self.retry_steps = retry_steps
+        self.stats = SharedMoveStats()
+        self.step = 0
+        self._moves: list[TierMove] = []
+        self._drops: list[int] = []
+        self._waiting: dict[int, RequestOffloadState] = {}
+        self._failures = 0
+        self._unavailable_until = -1
+        self._paused_until = -1  # publishes stop until this step (the pool was full)
+        self._said: set[str] = set()
+
+    def readable(self) -> bool:
+        """Lookups may reach the shared tier (not while its moves keep failing)."""
+        return self.step >= self._unavailable_until
+
+    def writable(self) -> bool:
+        return self.readable() and self.step >= self._paused_until
+
+    # ---- lookups -----------------------------------------------------------------------------
+
+    def discover(self, keys: Sequence[int]) -> None:
+        """Ask the store about these chunks (those the index lacks) and take in the ones every
+        rank's part is there for. Stops at the first chunk missing: a prefix is all a lookup
+        can use."""
+        if self.index is None or not self.readable():
+            return
+        unknown = [k for k in dict.fromkeys(keys) if k not in self.shared]
+        if not unknown:
+            return
+        self.stats.asked += len(unknown)
+        try:
+            present = self.index.present(unknown)
+        except Exception as exc:  # the master unreachable: counted like a failed move
+            self._count_outcome(False)
+            log.debug("shared tier: the store did not say what it holds: %s", exc)
+            return
+        found: list[int] = []
+        for key, there in zip(unknown, present, strict=True):
+            if not there:
+                break
+            found.append(key)
+        if not found:
+            return
+        plan = self.shared.prepare_store(found, admit_all=True)
+        if plan is None or not plan.keys:
+            return
+        self.shared.complete_store(plan.keys, success=True)
+        self.stats.found += len(plan.keys)
+
+    # ---- publishes (a CPU-tier store landed) ------------------------------------------------
+
+    def publish(self, keys: Sequence[int]) -> None:
+        """Put these chunks, just stored in the CPU tier, into the store (those the index does
+        not hold yet)."""
+        if not self.writable():
+            return
+        cpu = self.cpu
+        fresh = [k for k in dict.fromkeys(keys) if k not in self.shared and cpu.is_readable(k)]
+        if not fresh:
+            return
+        plan = self.shared.prepare_store(fresh, admit_all=True)
+        if plan is None or not plan.keys:
+            return
+        keys = list(plan.keys)
+        slots = cpu.prepare_load(keys)  # pinned while the ranks read them
+        job = self.jobs.create(None, keys, True, step=self.step, move=PUBLISH)
+        self._moves.append(
+            TierMove.of(job.job_id, False, keys, slots, self.check_sums, TIER_SHARED)
+        )
+        self.stats.publish_jobs += 1
+
+    # ---- promotions (from a lookup) ----------------------------------------------------------
+
+    def promote(
+        self, keys: Sequence[int], waiting: RequestOffloadState | None = None
+    ) -> int | None:
+        """Start reading these store-only chunks into CPU slots (the coldest chunks evicted to
+        make room, as a store would: with write-through they are in the store already): the
+        job's id; ``WAIT`` while no room can be made (every slot pinned); None when the CPU
+        tier could never hold them beside its other readers."""
+        keys = list(dict.fromkeys(keys))
+        cpu = self.cpu
+        if len(keys) > cpu.capacity // 2:
+            return None
+        plan = cpu.prepare_store(keys, admit_all=True)
+        if plan is None:
+            return WAIT
+        if plan.keys != keys:  # a key turned up in the CPU tier: never promote over it
+            cpu.complete_store(plan.keys, success=False)
+            return None
+        self.shared.prepare_load(keys)
+        job = self.jobs.create(None, keys, False, step=self.step, move=FETCH)
+        if waiting is not None:
+            self._waiting[job.job_id] = waiting
+        self._moves.append(
+            TierMove.of(job.job_id, True, keys, plan.slots, self.check_sums, TIER_SHARED)
+        )
+        self.stats.promotion_jobs += 1
+        return job.job_id
+
+    # ---- the step's plan ---------------------------------------------------------------------
+
+    def plan(self) -> tuple[list[TierMove], ChunkKeys]:
+        """The moves started since the last plan, and the keys whose parts leave the store."""
+        moves, drops = self._moves, ChunkKeys.of(self._drops)
+        self._moves, self._drops = [], []
+        return moves, drops
+
+    def drop_parts(self, keys: Sequence[int]) -> None:
+        """Have every rank remove its part of these chunks with the next plan."""
+        self._drops.extend(keys)
+
+    # ---- the ranks' acks ---------------------------------------------------------------------
+
+    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool) -> None:
+        """Every rank reported this move (``corrupt``: some rank's part was missing or bad, or
+        its CPU bytes changed; ``full``: some rank found the pool full)."""
+        ok = not job.failed
+        self._count_outcome(ok or corrupt or full)
+        if job.move == PUBLISH:
+            self.cpu.complete_load(job.keys)
+            self.shared.complete_store(job.keys, success=ok)
+            if ok:
+                self.stats.published += len(job.keys)
+            else:
+                self.stats.publishes_failed += len(job.keys)
+            if full:
+                self.stats.full_events += 1
+                self._paused_until = self.step + self.retry_steps
+                self._say("full", "the shared tier's pool is full: publishes stop for a while")
+            return
+        self.cpu.complete_store(job.keys, success=ok)
+        self.shared.complete_load(job.keys)
+        waiting = self._waiting.pop(job.job_id, None)
+        if ok:
+            self.stats.promoted += len(job.keys)
+            return
+        if waiting is not None:
+            waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
+        self.stats.promotions_failed += len(job.keys)
+        if corrupt:
+            self.stats.gone += len(job.keys)
+        # which chunk is not said: every one of them leaves the index, and the parts that are
+        # there go from the store (the bytes under a key never change, so none is lost)
+        self.shared.discard(job.keys)
+        if corrupt:
+            self._drops.extend(job.keys)
+
+    def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
+        """A reset abandoned this move: nothing it was making becomes readable."""
+        if job.move == PUBLISH:
+            self.shared.complete_store(job.keys, success=False)
+            if keep_cpu:
+                self.cpu.complete_load(job.keys)
+        else:
+            self.shared.complete_load(job.keys)
+            self._waiting.pop(job.job_id, None)
+            if keep_cpu:
+                self.cpu.complete_store(job.keys, success=False)
+
+    def _count_outcome(self, worked: bool) -> None:
+        if worked:
+            self._failures = 0
+            return
+        self._failures += 1
+        if self._failures < FAILURES_TO_PAUSE:
+            return
+        self._failures = 0
+        self._unavailable_until = self.step + self.retry_steps
+        self.stats.unavailable_events += 1
+        self._say(
+            "failing",
+            f"the shared tier keeps failing ({FAILURES_TO_PAUSE} in a row): it is out of use "
+            f"for {self.retry_steps} steps at a time, the run goes on without it meanwhile",
+        )
+
+    def _say(self, what: str, message: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            log.warning(message)
+
+    def check_invariants(self) -> None:
+        self.shared.check_invariants()

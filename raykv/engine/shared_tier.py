@@ -1,0 +1,130 @@
+"""The shared tier as an engine in one process builds it: the store's master (``embedded``:
+started here on loopback), this node's segment of the pool, the ranks' engines and the
+scheduler's index of the store.
+
+The Ray engine gives the segment from a store actor per node instead (``cluster/``), so that it
+outlives any engine; an engine in one process holds it itself, for as long as it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from raykv.config import ConfigError, RaykvConfig
+from raykv.config.shared import EMBEDDED
+from raykv.core.kv_events import MEDIUM_SHARED, EventLog
+from raykv.engine.tier_namespace import namespace
+from raykv.offload.directory import Directory
+from raykv.transfer.checksums import RowChecksums
+from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.layout import KVLayout
+from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
+from raykv.transfer.shared_master import EmbeddedMaster
+from raykv.transfer.shared_store import (
+    SegmentHolder,
+    SharedStoreError,
+    StoreEndpoint,
+    StoreIndex,
+)
+
+log = logging.getLogger(__name__)
+
+
+def shared_enabled(cfg: RaykvConfig) -> bool:
+    return cfg.offload.enabled and cfg.offload.shared.enabled
+
+
+def endpoint_of(cfg: RaykvConfig, master: str) -> StoreEndpoint:
+    s = cfg.offload.shared
+    return StoreEndpoint(master, protocol=s.protocol, devices=s.devices)
+
+
+def object_bytes(cfg: RaykvConfig) -> int:
+    """Bytes of one chunk in the store, every rank's part (headers and pages)."""
+    fmt = ChunkFormat(cfg.page_bytes(), cfg.offload.blocks_per_chunk)
+    return (fmt.header_bytes + fmt.data_bytes) * cfg.parallel.tensor_parallel_size
+
+
+class SharedRuntime:
+    """The store an engine in one process uses: its master (started where ``embedded``), a
+    segment of this process's DRAM for the pool, and the scheduler's index of the store.
+    ``endpoint``: where the ranks join."""
+
+    def __init__(self, cfg: RaykvConfig) -> None:
+        s = cfg.offload.shared
+        self.master = EmbeddedMaster() if s.master == EMBEDDED else None
+        self.holder: SegmentHolder | None = None
+        try:
+            address = self.master.start() if self.master is not None else s.master
+            self.endpoint = endpoint_of(cfg, address)
+            self.holder = SegmentHolder(self.endpoint, s.segment)
+            self.index = StoreIndex(
+                self.endpoint, namespace(cfg), cfg.parallel.tensor_parallel_size
+            )
+        except SharedStoreError as exc:
+            self.close()
+            raise SharedUnavailable(f"offload.shared.master: {exc}") from exc
+        if self.master is not None:
+            log.info("shared tier: an embedded Mooncake master at %s", self.endpoint.master)
+
+    def close(self) -> None:
+        index = getattr(self, "index", None)
+        if index is not None:
+            index.close()
+        if self.holder is not None:
+            self.holder.close()
+            self.holder = None
+        if self.master is not None:
+            self.master.stop()
+
+
+def shared_engine(
+    cfg: RaykvConfig,
+    rank: int,
+    pool: Any,
+    layout: KVLayout,
+    sums: RowChecksums,
+    endpoint: StoreEndpoint | None,
+) -> SharedTransferEngine | None:
+    """This rank's engine for the shared tier (None: no shared tier)."""
+    if not shared_enabled(cfg) or endpoint is None:
+        return None
+    return SharedTransferEngine(endpoint, namespace(cfg), rank, pool, layout, sums=sums)
+
+
+def shared_directory(cfg: RaykvConfig, events: EventLog) -> Directory | None:
+    """The scheduler's index of what the store holds for this engine (None: no shared tier):
+    what it published and what lookups found there, as many chunks as this node's segment
+    holds (the store evicts on its own: a chunk gone is found out by its read, and recomputed).
+    ConfigError naming ``offload.shared.segment`` when it holds no chunk."""
+    if not shared_enabled(cfg):
+        return None
+    s = cfg.offload.shared
+    slots = s.segment // object_bytes(cfg)
+    if slots < 1:
+        raise ConfigError(
+            f"offload.shared.segment ({s.segment}) is smaller than one chunk in the store "
+            f"({object_bytes(cfg)} bytes on all ranks)"
+        )
+    return Directory(
+        slots,
+        "lru",
+        max_tracker_size=cfg.offload.max_tracker_size,
+        events=events,
+        medium=MEDIUM_SHARED,
+    )
+
+
+def store_index_of(cfg: RaykvConfig, workers: object) -> StoreIndex | None:
+    """The scheduler's index of the store, from the engine's workers (None: no shared tier);
+    ConfigError where the tier is on and the workers offer none (the Ray engine, so far)."""
+    if not shared_enabled(cfg):
+        return None
+    index = getattr(workers, "store_index", None)
+    if index is None:
+        raise ConfigError(
+            "offload.shared.enabled: the shared tier runs with the engine in one process "
+            "(--engine local) so far"
+        )
+    return index
