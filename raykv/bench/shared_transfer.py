@@ -18,7 +18,6 @@ running one; every object the bench put is removed when its row ends.
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 from collections.abc import Sequence
 
@@ -27,63 +26,14 @@ import numpy as np
 from raykv.bench.transfer import best_pair
 from raykv.core.keys import make_key
 from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.segment_process import HeldSegment
 from raykv.transfer.shared_master import EmbeddedMaster
-from raykv.transfer.shared_store import (
-    SegmentHolder,
-    SharedChunks,
-    SharedStoreError,
-    StoreEndpoint,
-)
+from raykv.transfer.shared_store import SharedChunks, SharedStoreError, StoreEndpoint
 
 SHARED_DIRECTIONS = ("store", "load")
 DEFAULT_SHARED_BLOCKS = 1024
 DEFAULT_SHARED_MAX_BYTES = 256 * 2**20
-HOLDER_START_S = 30.0
 _SEED = 31
-
-
-def _hold_segment(master: str, segment_bytes: int, ready: object, stop: object) -> None:
-    """A child process's life: give the pool a segment until told to stop."""
-    try:
-        holder = SegmentHolder(StoreEndpoint(master), segment_bytes)
-    except Exception as exc:  # said to the parent through the queue, not a traceback
-        ready.put(f"{type(exc).__name__}: {exc}")  # type: ignore[attr-defined]
-        return
-    ready.put("")  # type: ignore[attr-defined]
-    stop.wait()  # type: ignore[attr-defined]
-    holder.close()
-
-
-class HeldSegment:
-    """A segment of ``segment_bytes`` given to the pool by a child process while in use."""
-
-    def __init__(self, master: str, segment_bytes: int) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._ready = ctx.Queue()
-        self._stop = ctx.Event()
-        self._process = ctx.Process(
-            target=_hold_segment,
-            args=(master, segment_bytes, self._ready, self._stop),
-            daemon=True,
-        )
-
-    def __enter__(self) -> HeldSegment:
-        self._process.start()
-        try:
-            problem = self._ready.get(timeout=HOLDER_START_S)
-        except Exception:
-            problem = f"no segment holder within {HOLDER_START_S:g} s"
-        if problem:
-            self.__exit__()
-            raise SharedStoreError(problem)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
 
 
 def _keys(count: int, seed: int) -> list[int]:

@@ -51,6 +51,10 @@ class AckStats:
     bad_rank: int = 0
 
 
+NETWORK_MOVES = ("publish", "fetch")  # the shared store's moves (``connector/shared_moves.py``)
+NETWORK_MOVE_S = 60.0  # well past the store's own timeouts (seconds per operation)
+
+
 class JobTable:
     """Job ids from one counter; acks counted at most once per (job, rank).
 
@@ -121,12 +125,19 @@ class JobTable:
         return jobs
 
     def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
-        """Ranks that have not acked some job created ``timeout_steps`` or more steps ago."""
+        """Ranks that have not acked some job created ``timeout_steps`` or more steps ago. A
+        move to or from the shared store counts only once it is also ``NETWORK_MOVE_S`` old:
+        a rank that answers every step while the store takes its time (an unreachable master
+        fails an operation after seconds, hundreds of steps) is not dead."""
         silent = 0
         full = (1 << self.num_ranks) - 1
+        now = time.perf_counter()
         for job in self.jobs.values():
-            if step - job.created_step >= timeout_steps:
-                silent |= full & ~job.acked_ranks
+            if step - job.created_step < timeout_steps:
+                continue
+            if job.move in NETWORK_MOVES and now - job.created_s < NETWORK_MOVE_S:
+                continue
+            silent |= full & ~job.acked_ranks
         return [r for r in range(self.num_ranks) if silent >> r & 1]
 
     def __len__(self) -> int:

@@ -1,9 +1,6 @@
 """The shared tier as an engine in one process builds it: the store's master (``embedded``:
-started here on loopback), this node's segment of the pool, the ranks' engines and the
-scheduler's index of the store.
-
-The Ray engine gives the segment from a store actor per node instead (``cluster/``), so that it
-outlives any engine; an engine in one process holds it itself, for as long as it runs.
+started here on loopback), this node's segment of the pool (a child process's), the ranks'
+engines and the scheduler's index of the store.
 """
 
 from __future__ import annotations
@@ -19,14 +16,10 @@ from raykv.offload.directory import Directory
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.disk_files import ChunkFormat
 from raykv.transfer.layout import KVLayout
+from raykv.transfer.segment_process import HeldSegment
 from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
 from raykv.transfer.shared_master import EmbeddedMaster
-from raykv.transfer.shared_store import (
-    SegmentHolder,
-    SharedStoreError,
-    StoreEndpoint,
-    StoreIndex,
-)
+from raykv.transfer.shared_store import SharedStoreError, StoreEndpoint, StoreIndex
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +41,18 @@ def object_bytes(cfg: RaykvConfig) -> int:
 
 class SharedRuntime:
     """The store an engine in one process uses: its master (started where ``embedded``), a
-    segment of this process's DRAM for the pool, and the scheduler's index of the store.
+    segment of a child process's DRAM for the pool, and the scheduler's index of the store.
     ``endpoint``: where the ranks join."""
 
     def __init__(self, cfg: RaykvConfig) -> None:
         s = cfg.offload.shared
         self.master = EmbeddedMaster() if s.master == EMBEDDED else None
-        self.holder: SegmentHolder | None = None
+        self.holder: HeldSegment | None = None
         try:
             address = self.master.start() if self.master is not None else s.master
             self.endpoint = endpoint_of(cfg, address)
-            self.holder = SegmentHolder(self.endpoint, s.segment)
+            self.holder = HeldSegment(self.endpoint, s.segment)
+            self.holder.start()
             self.index = StoreIndex(
                 self.endpoint, namespace(cfg), cfg.parallel.tensor_parallel_size
             )
@@ -68,12 +62,19 @@ class SharedRuntime:
         if self.master is not None:
             log.info("shared tier: an embedded Mooncake master at %s", self.endpoint.master)
 
+    def kill_master(self) -> None:
+        """End the embedded master at once (``kill-shared-master``; an external one is not
+        this engine's to kill)."""
+        if self.master is not None:
+            log.warning("fault: killing the shared tier's embedded master")
+            self.master.kill()
+
     def close(self) -> None:
         index = getattr(self, "index", None)
         if index is not None:
             index.close()
         if self.holder is not None:
-            self.holder.close()
+            self.holder.stop()
             self.holder = None
         if self.master is not None:
             self.master.stop()
@@ -86,11 +87,15 @@ def shared_engine(
     layout: KVLayout,
     sums: RowChecksums,
     endpoint: StoreEndpoint | None,
+    incarnation: int = 0,
 ) -> SharedTransferEngine | None:
-    """This rank's engine for the shared tier (None: no shared tier)."""
+    """This rank's engine for the shared tier (None: no shared tier). A rank replacing a dead
+    one starts without the store where it cannot join it (the store may be what failed)."""
     if not shared_enabled(cfg) or endpoint is None:
         return None
-    return SharedTransferEngine(endpoint, namespace(cfg), rank, pool, layout, sums=sums)
+    return SharedTransferEngine(
+        endpoint, namespace(cfg), rank, pool, layout, sums=sums, required=incarnation == 0
+    )
 
 
 def shared_directory(cfg: RaykvConfig, events: EventLog) -> Directory | None:

@@ -30,6 +30,7 @@ from raykv.faults import (
     RankDied,
     RankFaults,
     parse_fault,
+    shared_master_dies_at,
 )
 from raykv.model.synthetic import SyntheticModel
 from raykv.transfer.checksums import RowChecksums
@@ -171,7 +172,9 @@ class LocalWorker:
         disk = self.disk
         if disk is not None and self.faults.disk_active:
             disk = FaultyDisk(disk, self.faults)
-        self.store = shared_engine(cfg, rank, self.pool, self.layout, self.engine.checksums, store)
+        self.store = shared_engine(
+            cfg, rank, self.pool, self.layout, self.engine.checksums, store, incarnation
+        )
         self.connector = ConnectorWorker(rank, backend, verify, disk, self.store)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
@@ -238,6 +241,7 @@ class LocalWorkerGroup:
         (``cfg.faults``)."""
         self._cfg, self._num_slots, self._threaded = cfg, num_slots, threaded
         self._execs = exec_delays or {}
+        self._faults = [parse_fault(f) for f in cfg.faults]
         self.incarnations = [0] * cfg.parallel.tensor_parallel_size
         self.pool_files: PoolFiles | None = None
         if cfg.offload.enabled and cfg.offload.shared_pool:
@@ -281,6 +285,9 @@ class LocalWorkerGroup:
     def execute(self, plan: StepPlan) -> list[StepReport]:
         """Every rank runs the plan; a rank that dies is reported in ``RankFailed`` with the
         replies of the others (they ran the step, as real ranks would have)."""
+        runtime = self.shared_runtime
+        if runtime is not None and shared_master_dies_at(self._faults, plan.step):
+            runtime.kill_master()
         reports, dead = [], []
         for w in self.workers:
             try:

@@ -15,6 +15,7 @@ from raykv.faults.specs import (
     parse_fault,
     scheduler_dies_at,
     scheduler_fails_at,
+    shared_master_dies_at,
 )
 from raykv.faults.wrappers import FaultyBackend, FaultyRank, Rank
 
@@ -34,4 +35,5 @@ __all__ = [
     "parse_fault",
     "scheduler_dies_at",
     "scheduler_fails_at",
+    "shared_master_dies_at",
 ]

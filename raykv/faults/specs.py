@@ -30,6 +30,9 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 - ``slow-disk:ms=N``             every disk-tier job takes at least N ms
 - ``full-disk``                  every demotion finds the disk full (ENOSPC), after the first
                                  ``:after=N`` chunks (0 by default): the tier stops admitting
+- ``kill-shared-master:step=N``  the shared tier's embedded Mooncake master is killed at step N:
+                                 publishes and promotions fail, requests recompute, the tier is
+                                 out of use for ``offload.shared.retry_steps`` at a time
 
 Any of them takes ``:seed=S``, and those of a rank ``:incarnation=I``: only that instance of the
 rank suffers it (0 is the first; each replacement after a death counts one up). Every rank draws
@@ -74,9 +77,10 @@ KINDS = (
     "corrupt-disk",
     "slow-disk",
     "full-disk",
+    "kill-shared-master",
 )
-# faults of the scheduler, not of a rank
-SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler")
+# faults of the scheduler (or of what the engine runs beside it), not of a rank
+SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler", "kill-shared-master")
 # faults of a rank's disk engine
 DISK_KINDS = ("fail-disk", "corrupt-disk", "slow-disk", "full-disk")
 _PARAMS = {
@@ -93,6 +97,7 @@ _PARAMS = {
     "corrupt-disk": {"rate", "seed", "rank", "incarnation"},
     "slow-disk": {"ms", "rank", "seed", "incarnation"},
     "full-disk": {"after", "rank", "seed", "incarnation"},
+    "kill-shared-master": {"step", "seed"},
 }
 
 
@@ -124,6 +129,11 @@ class Fault:
 def scheduler_dies_at(faults: list[Fault], step: int, incarnation: int) -> bool:
     """The scheduler actor dies after ``step`` (only the first one: a replacement lives)."""
     return incarnation == 0 and any(f.kind == "kill-scheduler" and f.step == step for f in faults)
+
+
+def shared_master_dies_at(faults: list[Fault], step: int) -> bool:
+    """The shared tier's embedded master is killed at ``step`` (``kill-shared-master``)."""
+    return any(f.kind == "kill-shared-master" and f.step == step for f in faults)
 
 
 def scheduler_fails_at(faults: list[Fault], step: int) -> bool:

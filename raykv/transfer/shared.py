@@ -21,6 +21,7 @@ its key and namespace, so two engines publishing the same key at once put the sa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -37,9 +38,13 @@ from raykv.transfer.shared_store import (
     SharedChunks,
     SharedStoreError,
     StoreEndpoint,
+    reachable,
 )
 
 log = logging.getLogger(__name__)
+
+RECONNECT_S = 5.0  # how often an engine without its store tries to join it again
+PROBE_S = 0.5  # how long a suspect master has to accept a connection
 
 
 class SharedUnavailable(ConfigError):
@@ -51,7 +56,10 @@ class SharedTransferEngine(ChunkJobEngine):
     """Moves chunks between ``pool`` (this rank's CPU-pool shard, ``[num_slots, chunk elems]``)
     and the store at ``endpoint``, under ``namespace`` as rank ``rank``. ``sums``: the CPU
     pool's row checksums (``offload.verify``): a publish checks the slot against them first, a
-    promotion records the checksums it verified."""
+    promotion records the checksums it verified. ``required``: a store that cannot be joined
+    is a configuration error (``SharedUnavailable``); else (a rank replacing a dead one, the
+    store down meanwhile) the engine starts without it, fails its jobs, and joins the store
+    again at most every ``RECONNECT_S`` seconds."""
 
     name = "shared"
 
@@ -65,33 +73,58 @@ class SharedTransferEngine(ChunkJobEngine):
         *,
         io_threads: int = 2,
         sums: RowChecksums | None = None,
+        required: bool = True,
     ) -> None:
         self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
         self.sums = sums
         if pool.dim() != 2 or pool.shape[1] * pool.element_size() != self.format.data_bytes:
             raise ValueError("the pool's rows are not one chunk each")
+        self._join = lambda: SharedChunks(
+            endpoint, namespace, rank, self.format, pool.data_ptr(), pool.shape[0]
+        )
+        self._joined_s = time.monotonic()
+        self._join_lock = threading.Lock()
+        self._suspect = False  # the last job failed for the store's sake
+        self.chunks: SharedChunks | None = None
         try:
-            self.chunks = SharedChunks(
-                endpoint, namespace, rank, self.format, pool.data_ptr(), pool.shape[0]
-            )
+            self.chunks = self._join()
         except SharedStoreError as exc:
-            raise SharedUnavailable(f"offload.shared.master: {exc}") from exc
+            if required:
+                raise SharedUnavailable(f"offload.shared.master: {exc}") from exc
+            log.warning("shared tier: rank %d starts without the store (%s)", rank, exc)
         super().__init__(io_threads)
+
+    def _store(self) -> SharedChunks | None:
+        """The store's client, joined again (at most every ``RECONNECT_S``) where it was not."""
+        with self._join_lock:
+            if self.chunks is None and time.monotonic() - self._joined_s >= RECONNECT_S:
+                self._joined_s = time.monotonic()
+                try:
+                    self.chunks = self._join()
+                except SharedStoreError as exc:
+                    log.debug("shared tier: the store is still unreachable: %s", exc)
+            return self.chunks
 
     def exists(self, keys: list[int]) -> list[bool]:
         """Whether this rank's part of each chunk is in the store (``SharedStoreError`` when
         the store cannot say)."""
-        return self.chunks.exists(keys)
+        store = self._store()
+        if store is None:
+            raise SharedStoreError("the shared tier's store is unreachable")
+        return store.exists(keys)
 
     def drop(self, keys: list[int]) -> None:
         """Remove this rank's parts of these chunks (another rank found theirs bad)."""
+        store = self._store()
         try:
-            self.chunks.remove(keys)
+            if store is not None:
+                store.remove(keys)
         except Exception as exc:  # an unreachable store keeps them: reads check every part
             log.warning("shared tier: removing %d parts failed: %s", len(keys), exc)
 
     def _close(self) -> None:
-        self.chunks.close()
+        if self.chunks is not None:
+            self.chunks.close()
 
     # ---------------------------------------------------------------- the I/O threads
 
@@ -100,12 +133,21 @@ class SharedTransferEngine(ChunkJobEngine):
         return list(range(slot * pages, (slot + 1) * pages))
 
     def _run(self, move: TierMove, run: list[tuple[int, int]]) -> str:
+        store = self._store()
+        if store is None:
+            return "failed"
+        # after a failure, a master that refuses connections fails the job at once (the
+        # store's own calls would wait seconds for their timeouts)
+        if self._suspect and not reachable(store.master, PROBE_S):
+            return "failed"
         start = time.perf_counter()
         try:
             worst, moved = (self._promote if move.promote else self._publish)(move, run)
         except Exception as exc:  # the store failed the call: the job fails, never the engine
             log.warning("shared job %d: %s: %s", move.job_id, type(exc).__name__, exc)
+            self._suspect = True
             return "failed"
+        self._suspect = worst == "failed"
         seconds = time.perf_counter() - start
         nbytes = moved * self.format.data_bytes
         if move.promote:
@@ -122,6 +164,7 @@ class SharedTransferEngine(ChunkJobEngine):
         keys = [k for k, _ in run]
         slots = [s for _, s in run]
         crcs: list[list[int]] = []
+        assert self.chunks is not None
         statuses = self.chunks.get(keys, slots, crcs)
         worst, moved, spoiled = "ok", 0, []
         for key, slot, status, sums in zip(keys, slots, statuses, crcs, strict=True):
@@ -144,6 +187,7 @@ class SharedTransferEngine(ChunkJobEngine):
         keys: list[int] = []
         slots: list[int] = []
         crcs: list[list[int]] = []
+        assert self.chunks is not None
         for key, slot in run:
             sums = self.chunks.page_crcs(slot)
             if move.check_sums and self.sums is not None:

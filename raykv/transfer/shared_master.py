@@ -9,8 +9,10 @@ file of its own in the temporary directory (named in the error if it fails to st
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import time
 from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
 
 BINARY = "mooncake_master"
+PR_SET_PDEATHSIG = 1  # Linux prctl: the signal this process gets when its parent dies
 
 
 def master_binary() -> str:
@@ -40,6 +43,14 @@ def master_binary() -> str:
     if os.access(inside, os.X_OK):
         return inside
     raise SharedStoreError(f"{BINARY} not found beside {sys.executable}, on PATH or in mooncake")
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs the master: the kernel kills it when this process dies, so a
+    master never outlives the run that started it (a crash, a test run killed at its limit)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,7 +99,11 @@ class EmbeddedMaster:
         ]
         with os.fdopen(fd, "wb") as log:
             self._process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:

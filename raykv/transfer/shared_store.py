@@ -156,6 +156,7 @@ class SharedChunks:
         self.rank = rank
         self.format = fmt
         self.max_batch = max_batch
+        self.master = endpoint.master
         self._pool_ptr = pool_ptr
         self._num_slots = num_slots
         self._client = connect(endpoint, 0, 1 << 20)

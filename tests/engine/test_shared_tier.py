@@ -80,3 +80,26 @@ def test_the_ray_engine_refuses_the_shared_tier_by_name(engine_kind: str) -> Non
 
     with pytest.raises(ConfigError, match=r"offload\.shared\.enabled"):
         EngineCore(cfg, NoStore())  # type: ignore[arg-type]
+
+
+def test_the_master_killed_mid_run_ends_with_the_fault_free_outputs() -> None:
+    """An embedded master of the run's own, killed at step 10: publishes and promotions fail,
+    the requests recompute, and the run finishes with the outputs of the run without tiers."""
+    from raykv.transfer.shared_store import mooncake_problem
+
+    if mooncake_problem():
+        pytest.skip(f"the shared tier's store cannot start here: {mooncake_problem()}")
+    baseline, _ = run(SMALL, offload=False)
+    sets = [
+        *SMALL,
+        "offload.shared.enabled=true",
+        "offload.shared.segment=64MiB",
+        "offload.shared.retry_steps=16",
+        'faults=["kill-shared-master:step=10"]',
+    ]
+    report, books = run(sets)
+    assert report["output_digest"] == baseline["output_digest"]
+    s = report["tiers"]["shared"]
+    assert s["published_chunks"] > 0  # before the kill
+    assert s["publishes_failed"] + s["promotions_failed"] > 0 or s["unavailable_events"] > 0
+    assert not any(books.values()), books
