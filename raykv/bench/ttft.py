@@ -10,7 +10,10 @@ prefix is loaded and only the last token is computed (``cpu_tier_s``). With a di
 tier is then moved to disk entirely (``EngineCore.spill_to_disk``) and the GPU cache emptied
 again, so the third time the prefix is read from its files (with ``O_DIRECT`` where the file
 system allows it: cold, not from the page cache), promoted into the CPU tier and loaded
-(``disk_tier_s``). Every hit is loaded (``offload.take_hits: always``): the tiers are measured,
+(``disk_tier_s``). With a shared tier, a second engine (a CPU tier of its own, the same Mooncake
+Store) then asks for the prompt: what the first engine computed and published, it finds in the
+store, promotes into its CPU tier and loads (``shared_tier_s``: computed on one engine, loaded by
+another). Every hit is loaded (``offload.take_hits: always``): the tiers are measured,
 not the choice. Each is the request's TTFT as the engine measures it (from its arrival at the
 engine to its first token). The fastest of the repeats is kept each way, and ``speedup`` and
 ``disk_speedup`` are recomputing's ratios to them. transformers' number is a forward pass over
@@ -57,6 +60,9 @@ class TTFTResult:
     disk_tier_s: float | None = None  # None: no disk tier
     disk_speedup: float | None = None
     disk_hit_tokens: int = 0  # of the disk-tier run (the fastest repeat's)
+    shared_tier_s: float | None = None  # None: no shared tier
+    shared_speedup: float | None = None
+    shared_hit_tokens: int = 0  # of the other engine's run (the fastest repeat's)
 
 
 @dataclass(slots=True)
@@ -93,7 +99,10 @@ class LocalTTFTEngine:
             engine.step()
         record = engine.latency.requests[-1]
         assert record.req_id == req_id
-        return record.ttft_s, record.cpu_hit_tokens + record.disk_hit_tokens
+        return (
+            record.ttft_s,
+            record.cpu_hit_tokens + record.disk_hit_tokens + record.shared_hit_tokens,
+        )
 
     def empty_gpu_cache(self) -> None:
         while self.engine.has_work():
@@ -137,6 +146,19 @@ def with_disk_tier(cfg: RaykvConfig, path: str, lengths: list[int], repeat: int)
     return load_config(tree)  # checked: a path that cannot hold files is refused by name
 
 
+def with_shared_tier(cfg: RaykvConfig, master: str, lengths: list[int], repeat: int) -> RaykvConfig:
+    """``cfg`` with a shared tier on the store at ``master``, its segment large enough for every
+    prompt the bench sends."""
+    from raykv.engine.shared_tier import object_bytes
+
+    tokens_per_chunk = cfg.cache.block_size * cfg.offload.blocks_per_chunk
+    chunks = sum(-(-n // tokens_per_chunk) for n in lengths) * (repeat + 1) + 16
+    segment = chunks * object_bytes(cfg) * len(cfg.cache.groups) * 2 + (64 << 20)
+    tree = cfg.model_dump(mode="json")
+    tree["offload"]["shared"].update(enabled=True, master=master, segment=segment)
+    return load_config(tree)
+
+
 def run_ttft_bench(
     cfg: RaykvConfig,
     engine: TTFTEngine,
@@ -145,18 +167,22 @@ def run_ttft_bench(
     reference: Callable[[list[int]], float] | None,
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
+    reader: TTFTEngine | None = None,
 ) -> list[TTFTResult]:
-    """Both ways for every length (see the module's docstring); ``reference`` times
-    transformers' forward pass over a prompt (None: not measured)."""
+    """Every way for every length (see the module's docstring); ``reference`` times
+    transformers' forward pass over a prompt (None: not measured); ``reader``: the second
+    engine on the same shared tier (None: no shared tier)."""
     rng = random.Random(seed)
     vocab = cfg.model.vocab_size
     results = []
     # a first request pays for lazy initialisation (threads, allocator) outside the numbers
     engine.first_token("warm-up", [rng.randrange(vocab) for _ in range(16)])
+    if reader is not None:
+        reader.first_token("warm-up", [rng.randrange(vocab) for _ in range(16)])
     disk = cfg.offload.disk.enabled
     for n in lengths:
-        best_recompute = best_loaded = best_reference = best_disk = float("inf")
-        hits = disk_hits = 0
+        best_recompute = best_loaded = best_reference = best_disk = best_shared = float("inf")
+        hits = disk_hits = shared_hits = 0
         for r in range(repeat):
             prompt = [rng.randrange(vocab) for _ in range(n)]
             if progress is not None:
@@ -180,6 +206,13 @@ def run_ttft_bench(
                     raise RuntimeError(f"{n} tokens: the third run found nothing in the disk tier")
                 if from_disk < best_disk:
                     best_disk, disk_hits = from_disk, found
+            if reader is not None:
+                engine.empty_gpu_cache()  # every publish of the first engine has landed
+                shared, found = reader.first_token(f"shared-tier-{n}-{r}", prompt)
+                if found == 0:
+                    raise RuntimeError(f"{n} tokens: the other engine found nothing in the store")
+                if shared < best_shared:
+                    best_shared, shared_hits = shared, found
             if reference is not None:
                 best_reference = min(best_reference, reference(prompt))
         results.append(
@@ -193,6 +226,9 @@ def run_ttft_bench(
                 best_disk if disk else None,
                 best_recompute / best_disk if disk else None,
                 disk_hits,
+                best_shared if reader is not None else None,
+                best_recompute / best_shared if reader is not None else None,
+                shared_hits,
             )
         )
     return results
@@ -247,6 +283,13 @@ def plot_ttft(report: TTFTReport, path: str) -> None:
     axes.plot(lengths, [r.cpu_tier_s for r in report.results], "o-", label="from the CPU tier")
     if all(r.disk_tier_s is not None for r in report.results):
         axes.plot(lengths, [r.disk_tier_s for r in report.results], "o-", label="from disk")
+    if all(r.shared_tier_s is not None for r in report.results):
+        axes.plot(
+            lengths,
+            [r.shared_tier_s for r in report.results],
+            "o-",
+            label="from the shared tier (another engine's)",
+        )
     if all(r.transformers_s is not None for r in report.results):
         axes.plot(
             lengths,
@@ -272,7 +315,7 @@ def format_ttft_table(report: TTFTReport) -> str:
         f"raykv bench ttft: {report.model} on {report.device}, {report.engine} engine, "
         f"TP {report.tensor_parallel_size} (fastest of the repeats)",
         f"{'tokens':>7} {'recompute_s':>12} {'cpu_tier_s':>11} {'speedup':>8} "
-        f"{'disk_tier_s':>12} {'speedup':>8} "
+        f"{'disk_tier_s':>12} {'speedup':>8} {'shared_tier_s':>14} {'speedup':>8} "
         f"{'transformers_s':>15} {'recompute/transformers':>23}",
     ]
     for r in report.results:
@@ -281,8 +324,11 @@ def format_ttft_table(report: TTFTReport) -> str:
         disk = f"{'-':>12} {'-':>8}"
         if r.disk_tier_s is not None and r.disk_speedup is not None:
             disk = f"{r.disk_tier_s:>12.4f} {r.disk_speedup:>8.1f}"
+        shared = f"{'-':>14} {'-':>8}"
+        if r.shared_tier_s is not None and r.shared_speedup is not None:
+            shared = f"{r.shared_tier_s:>14.4f} {r.shared_speedup:>8.1f}"
         lines.append(
             f"{r.prompt_tokens:>7} {r.recompute_s:>12.3f} {r.cpu_tier_s:>11.4f} "
-            f"{r.speedup:>8.1f} {disk} {ref} {ratio}"
+            f"{r.speedup:>8.1f} {disk} {shared} {ref} {ratio}"
         )
     return "\n".join(lines)

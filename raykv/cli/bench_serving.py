@@ -118,10 +118,49 @@ def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
                 where = tempfile.mkdtemp(prefix="raykv-bench-ttft-")
                 cleanup.callback(shutil.rmtree, where, True)
             cfg = with_disk_tier(cfg, where, lengths, args.repeat)
-        return _ttft(args, console, cfg, spec, path)
+        reader_cfg = None
+        if not args.no_shared:
+            reader_cfg = _shared_ttft_config(args, cfg, lengths, cleanup)
+            if reader_cfg is not None:
+                cfg = reader_cfg
+        return _ttft(args, console, cfg, spec, path, reader_cfg)
 
 
-def _ttft(args: argparse.Namespace, console: Console, cfg: Any, spec: Any, path: Path) -> int:
+def _shared_ttft_config(
+    args: argparse.Namespace, cfg: Any, lengths: list[int], cleanup: ExitStack
+) -> Any:
+    """The config of both engines with a shared tier on a master of the bench's own (None, said
+    on stderr, where the store cannot start here)."""
+    from raykv.bench.ttft import with_shared_tier
+    from raykv.transfer.shared_master import EmbeddedMaster
+    from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
+
+    err = Console(stderr=True)
+    if args.engine != "local":
+        err.print("shared_tier_s: with --engine local only so far (skipped)")
+        return None
+    problem = mooncake_problem()
+    if problem:
+        err.print(f"shared_tier_s: skipped ({problem})")
+        return None
+    master = EmbeddedMaster()
+    try:
+        address = master.start()
+    except SharedStoreError as exc:
+        err.print(f"shared_tier_s: skipped ({exc})")
+        return None
+    cleanup.callback(master.stop)
+    return with_shared_tier(cfg, address, lengths, args.repeat)
+
+
+def _ttft(
+    args: argparse.Namespace,
+    console: Console,
+    cfg: Any,
+    spec: Any,
+    path: Path,
+    reader_cfg: Any = None,
+) -> int:
     from raykv.bench.ttft import (
         LocalTTFTEngine,
         TTFTReport,
@@ -149,6 +188,8 @@ def _ttft(args: argparse.Namespace, console: Console, cfg: Any, spec: Any, path:
             from raykv.cluster.bench import RayTTFTEngine
 
             engine = RayTTFTEngine(cfg)
+        # the shared tier's other engine: a CPU tier of its own, the same store
+        reader = LocalTTFTEngine(reader_cfg) if reader_cfg is not None else None
         try:
             results = run_ttft_bench(
                 cfg,
@@ -157,9 +198,12 @@ def _ttft(args: argparse.Namespace, console: Console, cfg: Any, spec: Any, path:
                 args.repeat,
                 reference,
                 progress=lambda what: status.update(f"measuring: {what}"),
+                reader=reader,
             )
         finally:
             engine.close()
+            if reader is not None:
+                reader.close()
     report = TTFTReport(
         cfg.model.path or "",
         cfg.parallel.device,
@@ -364,6 +408,12 @@ def register(bench: Any) -> None:
         "temporary directory, removed at the end)",
     )
     tt.add_argument("--no-disk", action="store_true", help="skip the disk tier")
+    tt.add_argument(
+        "--no-shared",
+        action="store_true",
+        help="skip the shared tier (another engine loading from Mooncake Store; skipped by "
+        "itself where the store cannot start)",
+    )
     tt.add_argument("--json", help="write the results to this JSON file")
     tt.add_argument("--plot", help="draw TTFT against prompt length to this PNG file")
     tt.set_defaults(func=_cmd_bench_ttft)

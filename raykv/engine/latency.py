@@ -34,6 +34,7 @@ class RequestLatency:
     gpu_hit_tokens: int
     cpu_hit_tokens: int
     disk_hit_tokens: int = 0
+    shared_hit_tokens: int = 0
     # where its TTFT went: waiting for a seat (arrival to admission), waiting for its tier hit
     # to land (admission to the load's last ack; 0 without one), computing (the rest)
     queued_s: float = 0.0
@@ -206,6 +207,7 @@ class LatencyBook:
             req.num_gpu_hit_tokens,
             req.num_cpu_hit_tokens,
             req.num_disk_hit_tokens,
+            req.num_shared_hit_tokens,
             max(0.0, admitted - arrival),
             max(0.0, loaded - admitted),
             max(0.0, now - loaded),

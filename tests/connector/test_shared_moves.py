@@ -1,0 +1,173 @@
+"""The shared tier's moves at the scheduler, without ranks: what a lookup that reaches past the
+local tiers asks the store and starts, what a publish pins, and what a move that ends, fails or
+is abandoned leaves readable. The store's answers come from a list here (``Answers``): a test
+says what the store holds, as a real store cannot be made to lose a chunk between the lookup
+that found it and the read that misses it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raykv.connector.jobs import JobTable
+from raykv.connector.lookup import PrefixLookup
+from raykv.connector.shared_moves import FETCH, PUBLISH, SharedMoves
+from raykv.connector.state import RequestOffloadState
+from raykv.connector.stats import ConnectorStats
+from raykv.core.kv_groups import GroupKind, KVGroup
+from raykv.core.request import Request
+from raykv.core.step import TIER_SHARED
+from raykv.offload.directory import Directory
+
+BLOCK = 4
+
+
+@dataclass
+class Answers:
+    """What the store holds, as the test says (every rank's part, or none)."""
+
+    held: set[int] = field(default_factory=set)
+    asked: list[list[int]] = field(default_factory=list)
+
+    def present(self, keys: list[int]) -> list[bool]:
+        self.asked.append(list(keys))
+        return [k in self.held for k in keys]
+
+
+@dataclass
+class Tiers:
+    cpu: Directory
+    shared: Directory
+    jobs: JobTable
+    moves: SharedMoves
+    lookup: PrefixLookup
+    store: Answers
+
+
+def setup(cpu_slots: int = 8) -> Tiers:
+    cpu = Directory(cpu_slots, "lru")
+    shared = Directory(64, "lru")
+    jobs = JobTable(2)
+    store = Answers()
+    moves = SharedMoves(cpu, shared, jobs, store, retry_steps=4)
+    lookup = PrefixLookup(
+        cpu, [KVGroup(0, GroupKind.FULL_ATTENTION)], BLOCK, 1, 64, ConnectorStats()
+    )
+    lookup.shared_moves = moves
+    return Tiers(cpu, shared, jobs, moves, lookup, store)
+
+
+def request(n_chunks: int, tag: int = 0) -> RequestOffloadState:
+    tokens = [tag * 1000 + i for i in range(n_chunks * BLOCK + 1)]
+    state = RequestOffloadState.new(Request(f"r{tag}", tag, tokens, 4), 1)
+    state.update_keys(BLOCK, 1)
+    return state
+
+
+def ack_all(jobs: JobTable, job_id: int, ok: bool = True):
+    job = None
+    for rank in range(jobs.num_ranks):
+        job = jobs.ack(job_id, rank, ok) or job
+    assert job is not None
+    return job
+
+
+def stored(cpu: Directory, keys: list[int]) -> None:
+    plan = cpu.prepare_store(keys)
+    assert plan is not None
+    cpu.complete_store(plan.keys)
+
+
+def test_a_publish_pins_its_cpu_slots_until_every_rank_acked() -> None:
+    t = setup()
+    keys = request(3).groups[0].keys[:3]
+    stored(t.cpu, keys)
+    t.moves.publish(keys)
+    (move,), _ = t.moves.plan()
+    assert move.tier == TIER_SHARED and not move.promote
+    assert t.cpu.stats().reading == 3  # pinned: not evictable while the ranks read them
+    assert not any(t.shared.is_readable(k) for k in keys)  # being written
+    t.moves.finalize(ack_all(t.jobs, move.job_id), corrupt=False, full=False)
+    assert t.cpu.stats().reading == 0
+    assert all(t.shared.is_readable(k) for k in keys)
+    t.moves.publish(keys)  # held already: not published again
+    moves, _ = t.moves.plan()
+    assert moves == []
+
+
+def test_a_failed_publish_leaves_nothing_readable_and_a_full_store_pauses_publishing() -> None:
+    t = setup()
+    keys = request(2).groups[0].keys[:2]
+    stored(t.cpu, keys)
+    t.moves.publish(keys)
+    (move,), _ = t.moves.plan()
+    t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), corrupt=False, full=True)
+    assert not any(k in t.shared for k in keys) and t.cpu.stats().reading == 0
+    t.moves.publish(keys)
+    assert t.moves.plan()[0] == []  # paused for retry_steps
+    t.moves.step += 4
+    t.moves.publish(keys)
+    assert len(t.moves.plan()[0]) == 1
+
+
+def test_a_lookup_asks_the_store_once_and_promotes_what_only_it_holds() -> None:
+    t = setup()
+    state = request(4)
+    keys = state.groups[0].keys[:4]
+    stored(t.cpu, keys[:1])
+    t.store.held = set(keys[1:3])  # the store has chunks 1 and 2, not 3
+    assert t.lookup.lookup(state, 0, {}) is None  # waits for the promotion
+    assert t.store.asked == [keys[1:4]]
+    (move,), _ = t.moves.plan()
+    assert move.promote and move.tier == TIER_SHARED and move.chunks.unpack() == keys[1:3]
+    assert t.lookup.lookup(state, 0, {}) is None  # still being written: asks again, not the store
+    assert len(t.store.asked) == 1
+    t.moves.finalize(ack_all(t.jobs, move.job_id), corrupt=False, full=False)
+    assert t.lookup.lookup(state, 0, {}) == 3 * BLOCK
+    assert state.fetched == set(keys[1:3])
+
+
+def test_a_chunk_the_store_lost_fails_its_promotion_and_the_request_recomputes() -> None:
+    t = setup()
+    state = request(3)
+    keys = state.groups[0].keys[:3]
+    t.store.held = set(keys[:2])
+    assert t.lookup.lookup(state, 0, {}) is None
+    (move,), _ = t.moves.plan()
+    # evicted by the store between the lookup and the read: the ranks say so (corrupt)
+    job = ack_all(t.jobs, move.job_id, ok=False)
+    assert job.move == FETCH
+    t.moves.finalize(job, corrupt=True, full=False)
+    assert not any(k in t.cpu for k in keys[:2])  # nothing readable that was not
+    assert not any(k in t.shared for k in keys[:2])  # out of the index
+    assert t.moves.plan()[1].unpack() == keys[:2]  # the parts there go from the store
+    assert t.lookup.lookup(state, 0, {}) == 0  # it recomputes, and asks no more
+
+
+def test_an_abandoned_move_releases_what_it_held() -> None:
+    t = setup()
+    keys = request(2).groups[0].keys[:2]
+    stored(t.cpu, keys)
+    t.moves.publish(keys)
+    (publish,), _ = t.moves.plan()
+    job = t.jobs.jobs[publish.job_id]
+    assert job.move == PUBLISH
+    t.jobs.reset()
+    t.moves.abandon(job, keep_cpu=True)
+    assert t.cpu.stats().reading == 0 and not any(k in t.shared for k in keys)
+    t.cpu.check_invariants()
+    t.shared.check_invariants()
+
+
+def test_a_store_that_keeps_failing_is_left_alone_for_a_while() -> None:
+    t = setup()
+
+    class Down:
+        def present(self, keys: list[int]) -> list[bool]:
+            raise ConnectionError("master unreachable")
+
+    t.moves.index = Down()
+    for tag in range(8):
+        t.moves.discover(request(2, tag).groups[0].keys)
+    assert not t.moves.readable() and t.moves.stats.unavailable_events == 1
+    t.moves.step += 4
+    assert t.moves.readable()
