@@ -49,8 +49,9 @@ class SharedTierConfig(_Strict):
     timeout_s: float = Field(
         default=5.0,
         gt=0,
-        description="Seconds a rank waits for the store on one operation (connect, put, get) "
-        "before the job fails and its requests recompute.",
+        description="Seconds an engine waits for the master to answer when it joins the store "
+        "(a master nothing answers for is refused by name; Mooncake's own calls then fail "
+        "after its timeouts, seconds each, and the tier pauses).",
     )
     retry_steps: int = Field(
         default=512,

@@ -185,7 +185,8 @@ class PrefixLookup:
             for (mover, _), keys in zip(lowers, promote, strict=True):
                 if not keys:
                     continue
-                job = mover.promote(keys, state)
+                # what it loads beside them is never evicted to make their room
+                job = mover.promote(keys, state, keep=[*used, *near[1]])
                 if job == WAIT:
                     waiting = True
                 elif job is None:

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 PUBLISH, FETCH = "publish", "fetch"
 WAIT = -1  # ``promote``: not yet, room is being made
 FAILURES_TO_PAUSE = 8
+MAX_PUBLISHING_SHARE = 0.25  # of the CPU tier's slots, at most pinned by publishes in flight
 
 
 class StoreIndex(Protocol):
@@ -55,6 +56,7 @@ class SharedMoveStats:
     publish_jobs: int = 0
     published: int = 0  # chunks every rank put into the store
     publishes_failed: int = 0
+    not_published: int = 0  # chunks not published: too many publishes were in flight
     promotion_jobs: int = 0
     promoted: int = 0  # chunks read back into the CPU tier
     promotions_failed: int = 0
@@ -93,6 +95,7 @@ class SharedMoves:
         self._failures = 0
         self._unavailable_until = -1
         self._paused_until = -1  # publishes stop until this step (the pool was full)
+        self._publishing = 0  # chunks whose publish is in flight (their CPU slots pinned)
         self._said: set[str] = set()
 
     def readable(self) -> bool:
@@ -116,9 +119,9 @@ class SharedMoves:
         self.stats.asked += len(unknown)
         try:
             present = self.index.present(unknown)
-        except Exception as exc:  # the master unreachable: counted like a failed move
-            self._count_outcome(False)
-            log.debug("shared tier: the store did not say what it holds: %s", exc)
+        except Exception as exc:  # the master unreachable: no more questions for a while (the
+            # scheduler waits for each answer)
+            self._pause(f"the store did not say what it holds ({exc})")
             return
         found: list[int] = []
         for key, there in zip(unknown, present, strict=True):
@@ -137,11 +140,17 @@ class SharedMoves:
 
     def publish(self, keys: Sequence[int]) -> None:
         """Put these chunks, just stored in the CPU tier, into the store (those the index does
-        not hold yet)."""
+        not hold yet), as long as publishes in flight pin at most ``MAX_PUBLISHING_SHARE`` of
+        the CPU tier (a store slower than the stores would pin all of it; what is not published
+        is counted, and its later loads come from the CPU tier or are recomputed)."""
         if not self.writable():
             return
         cpu = self.cpu
         fresh = [k for k in dict.fromkeys(keys) if k not in self.shared and cpu.is_readable(k)]
+        room = int(cpu.capacity * MAX_PUBLISHING_SHARE) - self._publishing
+        if len(fresh) > room:
+            self.stats.not_published += len(fresh) - max(0, room)
+            fresh = fresh[: max(0, room)]
         if not fresh:
             return
         plan = self.shared.prepare_store(fresh, admit_all=True)
@@ -153,22 +162,26 @@ class SharedMoves:
         self._moves.append(
             TierMove.of(job.job_id, False, keys, slots, self.check_sums, TIER_SHARED)
         )
+        self._publishing += len(keys)
         self.stats.publish_jobs += 1
 
     # ---- promotions (from a lookup) ----------------------------------------------------------
 
     def promote(
-        self, keys: Sequence[int], waiting: RequestOffloadState | None = None
+        self,
+        keys: Sequence[int],
+        waiting: RequestOffloadState | None = None,
+        keep: Sequence[int] = (),
     ) -> int | None:
         """Start reading these store-only chunks into CPU slots (the coldest chunks evicted to
-        make room, as a store would: with write-through they are in the store already): the
-        job's id; ``WAIT`` while no room can be made (every slot pinned); None when the CPU
-        tier could never hold them beside its other readers."""
+        make room, as a store would; never one of ``keep``: what the request loads beside
+        them): the job's id; ``WAIT`` while no room can be made (every other slot pinned);
+        None when the CPU tier could never hold them beside its other readers."""
         keys = list(dict.fromkeys(keys))
         cpu = self.cpu
         if len(keys) > cpu.capacity // 2:
             return None
-        plan = cpu.prepare_store(keys, admit_all=True)
+        plan = cpu.prepare_store(keys, admit_all=True, keep=keep)
         if plan is None:
             return WAIT
         if plan.keys != keys:  # a key turned up in the CPU tier: never promote over it
@@ -204,6 +217,7 @@ class SharedMoves:
         ok = not job.failed
         self._count_outcome(ok or corrupt or full)
         if job.move == PUBLISH:
+            self._publishing -= len(job.keys)
             self.cpu.complete_load(job.keys)
             self.shared.complete_store(job.keys, success=ok)
             if ok:
@@ -226,15 +240,16 @@ class SharedMoves:
         self.stats.promotions_failed += len(job.keys)
         if corrupt:
             self.stats.gone += len(job.keys)
-        # which chunk is not said: every one of them leaves the index, and the parts that are
-        # there go from the store (the bytes under a key never change, so none is lost)
+        # which chunk is not said: every one of them leaves the index (a rank removed the parts
+        # it found spoiled; the others stay, for the engines that read them whole)
         self.shared.discard(job.keys)
-        if corrupt:
-            self._drops.extend(job.keys)
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
-        """A reset abandoned this move: nothing it was making becomes readable."""
+        """A reset abandoned this move: nothing it was making becomes readable, and one not yet
+        handed to the ranks never is (its CPU slots are free from now on)."""
+        self._moves = [m for m in self._moves if m.job_id != job.job_id]
         if job.move == PUBLISH:
+            self._publishing -= len(job.keys)
             self.shared.complete_store(job.keys, success=False)
             if keep_cpu:
                 self.cpu.complete_load(job.keys)
@@ -249,15 +264,18 @@ class SharedMoves:
             self._failures = 0
             return
         self._failures += 1
-        if self._failures < FAILURES_TO_PAUSE:
-            return
+        if self._failures >= FAILURES_TO_PAUSE:
+            self._pause(f"{FAILURES_TO_PAUSE} moves failed in a row")
+
+    def _pause(self, why: str) -> None:
+        """Out of use for ``retry_steps`` steps: no moves, no lookups, no questions."""
         self._failures = 0
         self._unavailable_until = self.step + self.retry_steps
         self.stats.unavailable_events += 1
         self._say(
             "failing",
-            f"the shared tier keeps failing ({FAILURES_TO_PAUSE} in a row): it is out of use "
-            f"for {self.retry_steps} steps at a time, the run goes on without it meanwhile",
+            f"the shared tier is out of use for {self.retry_steps} steps at a time ({why}); "
+            "the run goes on without it meanwhile",
         )
 
     def _say(self, what: str, message: str) -> None:

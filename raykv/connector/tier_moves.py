@@ -96,13 +96,18 @@ class DiskMoves:
     # ---- promotions (from a lookup) ------------------------------------------------------
 
     def promote(
-        self, keys: Sequence[int], waiting: RequestOffloadState | None = None
+        self,
+        keys: Sequence[int],
+        waiting: RequestOffloadState | None = None,
+        keep: Sequence[int] = (),
     ) -> int | None:
         """Start reading these disk-only chunks into free CPU slots: the job's id; ``WAIT``
         when there are not enough free slots yet (the next plans demote to make them: a
         promotion evicts nothing that is not on disk already); None when the CPU tier could
         never hold them all at once. ``waiting``: the request that waits for them (if the
-        promotion fails, it looks past the CPU tier no more)."""
+        promotion fails, it looks past the CPU tier no more). ``keep``: nothing is evicted
+        here (the promotion waits for room), so nothing of it is at risk."""
+        del keep
         keys = list(dict.fromkeys(keys))
         if len(keys) > self.cpu.capacity - self.reserve_slots:
             return None

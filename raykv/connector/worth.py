@@ -261,7 +261,7 @@ class TierCosts:
         if not options:
             return Decision(start, recompute, recompute)
         furthest = options[-1]
-        if not all(self.measured(_tier(o)) for o in options):
+        if not all(self.measured(tier) for o in options for tier in _tiers(o)):
             return Decision(furthest.end, None, None)
         best_end, best_s = start, recompute
         priced = [(o, self.cost(start, prompt, o)) for o in options]
@@ -297,6 +297,16 @@ class TierCosts:
             "prefill_s_per_token_position": c2,
             "step_s_besides_prefill": self.step_s,
         }
+
+
+def _tiers(option: Candidate) -> list[str]:
+    """Every tier an option loads from (each must be measured before it is priced)."""
+    out = ["cpu"]
+    if option.disk_blocks:
+        out.append("disk")
+    if option.shared_blocks:
+        out.append("shared")
+    return out
 
 
 def _tier(option: Candidate) -> str:

@@ -18,7 +18,7 @@ from raykv.connector.worth import TierCosts
 from raykv.core.block_pool import BlockPool
 from raykv.core.hashing import parent_hash
 from raykv.core.keys import key_group, key_hash
-from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, EventLog
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_SHARED, EventLog
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import (
@@ -385,6 +385,8 @@ class EngineCore:
             held[MEDIUM_CPU] = list(self.directory.readable_keys())
             if self.connector.moves is not None:
                 held[MEDIUM_DISK] = list(self.connector.moves.disk.readable_keys())
+            if self.connector.shared_moves is not None:
+                held[MEDIUM_SHARED] = list(self.connector.shared_moves.shared.readable_keys())
         return self.events.next_seq, held
 
     def reset_offload(self) -> None:

@@ -30,7 +30,7 @@ def shared_enabled(cfg: RaykvConfig) -> bool:
 
 def endpoint_of(cfg: RaykvConfig, master: str) -> StoreEndpoint:
     s = cfg.offload.shared
-    return StoreEndpoint(master, protocol=s.protocol, devices=s.devices)
+    return StoreEndpoint(master, protocol=s.protocol, devices=s.devices, timeout_s=s.timeout_s)
 
 
 def object_bytes(cfg: RaykvConfig) -> int:

@@ -252,9 +252,13 @@ class LocalWorkerGroup:
         # the shared tier's store: its master, this process's segment, the scheduler's index
         self.shared_runtime = SharedRuntime(cfg) if shared_enabled(cfg) else None
         self.store_index = self.shared_runtime.index if self.shared_runtime else None
+        self.workers: list[LocalWorker] = []
         try:
-            self.workers = [self._make(rank) for rank in range(cfg.parallel.tensor_parallel_size)]
+            for rank in range(cfg.parallel.tensor_parallel_size):
+                self.workers.append(self._make(rank))
         except BaseException:
+            for made in self.workers:  # their threads, clients and directory locks
+                made.shutdown()
             if self.shared_runtime is not None:
                 self.shared_runtime.close()
             raise

@@ -284,13 +284,16 @@ class Directory:
 
     # ---- stores ----------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[int], admit_all: bool = False) -> StorePlan | None:
+    def prepare_store(
+        self, keys: Sequence[int], admit_all: bool = False, keep: Iterable[int] = ()
+    ) -> StorePlan | None:
         """Allocate slots for the keys (prefix order) that need storing.
 
         Keys already present (ready or not) are dropped, as are keys the frequency filter or the
         policy's admission rejects (unless ``admit_all``: a promotion from the tier below, which
-        a lookup asked for). Every input key, including the dropped ones, is protected from the
-        eviction that makes room. Eviction is atomic: returns None, with nothing changed, when
+        a lookup asked for). Every input key, including the dropped ones, and every key of
+        ``keep`` (what the caller is about to load beside them) is protected from the eviction
+        that makes room. Eviction is atomic: returns None, with nothing changed, when
         enough room cannot be made. The new keys are being written until ``complete_store``.
         """
         self._offered += len(keys)
@@ -306,7 +309,7 @@ class Directory:
         if not missing:
             return StorePlan([], [], [])
         free = self._slots.num_free
-        protected = set(keys) if len(missing) > free else _NOTHING
+        protected = set(keys).union(keep) if len(missing) > free else _NOTHING
         to_store = missing
         if self._admits and not admit_all:
             to_store = self.policy.admit(missing, free, protected)

@@ -70,6 +70,7 @@ class StoreEndpoint:
     host: str = "127.0.0.1"  # this node's address, for the transfers to and from it
     protocol: str = "tcp"
     devices: str = ""  # RDMA devices (empty: found by Mooncake)
+    timeout_s: float = 5.0  # a master nothing answers for is refused within this
 
 
 def reachable(address: str, timeout_s: float) -> bool:
@@ -82,13 +83,12 @@ def reachable(address: str, timeout_s: float) -> bool:
         return False
 
 
-def connect(
-    endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int, timeout_s: float = 5.0
-) -> Any:
+def connect(endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int) -> Any:
     """A set-up ``MooncakeDistributedStore`` client (``segment_bytes``: DRAM it gives the
     pool, 0 for a client that only reads and writes); ``SharedStoreError`` naming the master
-    when it cannot be set up. A master nothing answers for is refused within ``timeout_s``
-    (Mooncake's own setup retries for a minute and more)."""
+    when it cannot be set up. A master nothing answers for is refused within the endpoint's
+    ``timeout_s`` (Mooncake's own setup retries for a minute and more)."""
+    timeout_s = endpoint.timeout_s
     problem = mooncake_problem()
     if problem:
         raise SharedStoreError(problem)
@@ -281,9 +281,10 @@ class SharedChunks:
         return [code == 1 for code in codes]
 
     def remove(self, keys: Sequence[int]) -> None:
-        """Remove these chunks' parts (found corrupt); a part another client reads is left."""
+        """Remove these chunks' parts (found corrupt); a part another client reads (under its
+        lease) is left."""
         names = [object_key(self.namespace, key, self.rank) for key in keys]
-        self._client.batch_remove(names, True)
+        self._client.batch_remove(names, False)
 
     def close(self) -> None:
         with self._lock:
@@ -301,6 +302,8 @@ class StoreIndex:
     def __init__(self, endpoint: StoreEndpoint, namespace: str, num_ranks: int) -> None:
         self.namespace = namespace
         self.num_ranks = num_ranks
+        self._master = endpoint.master
+        self._suspect = False  # the last question failed: ask only a master that answers
         self._client = connect(endpoint, 0, 1 << 20)
 
     def present(self, keys: Sequence[int]) -> list[bool]:
@@ -309,9 +312,12 @@ class StoreIndex:
         if not keys:
             return []
         ranks = self.num_ranks
+        if self._suspect and not reachable(self._master, 0.2):
+            raise SharedStoreError(f"nothing answers at {self._master} (the master)")
         names = [object_key(self.namespace, key, rank) for key in keys for rank in range(ranks)]
         codes = self._client.batch_is_exist(names)
-        if any(code < 0 for code in codes):
+        self._suspect = any(code < 0 for code in codes)
+        if self._suspect:
             raise SharedStoreError("the store's master did not answer whether chunks exist")
         return [
             all(code == 1 for code in codes[i * ranks : (i + 1) * ranks]) for i in range(len(keys))

@@ -78,7 +78,7 @@ def stored(cpu: Directory, keys: list[int]) -> None:
 
 
 def test_a_publish_pins_its_cpu_slots_until_every_rank_acked() -> None:
-    t = setup()
+    t = setup(cpu_slots=16)
     keys = request(3).groups[0].keys[:3]
     stored(t.cpu, keys)
     t.moves.publish(keys)
@@ -139,7 +139,8 @@ def test_a_chunk_the_store_lost_fails_its_promotion_and_the_request_recomputes()
     t.moves.finalize(job, corrupt=True, full=False)
     assert not any(k in t.cpu for k in keys[:2])  # nothing readable that was not
     assert not any(k in t.shared for k in keys[:2])  # out of the index
-    assert t.moves.plan()[1].unpack() == keys[:2]  # the parts there go from the store
+    # a rank removes the parts it found spoiled; no other engine's readable part is removed
+    assert t.moves.plan()[1].unpack() == []
     assert t.lookup.lookup(state, 0, {}) == 0  # it recomputes, and asks no more
 
 
@@ -171,3 +172,32 @@ def test_a_store_that_keeps_failing_is_left_alone_for_a_while() -> None:
     assert not t.moves.readable() and t.moves.stats.unavailable_events == 1
     t.moves.step += 4
     assert t.moves.readable()
+
+
+def test_an_abandoned_publish_is_never_sent() -> None:
+    """Found by review: a publish made when a store's acks came in waited for the next plan; a
+    reset between the two released its CPU slots, and the plan still sent it: the ranks put
+    whatever the slots held by then under the chunk's key."""
+    t = setup()
+    keys = request(2).groups[0].keys[:2]
+    stored(t.cpu, keys)
+    t.moves.publish(keys)
+    (job,) = t.jobs.reset()
+    t.moves.abandon(job, keep_cpu=True)
+    moves, _ = t.moves.plan()
+    assert moves == []
+
+
+def test_a_promotion_never_evicts_what_its_request_loads_beside_it() -> None:
+    """Found by review: the room for a promotion was made by evicting the coldest CPU chunks,
+    which could be the very chunks the same lookup then loaded (a KeyError at the load)."""
+    t = setup(cpu_slots=4)
+    mine = request(4, tag=1).groups[0].keys
+    others = request(2, tag=2).groups[0].keys[:2]
+    stored(t.cpu, mine[:2])
+    stored(t.cpu, others)
+    stored(t.shared, mine[2:4])
+    t.cpu.touch(others)  # the request's own chunks are the coldest
+    job = t.moves.promote(mine[2:4], keep=mine[:2])
+    assert job is not None and job != -1
+    assert all(k in t.cpu for k in mine) and not any(k in t.cpu for k in others)
