@@ -98,12 +98,13 @@ def test_an_object_that_is_not_the_keys_intact_part_is_never_served(
 
 def test_a_dead_master_fails_operations_instead_of_answering(shared_store: str) -> None:
     """The session's master stays up: this test starts one of its own and kills it."""
+    from raykv.transfer.segment_process import HeldSegment
     from raykv.transfer.shared_master import EmbeddedMaster
-    from raykv.transfer.shared_store import SegmentHolder
 
     master = EmbeddedMaster()
     address = master.start()
-    holder = SegmentHolder(StoreEndpoint(address), 32 * 2**20)
+    holder = HeldSegment(address, 32 * 2**20)  # a process of its own: ended at once
+    holder.start()
     memory = pool(seed=4)
     store = chunks(address, memory, "dead-master")
     try:
@@ -115,6 +116,6 @@ def test_a_dead_master_fails_operations_instead_of_answering(shared_store: str) 
         assert store.put([0x78], [2]) != [0]
     finally:
         store.close()
-        holder.close()
+        holder.stop()
         master.stop()
     assert master.pid is None
