@@ -178,7 +178,7 @@ class PrefixLookup:
         if end <= start:
             return 0
         if pending or any(k in loading for k in used):
-            return self._defer(state)
+            return self._defer(state, self._own_promotions(state, used, view))
         if any(promote):
             started = waiting = False
             refused = False
@@ -240,9 +240,23 @@ class PrefixLookup:
         state.choice = decision.end
         return decision.end // tpc if decision.end > num_local else start
 
-    def _defer(self, state: RequestOffloadState) -> int | None:
+    @staticmethod
+    def _own_promotions(
+        state: RequestOffloadState, used: list[int], view: Directory | UnionView
+    ) -> bool:
+        """Every chunk it waits for is one a promotion started for it is still writing."""
+        mine = state.promoted | state.fetched
+        waiting = [k for k in used if not view.is_readable(k)]
+        return bool(mine) and bool(waiting) and all(k in mine for k in waiting)
+
+    def _defer(self, state: RequestOffloadState, own: bool = False) -> int | None:
         """Ask again next step, unless this request has waited its share: then it recomputes
-        (vLLM #49829: a write that never finishes must not park a request forever)."""
+        (vLLM #49829: a write that never finishes must not park a request forever). A wait
+        for a promotion started for it (``own``) is not counted: steps while the I/O runs are
+        idle and quick, and the promotion ends by itself (acked, failed, or its rank dead)."""
+        if own:
+            self.stats.deferred_lookups += 1
+            return None
         state.deferred_steps += 1
         if state.deferred_steps > self.max_deferred_steps:
             self.stats.deferral_timeouts += 1
