@@ -9,10 +9,7 @@ import pytest
 
 from raykv.config import load_config
 from raykv.engine.core import EngineCore
-from raykv.engine.stats import drain_books
-from raykv.engine.workers import LocalWorkerGroup
-from raykv.runs.driver import run_workload
-from raykv.workload.requests import make_workload
+from tests.engine.test_disk_tier import run  # a workload to its drained books, every byte checked
 
 SMALL = [
     "workload.num_requests=24",
@@ -36,15 +33,6 @@ def shared(address: str) -> list[str]:
         f"offload.shared.master={address}",
         "offload.shared.segment=64MiB",
     ]
-
-
-def run(sets: list[str], offload: bool = True) -> tuple[dict, dict[str, int]]:
-    cfg = load_config(None, sets)
-    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-        engine = EngineCore(cfg, workers, offload=offload, verify=True)
-        report = run_workload(engine, make_workload(cfg), check_invariants=True)
-        books = drain_books(engine)
-    return report, books
 
 
 def test_what_one_engine_computed_another_loads_from_the_store(shared_store: str) -> None:

@@ -4,6 +4,7 @@ a job that fails as corrupt (the chunk leaves the tier), never in bytes from som
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -12,22 +13,13 @@ import torch
 
 from raykv.core.step import TierMove
 from raykv.transfer.checksums import RowChecksums
-from raykv.transfer.layout import KVLayout, allocate_pool
+from raykv.transfer.layout import allocate_pool
 from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
 from raykv.transfer.shared_store import StoreEndpoint, object_key
+from tests.transfer.test_disk_engine import KEYS  # keys up to 72 bits
+from tests.transfer.test_disk_engine import LAYOUT as DISK_LAYOUT
 
-LAYOUT = KVLayout(
-    num_gpu_blocks=4,
-    block_size=4,
-    num_groups=1,
-    layers_per_group=2,
-    kv_heads=2,
-    head_dim=8,
-    dtype="float16",
-    blocks_per_chunk=2,
-    num_slots=8,
-)
-KEYS = [(0xFEDC_BA98_7654_3210 << 8) | 3, 0x1234, (2**64 - 1) << 8]  # up to 72 bits
+LAYOUT = dataclasses.replace(DISK_LAYOUT, num_slots=8)
 _names = itertools.count()
 
 
