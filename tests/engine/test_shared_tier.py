@@ -35,8 +35,16 @@ def shared(address: str) -> list[str]:
     ]
 
 
-def test_what_one_engine_computed_another_loads_from_the_store(shared_store: str) -> None:
-    baseline, _ = run(SMALL, offload=False)
+@pytest.fixture(scope="module")
+def baseline() -> dict:
+    """The run without any tier."""
+    report, _ = run(SMALL, offload=False)
+    return report
+
+
+def test_what_one_engine_computed_another_loads_from_the_store(
+    shared_store: str, baseline: dict
+) -> None:
     first, books = run([*SMALL, *shared(shared_store)])
     assert first["output_digest"] == baseline["output_digest"]
     assert first["tiers"]["shared"]["published_chunks"] > 0
@@ -70,14 +78,13 @@ def test_the_ray_engine_refuses_the_shared_tier_by_name(engine_kind: str) -> Non
         EngineCore(cfg, NoStore())  # type: ignore[arg-type]
 
 
-def test_the_master_killed_mid_run_ends_with_the_fault_free_outputs() -> None:
+def test_the_master_killed_mid_run_ends_with_the_fault_free_outputs(baseline: dict) -> None:
     """An embedded master of the run's own, killed at step 10: publishes and promotions fail,
     the requests recompute, and the run finishes with the outputs of the run without tiers."""
     from raykv.transfer.shared_store import mooncake_problem
 
     if mooncake_problem():
         pytest.skip(f"the shared tier's store cannot start here: {mooncake_problem()}")
-    baseline, _ = run(SMALL, offload=False)
     sets = [
         *SMALL,
         "offload.shared.enabled=true",
