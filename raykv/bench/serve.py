@@ -42,6 +42,8 @@ class RequestResult:
     cpu_tier_tokens: int
     replica: str
     error: str | None = None
+    disk_tier_tokens: int = 0
+    shared_tier_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -61,7 +63,8 @@ class ServeBenchResult:
 
     @property
     def cached_tokens(self) -> int:
-        return self.prefill_tokens["gpu_cache"] + self.prefill_tokens["cpu_tier"]
+        """Prompt tokens not computed: from the GPU caches and every tier."""
+        return sum(n for where, n in self.prefill_tokens.items() if where != "computed")
 
     def as_dict(self, with_requests: bool = False) -> dict[str, Any]:
         out = asdict(self)
@@ -137,14 +140,18 @@ def percentiles(values: Sequence[float]) -> dict[str, float]:
 
 def summarize(router: str, results: list[RequestResult], wall_s: float) -> ServeBenchResult:
     ok = [r for r in results if r.error is None]
-    gpu = sum(r.gpu_cache_tokens for r in ok)
-    cpu = sum(r.cpu_tier_tokens for r in ok)
+    where = {
+        "gpu_cache": sum(r.gpu_cache_tokens for r in ok),
+        "cpu_tier": sum(r.cpu_tier_tokens for r in ok),
+        "disk_tier": sum(r.disk_tier_tokens for r in ok),
+        "shared_tier": sum(r.shared_tier_tokens for r in ok),
+    }
     prompt = sum(r.prompt_tokens for r in ok)
     return ServeBenchResult(
         router=router,
         ttft_s=percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         output_tokens_per_s=sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
-        prefill_tokens={"gpu_cache": gpu, "cpu_tier": cpu, "computed": prompt - gpu - cpu},
+        prefill_tokens={**where, "computed": prompt - sum(where.values())},
         requests=len(results),
         errors=len(results) - len(ok),
         wall_s=wall_s,
@@ -188,6 +195,8 @@ async def _one(client: Any, model: str, spec: RequestSpec) -> RequestResult:
         int(extra.get("gpu_cache_tokens", 0)),
         int(extra.get("cpu_tier_tokens", 0)),
         replica,
+        disk_tier_tokens=int(extra.get("disk_tier_tokens", 0)),
+        shared_tier_tokens=int(extra.get("shared_tier_tokens", 0)),
     )
 
 
@@ -266,7 +275,7 @@ def bench_router(
     return summarize(router, results, wall)
 
 
-def format_serve_table(results: Sequence[ServeBenchResult], title: str) -> Any:
+def format_serve_table(results: Sequence[ServeBenchResult], title: str, affinity: int = 0) -> Any:
     """A rich table, one row per router, and the ratios against pow2 when it ran."""
     from rich.table import Table
 
@@ -280,8 +289,11 @@ def format_serve_table(results: Sequence[ServeBenchResult], title: str) -> Any:
         "output tok/s",
         "from GPU caches",
         "from CPU tiers",
+        "from disk tiers",
+        "from the shared tier",
         "computed",
         "cached vs pow2",
+        "of affinity bound",
         "errors",
     ):
         table.add_column(column, justify="left" if column == "router" else "right")
@@ -300,8 +312,11 @@ def format_serve_table(results: Sequence[ServeBenchResult], title: str) -> Any:
             f"{r.output_tokens_per_s:.1f}",
             f"{r.prefill_tokens['gpu_cache']:,}",
             f"{r.prefill_tokens['cpu_tier']:,}",
+            f"{r.prefill_tokens.get('disk_tier', 0):,}",
+            f"{r.prefill_tokens.get('shared_tier', 0):,}",
             f"{r.prefill_tokens['computed']:,}",
             ratio,
+            f"{r.cached_tokens / affinity:.2f}" if affinity else "",
             str(r.errors),
         )
     return table

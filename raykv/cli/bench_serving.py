@@ -278,7 +278,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
         f"raykv bench serve: {cfg.model.path}, {args.replicas} replicas, {args.workload} "
         f"({len(specs)} requests, concurrency {args.concurrency})"
     )
-    console.print(format_serve_table(results, title))
+    console.print(format_serve_table(results, title, bounds.affinity))
     console.print(
         f"what the workload allows (unbounded caches, in its order): {bounds.affinity:,} prompt "
         f"tokens reused with each request where most of its prompt is, {bounds.random:,} with "

@@ -24,10 +24,18 @@ from raykv.cluster.rank_actor import (
     RankInfo,
     spawn_rank_worker,
 )
+from raykv.cluster.shared_store import kill_master, kill_node_store, scheduler_index
 from raykv.config import RaykvConfig
 from raykv.core.request import REJECTED, Request
 from raykv.core.step import TokenLogprobs
-from raykv.faults import SchedulerFault, parse_fault, scheduler_dies_at, scheduler_fails_at
+from raykv.faults import (
+    SchedulerFault,
+    parse_fault,
+    scheduler_dies_at,
+    scheduler_fails_at,
+    shared_master_dies_at,
+    store_actor_dies_at,
+)
 
 if TYPE_CHECKING:
     from raykv.runs.report import RunReport
@@ -86,6 +94,8 @@ class EngineServer:
         self._faults = [parse_fault(f) for f in self.cfg.faults]
         self.group = make_worker_group(self.cfg, workers, self._spawn)
         try:
+            # the scheduler's own client of the shared tier: it asks which chunks the store holds
+            self.group.store_index = scheduler_index(self.cfg) if offload is not False else None
             self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         except BaseException:
             # a failed creation leaves no graph behind: its ranks would wait in it, and the
@@ -135,6 +145,10 @@ class EngineServer:
             os._exit(1)  # an injected death is a real one: the process goes, state and all
         if scheduler_fails_at(self._faults, steps):
             raise SchedulerFault(f"fail-scheduler: step {steps} failed (an injected fault)")
+        if shared_master_dies_at(self._faults, steps):
+            kill_master()
+        if store_actor_dies_at(self._faults, steps):
+            kill_node_store(ray.get_runtime_context().get_node_id())
 
     def progress(self) -> dict[str, Any]:
         from raykv.runs.driver import progress_of
@@ -228,6 +242,9 @@ class EngineServer:
         self.stop()
         with self._lock:
             self.group.shutdown()
+            if self.group.store_index is not None:
+                self.group.store_index.close()
+                self.group.store_index = None
 
     def reset_prefix_cache(self) -> None:
         with self._lock:

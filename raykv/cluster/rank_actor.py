@@ -32,6 +32,7 @@ from raykv.transfer.pool_files import (
 
 if TYPE_CHECKING:  # torch is imported by the rank actors only, not by the driver
     from raykv.model.tp_group import Rendezvous, RendezvousAddress, TPGroup
+    from raykv.transfer.shared_store import StoreEndpoint
 
 # A replacement rank waits this long for its killed predecessor's process to exit before it maps
 # the predecessor's CPU-pool shard; after that it takes a fresh one.
@@ -95,6 +96,7 @@ class RankWorker:
             incarnation=incarnation,
             pool_path=pool_path,
             all_reduce=self._all_reduce if in_group else None,
+            store=_store_of(self.cfg, incarnation),
         )
 
     def _all_reduce(self, tensor: Any) -> Any:
@@ -170,6 +172,21 @@ class RankWorker:
         if self._lease is not None:
             os.close(self._lease)
             self._lease = None
+
+
+def _store_of(cfg: RaykvConfig, incarnation: int) -> StoreEndpoint | None:
+    """Where this rank joins the shared tier (None: no shared tier), once its node's store
+    actor has mounted the node's segment. A replacement rank starts without the store where it
+    cannot join it (the store may be what failed); a first one fails, naming the master."""
+    from raykv.cluster.shared_store import join_shared_store
+    from raykv.transfer.shared_store import SharedUnavailable
+
+    try:
+        return join_shared_store(cfg)
+    except SharedUnavailable:
+        if incarnation == 0:
+            raise
+        return None
 
 
 def needs_tp_group(cfg: RaykvConfig) -> bool:

@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -21,6 +21,9 @@ from raykv.cluster import wire
 from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo
 from raykv.core.step import StepPlan, StepReport
 from raykv.engine.ranks import RankFailed, SentStep, StepHandle
+
+if TYPE_CHECKING:
+    from raykv.transfer.shared_store import StoreIndex
 
 
 class RayWorkerGroup:
@@ -31,6 +34,9 @@ class RayWorkerGroup:
     measured on 2 cores with ~1.5 KB plans, one pickled blob cost 1.3-1.4x a bare round trip of
     the same bytes, where letting Ray serialize the dataclasses per call cost 2x and ``ray.put``
     once then passing the reference 3.6x (an object-store round trip per step)."""
+
+    # the scheduler's client of the shared tier (set by the scheduler actor; None: no tier)
+    store_index: StoreIndex | None = None
 
     def __init__(
         self,

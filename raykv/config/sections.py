@@ -368,12 +368,16 @@ class WorkloadConfig(_Strict):
         return self
 
 
+# measured: docs/serving.md ("The KV-aware router")
+SHARED_HIT_COST = 0.06
+
+
 class RouterWeightsConfig(_Strict):
     """The KV-aware router's cost of sending a request to a replica, in prompt tokens to
     compute: ``computed + cpu_hit_cost * loaded_from_cpu + disk_hit_cost * loaded_from_disk +
-    spilled_queue + decode_cost * decoding`` (a GPU hit costs nothing; ``spilled_queue`` is the
-    queued prefill that does not fit in the replica's next step beside the prompt);
-    docs/serving.md ("The KV-aware router") says how each was measured."""
+    shared_hit_cost * loaded_from_shared + spilled_queue + decode_cost * decoding`` (a GPU hit costs
+    nothing; ``spilled_queue`` is the queued prefill that does not fit in the replica's next step
+    beside the prompt); docs/serving.md ("The KV-aware router") says how each was measured."""
 
     cpu_hit_cost: float = Field(
         default=0.02, ge=0, description="A prompt token loaded from the CPU tier, in computed ones."
@@ -386,6 +390,13 @@ class RouterWeightsConfig(_Strict):
         "them (raykv bench route-weights --prompt-tokens 256,1024 --repeat 5, SmolLM2 float32, "
         "O_DIRECT on ext4, 2 cores: 0.010-0.027 in four runs, median 0.024), rounded up to "
         "stay above cpu_hit_cost: a disk hit is a CPU-tier load after a promotion.",
+    )
+    shared_hit_cost: float = Field(
+        default=SHARED_HIT_COST,
+        ge=0,
+        description="A prompt token read from the shared tier (Mooncake Store) into the CPU "
+        "tier and then loaded, in computed ones; measured by raykv bench route-weights "
+        "(docs/serving.md).",
     )
     decode_cost: float = Field(
         default=4.0, ge=0, description="A request decoding on the replica, in computed tokens."

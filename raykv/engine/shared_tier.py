@@ -69,6 +69,13 @@ class SharedRuntime:
             log.warning("fault: killing the shared tier's embedded master")
             self.master.kill()
 
+    def kill_segment(self) -> None:
+        """End the segment's process at once (``kill-store-actor``): what the pool held there
+        is gone."""
+        if self.holder is not None:
+            log.warning("fault: killing the shared tier's segment process")
+            self.holder.kill()
+
     def close(self) -> None:
         index = getattr(self, "index", None)
         if index is not None:
@@ -122,14 +129,8 @@ def shared_directory(cfg: RaykvConfig, events: EventLog) -> Directory | None:
 
 
 def store_index_of(cfg: RaykvConfig, workers: object) -> StoreIndex | None:
-    """The scheduler's index of the store, from the engine's workers (None: no shared tier);
-    ConfigError where the tier is on and the workers offer none (the Ray engine, so far)."""
+    """The scheduler's index of the store, from the engine's workers (None: no shared tier,
+    or workers that offer none: then the tier is never asked)."""
     if not shared_enabled(cfg):
         return None
-    index = getattr(workers, "store_index", None)
-    if index is None:
-        raise ConfigError(
-            "offload.shared.enabled: the shared tier runs with the engine in one process "
-            "(--engine local) so far"
-        )
-    return index
+    return getattr(workers, "store_index", None)

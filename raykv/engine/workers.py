@@ -31,6 +31,7 @@ from raykv.faults import (
     RankFaults,
     parse_fault,
     shared_master_dies_at,
+    store_actor_dies_at,
 )
 from raykv.model.synthetic import SyntheticModel
 from raykv.transfer.checksums import RowChecksums
@@ -292,6 +293,8 @@ class LocalWorkerGroup:
         runtime = self.shared_runtime
         if runtime is not None and shared_master_dies_at(self._faults, plan.step):
             runtime.kill_master()
+        if runtime is not None and store_actor_dies_at(self._faults, plan.step):
+            runtime.kill_segment()
         reports, dead = [], []
         for w in self.workers:
             try:

@@ -16,6 +16,7 @@ from raykv.faults.specs import (
     scheduler_dies_at,
     scheduler_fails_at,
     shared_master_dies_at,
+    store_actor_dies_at,
 )
 from raykv.faults.wrappers import FaultyBackend, FaultyRank, Rank
 
@@ -36,4 +37,5 @@ __all__ = [
     "scheduler_dies_at",
     "scheduler_fails_at",
     "shared_master_dies_at",
+    "store_actor_dies_at",
 ]

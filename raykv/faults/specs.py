@@ -33,6 +33,10 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 - ``kill-shared-master:step=N``  the shared tier's embedded Mooncake master is killed at step N:
                                  publishes and promotions fail, requests recompute, the tier is
                                  out of use for ``offload.shared.retry_steps`` at a time
+- ``kill-store-actor:step=N``    the shared tier's segment on the scheduler's node is killed at
+                                 step N (its store actor on Ray, restarted empty; the segment's
+                                 process in one process): what it held is gone, reads of it
+                                 fail, requests recompute
 
 Any of them takes ``:seed=S``, and those of a rank ``:incarnation=I``: only that instance of the
 rank suffers it (0 is the first; each replacement after a death counts one up). Every rank draws
@@ -78,9 +82,10 @@ KINDS = (
     "slow-disk",
     "full-disk",
     "kill-shared-master",
+    "kill-store-actor",
 )
 # faults of the scheduler (or of what the engine runs beside it), not of a rank
-SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler", "kill-shared-master")
+SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler", "kill-shared-master", "kill-store-actor")
 # faults of a rank's disk engine
 DISK_KINDS = ("fail-disk", "corrupt-disk", "slow-disk", "full-disk")
 _PARAMS = {
@@ -98,6 +103,7 @@ _PARAMS = {
     "slow-disk": {"ms", "rank", "seed", "incarnation"},
     "full-disk": {"after", "rank", "seed", "incarnation"},
     "kill-shared-master": {"step", "seed"},
+    "kill-store-actor": {"step", "seed"},
 }
 
 
@@ -129,6 +135,12 @@ class Fault:
 def scheduler_dies_at(faults: list[Fault], step: int, incarnation: int) -> bool:
     """The scheduler actor dies after ``step`` (only the first one: a replacement lives)."""
     return incarnation == 0 and any(f.kind == "kill-scheduler" and f.step == step for f in faults)
+
+
+def store_actor_dies_at(faults: list[Fault], step: int) -> bool:
+    """The shared tier's segment on the scheduler's node is killed at ``step``
+    (``kill-store-actor``)."""
+    return any(f.kind == "kill-store-actor" and f.step == step for f in faults)
 
 
 def shared_master_dies_at(faults: list[Fault], step: int) -> bool:

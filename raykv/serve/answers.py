@@ -135,9 +135,13 @@ def usage_of(last: EngineUpdate) -> dict[str, Any]:
         # OpenAI's cached_tokens, and (raykv's own) where they came from
         "prompt_tokens_details": {
             "cached_tokens": last.cached_tokens,
-            "gpu_cache_tokens": last.cached_tokens - last.cpu_tier_tokens - last.disk_tier_tokens,
+            "gpu_cache_tokens": last.cached_tokens
+            - last.cpu_tier_tokens
+            - last.disk_tier_tokens
+            - last.shared_tier_tokens,
             "cpu_tier_tokens": last.cpu_tier_tokens,
             "disk_tier_tokens": last.disk_tier_tokens,
+            "shared_tier_tokens": last.shared_tier_tokens,
         },
     }
 

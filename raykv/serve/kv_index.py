@@ -1,7 +1,7 @@
 """What the KV-aware router knows about each replica's KV: the keys its GPU prefix cache, its
-CPU tier and its disk tier hold, mirrored from the replica's KV events, and how much of a prompt
-each could serve. Plain Python: the feed actor and the router both use it, and tests drive it
-directly.
+CPU tier and its disk tier hold, and those it knows the cluster's shared tier to hold, mirrored
+from the replica's KV events, and how much of a prompt each could serve. Plain Python: the feed
+actor and the router both use it, and tests drive it directly.
 
 Events travel as ``WireEvent`` tuples (sequence number, stored or removed, medium, keys): cheap
 to pickle, and the same shape whether they come from the engine's log or a snapshot.
@@ -16,7 +16,14 @@ from itertools import islice
 
 from raykv.core.hashing import block_hashes
 from raykv.core.keys import make_key
-from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, BlockStored, KVEvent
+from raykv.core.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_GPU,
+    MEDIUM_SHARED,
+    BlockStored,
+    KVEvent,
+)
 
 # (seq, stored, medium, keys): one KV event on the wire
 WireEvent = tuple[int, bool, str, tuple[int, ...]]
@@ -48,6 +55,9 @@ class ReplicaKV:
     gpu: set[int] = field(default_factory=set)
     cpu: set[int] = field(default_factory=set)
     disk: set[int] = field(default_factory=set)
+    # chunks this replica published to the shared tier or found there: every replica can load
+    # them, so the router takes the union over the replicas (``SharedView``)
+    shared: set[int] = field(default_factory=set)
     next_seq: int = 0
     synced: bool = False  # False until the first snapshot, and again after a gap
 
@@ -59,6 +69,8 @@ class ReplicaKV:
             return self.cpu
         if medium == MEDIUM_DISK:
             return self.disk
+        if medium == MEDIUM_SHARED:
+            return self.shared
         return None
 
     def apply(self, events: Sequence[WireEvent]) -> bool:
@@ -83,6 +95,7 @@ class ReplicaKV:
         self.gpu = set(snapshot.held.get(MEDIUM_GPU, ()))
         self.cpu = set(snapshot.held.get(MEDIUM_CPU, ()))
         self.disk = set(snapshot.held.get(MEDIUM_DISK, ()))
+        self.shared = set(snapshot.held.get(MEDIUM_SHARED, ()))
         self.next_seq = snapshot.next_seq
         self.synced = True
 
@@ -94,6 +107,7 @@ class ReplicaKV:
                 MEDIUM_GPU: list(self.gpu),
                 MEDIUM_CPU: list(self.cpu),
                 MEDIUM_DISK: list(self.disk),
+                MEDIUM_SHARED: list(self.shared),
             },
         )
 
@@ -178,33 +192,50 @@ class PromptKeys:
         return cls(gpu, cpu, len(token_ids), published)
 
 
+class SharedView:
+    """The chunks the shared tier holds as far as the router knows: those any followed
+    replica published there or found there (each replica mirrors only its own share)."""
+
+    def __init__(self, replicas: Iterable[ReplicaKV]) -> None:
+        self._sets = [kv.shared for kv in replicas if kv.shared]
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in held for held in self._sets)
+
+
 @dataclass(slots=True)
 class Hit:
-    """Prompt tokens a replica could take from its GPU cache, then from its CPU tier and its
-    disk tier (a chunk only the disk holds is promoted into the CPU tier, then loaded); the
-    rest are computed."""
+    """Prompt tokens a replica could take from its GPU cache, then from its CPU tier, its disk
+    tier (a chunk only the disk holds is promoted into the CPU tier, then loaded) and the shared
+    tier (read from the store into the CPU tier, then loaded); the rest are computed."""
 
     gpu_tokens: int
     cpu_tokens: int
     computed_tokens: int
     disk_tokens: int = 0
+    shared_tokens: int = 0
 
     @property
     def reused_tokens(self) -> int:
         """The prompt tokens not computed, from any medium."""
-        return self.gpu_tokens + self.cpu_tokens + self.disk_tokens
+        return self.gpu_tokens + self.cpu_tokens + self.disk_tokens + self.shared_tokens
 
 
 def prompt_hit(
-    keys: PromptKeys, kv: ReplicaKV, layout: KVLayout, expected: Container[int] = ()
+    keys: PromptKeys,
+    kv: ReplicaKV,
+    layout: KVLayout,
+    expected: Container[int] = (),
+    shared: Container[int] = (),
 ) -> Hit:
     """The engine's own rule, from the mirror: the longest prefix of blocks in the GPU cache,
     then the chunks that follow on from the chunk where that hit ends, each held by the CPU
-    tier or the disk tier (the engine's lookup over both tiers together). A chunk counts for the
-    faster medium that holds it: the CPU tier where it holds every group's key, else the disk
-    (at least one key must be promoted first, so the chunk waits for the disk). The first such
-    chunk counts only its tokens past the GPU hit. ``expected``: GPU keys taken as held though
-    no event announced them yet (a prompt just sent to the replica)."""
+    tier, the disk tier or the shared tier (the engine's lookup over the tiers together). A
+    chunk counts for the slowest medium it needs: the CPU tier where it holds every group's
+    key, else the disk where the two hold them all, else the shared tier (``shared``: what the
+    router knows the store holds, for every replica alike). The first such chunk counts only
+    its tokens past the GPU hit. ``expected``: GPU keys taken as held though no event announced
+    them yet (a prompt just sent to the replica)."""
     gpu_blocks = 0
     for block in keys.gpu:
         if not all(k in kv.gpu or k in expected for k in block):
@@ -213,7 +244,7 @@ def prompt_hit(
     gpu_tokens = gpu_blocks * layout.block_size
     tpc = layout.tokens_per_chunk
     cpu, disk = kv.cpu, kv.disk
-    cpu_tokens = disk_tokens = 0
+    cpu_tokens = disk_tokens = shared_tokens = 0
     done = gpu_tokens  # prompt tokens accounted for so far
     for chunk in keys.cpu[gpu_tokens // tpc :]:
         tokens = done // tpc * tpc + tpc - done  # the chunk's tokens past what is accounted for
@@ -221,7 +252,9 @@ def prompt_hit(
             cpu_tokens += tokens
         elif all(k in cpu or k in disk for k in chunk):
             disk_tokens += tokens
+        elif all(k in cpu or k in disk or k in shared for k in chunk):
+            shared_tokens += tokens
         else:
             break
         done += tokens
-    return Hit(gpu_tokens, cpu_tokens, keys.num_tokens - done, disk_tokens)
+    return Hit(gpu_tokens, cpu_tokens, keys.num_tokens - done, disk_tokens, shared_tokens)

@@ -31,8 +31,17 @@ from ray.serve.request_router import (
 from ray.util.metrics import Counter
 
 from raykv.config import RouterWeightsConfig
+from raykv.config.sections import SHARED_HIT_COST
 from raykv.serve.kv_feed import PUSH_INTERVAL_S, Load, feed_name
-from raykv.serve.kv_index import Hit, KVLayout, PromptKeys, ReplicaKV, Snapshot, prompt_hit
+from raykv.serve.kv_index import (
+    Hit,
+    KVLayout,
+    PromptKeys,
+    ReplicaKV,
+    SharedView,
+    Snapshot,
+    prompt_hit,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -55,12 +64,13 @@ ROUTED_SETTLE_S = 3 * PUSH_INTERVAL_S
 class RouteWeights:
     """The cost of sending a request to a replica, in prompt tokens to compute:
 
-    ``computed + cpu_hit_cost * from_cpu + disk_hit_cost * from_disk + spilled_queue +
-    decode_cost * decoding``
+    ``computed + cpu_hit_cost * from_cpu + disk_hit_cost * from_disk + shared_hit_cost *
+    from_shared + spilled_queue + decode_cost * decoding``
 
     A GPU hit costs nothing; a token from the disk tier is promoted into the CPU tier and then
-    loaded, so it costs more than one from the CPU tier. ``spilled_queue`` is the part of the
-    replica's queued prefill that does not fit beside this request's prompt and the decoding
+    loaded, so it costs more than one from the CPU tier; one from the shared tier is read over the
+    network into the CPU tier, then loaded: any replica can take it. ``spilled_queue`` is the part
+    of the replica's queued prefill that does not fit beside this request's prompt and the decoding
     requests in the replica's next step (``step_tokens``, the engine's
     ``max_num_batched_tokens``): with chunked prefill a shorter queue is taken in the same step
     as this request and puts no step before its first token. When the least-cost replica's
@@ -75,6 +85,7 @@ class RouteWeights:
     imbalance: float
     imbalance_tokens: int
     step_tokens: int = 0
+    shared_hit_cost: float = SHARED_HIT_COST
 
     def queue(self, load: Load, routed_tokens: int) -> float:
         """The replica's queued prefill and decoding, in tokens (what balancing compares)."""
@@ -90,6 +101,7 @@ class RouteWeights:
             hit.computed_tokens
             + self.cpu_hit_cost * hit.cpu_tokens
             + self.disk_hit_cost * hit.disk_tokens
+            + self.shared_hit_cost * hit.shared_tokens
             + spilled
             + self.decode_cost * load.decoding
         )
@@ -251,9 +263,10 @@ class KVAwareRouter(RequestRouter):
         keys = PromptKeys.of(token_ids, self.layout)
         scored = []
         typical = self._typical_load()
+        shared = SharedView(f.kv for f in self.followed.values())
         for replica in candidate_replicas:
             followed = self.followed.get(replica.replica_id) or _Followed()
-            hit = prompt_hit(keys, followed.kv, self.layout, followed.fresh_expected())
+            hit = prompt_hit(keys, followed.kv, self.layout, followed.fresh_expected(), shared)
             load, routed = followed.load or typical, followed.routed_tokens()
             queue = self.weights.queue(load, routed)
             scored.append((self.weights.cost(hit, load, routed), queue, hit, replica))

@@ -49,9 +49,10 @@ class EngineUpdate:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt: from the GPU prefix cache, the CPU and disk tiers
+    cached_tokens: int = 0  # of the prompt: from the GPU prefix cache and the tiers
     cpu_tier_tokens: int = 0  # of those, from the CPU tier
-    disk_tier_tokens: int = 0  # ... and promoted from the disk tier
+    disk_tier_tokens: int = 0  # ... promoted from the disk tier
+    shared_tier_tokens: int = 0  # ... and read from the shared tier (Mooncake Store)
     error: str | None = None
     status: int = 200
     param: str | None = None

@@ -200,6 +200,7 @@ class EngineReplica:
                     update.cached_tokens = sum(cached)
                     update.cpu_tier_tokens = cached[1]
                     update.disk_tier_tokens = cached[2]
+                    update.shared_tier_tokens = cached[3]
                     finished = True
                     yield update
                     return
@@ -322,8 +323,13 @@ class EngineReplica:
         wanted = req.sampling is not None and req.sampling.logprobs is not None
         logprobs = req.logprobs[stream.delivered :] if wanted else None
         stream.delivered = len(output)
-        # the engine counts a hit promoted from disk apart from the CPU tier's own
-        cached = (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens, req.num_disk_hit_tokens)
+        # the engine counts a hit promoted from disk or the store apart from the CPU tier's own
+        cached = (
+            req.num_gpu_hit_tokens,
+            req.num_cpu_hit_tokens,
+            req.num_disk_hit_tokens,
+            req.num_shared_hit_tokens,
+        )
         stream.put((new, logprobs, status, cached))
 
     def _token_info(self, token_id: int, text: str, lp: TokenLogprobs) -> TokenInfo:

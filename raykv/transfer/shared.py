@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from raykv.config import ConfigError
 from raykv.core.step import TierMove
 from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
 from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
@@ -37,6 +36,7 @@ from raykv.transfer.shared_store import (
     OBJECT_ALREADY_EXISTS,
     SharedChunks,
     SharedStoreError,
+    SharedUnavailable,
     StoreEndpoint,
     reachable,
 )
@@ -45,11 +45,6 @@ log = logging.getLogger(__name__)
 
 RECONNECT_S = 5.0  # how often an engine without its store tries to join it again
 PROBE_S = 0.5  # how long a suspect master has to accept a connection
-
-
-class SharedUnavailable(ConfigError):
-    """The shared tier's store cannot be used as configured (``offload.shared.*``): named in
-    the message (a configuration problem: ``raykv`` exits 2)."""
 
 
 class SharedTransferEngine(ChunkJobEngine):

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raykv.config import ConfigError
 from raykv.transfer.crc import crc32
 from raykv.transfer.disk_files import ChunkFileError, ChunkFormat
 
@@ -39,6 +40,11 @@ NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+
+
+class SharedUnavailable(ConfigError):
+    """The shared tier's store cannot be used as configured (``offload.shared.*``): named in
+    the message (a configuration problem: ``raykv`` exits 2)."""
 
 
 class SharedStoreError(RuntimeError):

@@ -18,6 +18,7 @@ from raykv.serve.kv_index import (
     KVLayout,
     PromptKeys,
     ReplicaKV,
+    SharedView,
     Snapshot,
     prompt_hit,
     to_wire,
@@ -59,7 +60,7 @@ def replay(sets: list[str], blocks_per_chunk: int) -> dict[str, int]:
     layout = KVLayout(cfg.cache.block_size, blocks_per_chunk)
     ring = EventRing(capacity=2)  # tiny: a reader that falls behind gets a snapshot
     reader = ReplicaKV()
-    seen = {"gpu": 0, "cpu": 0, "disk": 0, "cpu_and_disk": 0, "snapshots": 0}
+    seen = {"gpu": 0, "cpu": 0, "disk": 0, "shared": 0, "cpu_and_disk": 0, "snapshots": 0}
     with LocalWorkerGroup(cfg, cfg.cpu_slots(), threaded=False) as workers:
         engine = EngineCore(cfg, workers, offload=True)
         driver = Driver(engine)
@@ -76,21 +77,30 @@ def replay(sets: list[str], blocks_per_chunk: int) -> dict[str, int]:
             _, held = engine.kv_state()
             assert reader.gpu == set(held["GPU"]) and reader.cpu == set(held["CPU"])
             assert reader.disk == set(held.get("DISK", ()))
-            predicted = prompt_hit(PromptKeys.of(prompt, layout), reader, layout)
+            assert reader.shared == set(held.get("SHARED", ()))
+            keys = PromptKeys.of(prompt, layout)
+            predicted = prompt_hit(keys, reader, layout, shared=SharedView([reader]))
             driver.submit([RequestSpec(f"r{i}", tuple(prompt), 4, 0)])
             while driver.has_work():  # alone to the end, every store landed
                 driver.step()
             (req,) = driver.take_finished()
-            taken = (req.num_gpu_hit_tokens, req.num_cpu_hit_tokens, req.num_disk_hit_tokens)
+            taken = (
+                req.num_gpu_hit_tokens,
+                req.num_cpu_hit_tokens,
+                req.num_disk_hit_tokens,
+                req.num_shared_hit_tokens,
+            )
             assert taken == (
                 predicted.gpu_tokens,
                 predicted.cpu_tokens,
                 predicted.disk_tokens,
+                predicted.shared_tokens,
             ), f"prompt {i} of {len(prompt)} tokens"
             assert predicted.computed_tokens == len(prompt) - sum(taken)
             seen["gpu"] += predicted.gpu_tokens > 0
             seen["cpu"] += predicted.cpu_tokens > 0
             seen["disk"] += predicted.disk_tokens > 0
+            seen["shared"] += predicted.shared_tokens > 0
             seen["cpu_and_disk"] += predicted.cpu_tokens > 0 and predicted.disk_tokens > 0
     return seen
 
@@ -120,6 +130,25 @@ def test_the_mirror_predicts_the_engines_hits_on_gpu_cpu_and_disk(
     seen = replay(sets, blocks_per_chunk)
     assert seen["gpu"] and seen["cpu"] and seen["disk"] and seen["snapshots"] > 1
     assert seen["cpu_and_disk"]  # prompts whose prefix went through both tiers
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 2])
+def test_the_mirror_predicts_the_engines_hits_from_the_shared_tier(
+    blocks_per_chunk: int, shared_store: str
+) -> None:
+    """With a CPU tier too small for the conversations and the shared tier under it (no disk):
+    what the CPU tier evicted is read back from the store, and the mirror's SHARED set, taken
+    as the cluster's, predicts those tokens exactly."""
+    sets = [
+        f"offload.cpu_slots={24 // blocks_per_chunk}",
+        "offload.take_hits=always",
+        "offload.shared.enabled=true",
+        f"offload.shared.master={shared_store}",
+        "offload.shared.segment=64MiB",
+        f"model.head_dim={8 * blocks_per_chunk + 8}",  # a namespace no other test published to
+    ]
+    seen = replay(sets, blocks_per_chunk)
+    assert seen["cpu"] and seen["shared"] and not seen["disk"]
 
 
 def test_a_gap_unsyncs_the_mirror_until_a_snapshot() -> None:
@@ -193,8 +222,9 @@ def test_disk_events_and_snapshots_go_to_the_disk_set() -> None:
         ]
     )
     assert (kv.gpu, kv.cpu, kv.disk) == ({1}, {4}, {2, 4})
-    assert kv.apply([(7, True, "SHARED", (9,))])  # a medium it does not keep: counted nowhere
-    assert 9 not in kv.gpu | kv.cpu | kv.disk and kv.next_seq == 8
+    assert kv.apply([(7, True, "REMOTE", (9,))])  # a medium it does not keep: counted nowhere
+    assert 9 not in kv.gpu | kv.cpu | kv.disk | kv.shared and kv.next_seq == 8
+    assert kv.apply([(8, True, "SHARED", (9,))]) and kv.shared == {9}
     # what a feed's ring hands a reader that fell behind carries the disk set
     ring = EventRing(capacity=1)
     ring.reset(kv.snapshot())

@@ -10,7 +10,14 @@ pytest.importorskip("ray.serve")
 
 from raykv.config import RouterWeightsConfig
 from raykv.serve.kv_feed import Load
-from raykv.serve.kv_index import KVLayout, PromptKeys, ReplicaKV, Snapshot, prompt_hit
+from raykv.serve.kv_index import (
+    KVLayout,
+    PromptKeys,
+    ReplicaKV,
+    SharedView,
+    Snapshot,
+    prompt_hit,
+)
 from raykv.serve.kv_router import RouteWeights
 
 LAYOUT = KVLayout(block_size=4, blocks_per_chunk=2)
@@ -74,6 +81,7 @@ def test_decoding_and_a_spilled_queue_add_to_a_disk_hit_as_to_any() -> None:
 def test_the_default_weights_rank_the_media_gpu_cpu_disk_compute() -> None:
     defaults = RouterWeightsConfig()
     assert 0 < defaults.cpu_hit_cost < defaults.disk_hit_cost < 1
+    assert defaults.cpu_hit_cost < defaults.shared_hit_cost < 1
     weights = RouteWeights(**defaults.model_dump())
     keys = PromptKeys.of(PROMPT, LAYOUT)
     on_gpu = ReplicaKV()
@@ -83,3 +91,32 @@ def test_the_default_weights_rank_the_media_gpu_cpu_disk_compute() -> None:
         for kv in (on_gpu, mirror("CPU", True), mirror("DISK", True), mirror(None, True))
     ]
     assert costs == sorted(costs) and len(set(costs)) == 4
+
+
+def test_a_prefix_in_the_shared_tier_is_priced_alike_on_every_replica() -> None:
+    """One replica published the prompt's chunks to the shared tier (its SHARED events): every
+    replica can read them, so each is priced with ``shared_hit_cost``, not as computing them,
+    and the publisher's own CPU-tier copy stays cheaper."""
+    weights = RouteWeights(
+        cpu_hit_cost=0.02,
+        disk_hit_cost=0.25,
+        decode_cost=4.0,
+        imbalance=2.0,
+        imbalance_tokens=8,
+        shared_hit_cost=0.5,
+    )
+    keys = PromptKeys.of(PROMPT, LAYOUT)
+    publisher = mirror("CPU", True)
+    assert publisher.apply([(1, True, "SHARED", tuple(publisher.cpu))])
+    other = mirror(None, True)
+    shared = SharedView([publisher, other])
+    on_other = weights.cost(prompt_hit(keys, other, LAYOUT, shared=shared), Load(), 0)
+    on_publisher = weights.cost(prompt_hit(keys, publisher, LAYOUT, shared=shared), Load(), 0)
+    alone = weights.cost(prompt_hit(keys, other, LAYOUT), Load(), 0)
+    assert on_other == pytest.approx(1 + 0.5 * 32)
+    assert on_publisher == pytest.approx(1 + 0.02 * 32)
+    assert alone == 33  # without the view: nothing cached anywhere for it
+    # one chunk missing from the store ends the hit there
+    publisher.shared.discard(keys.cpu[1][0])
+    partial = prompt_hit(keys, other, LAYOUT, shared=SharedView([publisher]))
+    assert (partial.shared_tokens, partial.computed_tokens) == (8, 25)

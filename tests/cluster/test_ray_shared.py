@@ -1,0 +1,81 @@
+"""The shared tier on Ray: the master and the node's segment are actors of their own, so what
+one deployment published outlives it, and the next deployment (new scheduler, new ranks) loads
+it from the store; every byte it loaded is checked by the synthetic model, and the outputs are
+those of the run without any tier. A store actor killed mid-run loses what it held, and the run
+still ends with those outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from raykv.config import load_config
+from raykv.transfer.shared_store import mooncake_problem
+from tests.cluster.test_ray_engine import ray_run
+from tests.engine.test_shared_tier import SMALL
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(mooncake_problem() is not None, reason=f"{mooncake_problem()}"),
+]
+
+SHARED = [
+    "offload.shared.enabled=true",
+    "offload.shared.master=embedded",
+    "offload.shared.segment=64MiB",
+]
+
+
+@pytest.fixture(scope="module")
+def store_actors(ray_session) -> Iterator[None]:
+    """The embedded master and store actors this module makes, ended after it."""
+    from raykv.cluster.shared_store import stop_shared_store
+
+    stop_shared_store()  # none from an earlier module
+    yield
+    stop_shared_store()
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_session) -> str:
+    return ray_run([*SMALL, "offload.enabled=false"])["output_digest"]
+
+
+def test_a_later_deployment_loads_what_an_ended_one_published(
+    store_actors: None, baseline: str
+) -> None:
+    first = ray_run([*SMALL, *SHARED])
+    assert first["output_digest"] == baseline
+    assert first["tiers"]["shared"]["published_chunks"] > 0
+    second = ray_run([*SMALL, *SHARED])
+    assert second["output_digest"] == baseline
+    assert second["shared_hit_tokens"] > 0
+    assert second["tiers"]["shared"]["promoted_chunks"] > 0
+    assert second["integrity"]["mismatches"] == 0 and second["integrity"]["blocks_verified"] > 0
+
+
+def test_a_store_actor_killed_mid_run_ends_with_the_fault_free_outputs(
+    store_actors: None, baseline: str
+) -> None:
+    import ray
+
+    from raykv.cluster.runtime import NAMESPACE
+    from raykv.cluster.shared_store import STORE_PREFIX
+
+    report = ray_run([*SMALL, *SHARED, 'faults=["kill-store-actor:step=12"]'])
+    assert report["output_digest"] == baseline
+    # Ray restarted it with an empty segment: the pool has its memory again
+    node = ray.get_runtime_context().get_node_id()
+    store = ray.get_actor(STORE_PREFIX + node, namespace=NAMESPACE)
+    assert ray.get(store.healthy.remote(), timeout=60)
+
+
+def test_a_master_nothing_answers_for_is_refused_by_name(ray_session) -> None:
+    from raykv.cluster.client import DeploymentError
+
+    cfg = load_config(None, [*SMALL, *SHARED[:1], "offload.shared.master=127.0.0.1:9"])
+    from raykv.cluster.client import RaykvClient
+
+    with pytest.raises(DeploymentError, match=r"offload\.shared\.master"):
+        RaykvClient.start(cfg)
