@@ -11,8 +11,11 @@ really runs and when it is acknowledged (or real copy threads), and a mix of inj
 pool shard in shared memory or start empty). Four in ten episodes put a disk tier under the CPU
 tier (a few chunks to a few hundred, in a directory of their own, removed afterwards), with its
 own policy, filter and reserve, its I/O direct or buffered, and its own faults (failed,
-corrupted, slow reads and writes; a full disk); a disk tier's I/O threads run on their own
-clock, so such an episode, like one with real copy threads, replays only approximately. One in
+corrupted, slow reads and writes; a full disk). One in five puts the shared tier (Mooncake
+Store) under them: a master and segment of the fuzzing process's own, joined by every such
+episode as replicas join a long-lived store, with failed, spoiled and lost parts and a full
+pool. A disk tier's I/O threads and the store's run on their own clock, so such an episode,
+like one with real copy threads, replays only approximately. One in
 five episodes loads only the tier hits the measured costs say are worth it. A hostile client
 aborts requests at random moments (queued, loading, running), resets the CPU tier mid-run, and
 with finished requests forgotten (the serving setting) hands their ids to new requests. The run
@@ -47,6 +50,34 @@ from raykv.engine.workers import LocalWorkerGroup
 from raykv.workload.requests import RequestSpec, synthetic_chat
 
 DISK_PATH = "@DISK@"  # where an episode's disk tier goes: a fresh directory per run
+STORE = "@STORE@"  # the shared tier's master: this process's own (``store_address``)
+STORE_SEGMENT = 256 << 20
+_store: list = []  # this process's master and segment, started by its first shared episode
+
+
+def store_address() -> str:
+    """The master (on loopback) and segment of this process's shared tier, started once (by
+    ``main``, before the workers fork: they inherit it) and kept for its life: episodes are
+    engines joining a long-lived store, as replicas do. Their
+    chunks stay in it between episodes (keys name their bytes: an episode finding another's is
+    a real cross-engine hit)."""
+    if not _store:
+        from raykv.transfer.segment_process import HeldSegment
+        from raykv.transfer.shared_master import EmbeddedMaster
+
+        master = EmbeddedMaster()
+        address = master.start()
+        holder = HeldSegment(address, STORE_SEGMENT)
+        holder.start()
+        _store.extend([master, holder])
+    return _store[0].address
+
+
+def shared_available() -> bool:
+    from raykv.transfer.shared_store import mooncake_problem
+
+    return mooncake_problem() is None
+
 
 GROUPS = [
     "[{kind: full_attention}]",
@@ -99,6 +130,18 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
             faults.append(f"slow-disk:ms={rng.choice([1, 5])}")
         if rng.random() < 0.2:
             faults.append(f"full-disk:after={rng.choice([0, 5, 40])}")
+    # drawn whatever happens, so that episodes replay alike where the store cannot start
+    shared = rng.random() < 0.2
+    shared_faults = []
+    if rng.random() < 0.3:
+        shared_faults.append(f"fail-shared:rate={rng.choice([0.05, 0.3])}:seed={rng.randrange(99)}")
+    if rng.random() < 0.3:
+        kind = rng.choice(["corrupt-shared", "lose-shared"])
+        shared_faults.append(f"{kind}:rate={rng.choice([0.1, 0.5])}:seed={rng.randrange(99)}")
+    if rng.random() < 0.1:
+        shared_faults.append(f"full-shared:after={rng.choice([0, 5, 40])}")
+    if shared:
+        faults += shared_faults
     keep_finished = rng.random() < 0.5
     sets = [
         f"parallel.tensor_parallel_size={tp}",
@@ -140,6 +183,14 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
             f"offload.disk.reserve_fraction={rng.choice([0.125, 0.5])}",
             f"offload.disk.io_threads={rng.choice([1, 2])}",
             f"offload.disk.direct_io={rng.choice(['auto', 'off'])}",
+        ]
+    if shared:
+        sets += [
+            "offload.shared.enabled=true",
+            f"offload.shared.master={STORE}",
+            "offload.shared.mount=false",  # this process's segment (``store_address``)
+            f"offload.shared.segment={STORE_SEGMENT}",
+            f"offload.shared.retry_steps={rng.choice([8, 64])}",
         ]
     workload = dict(
         num_requests=rng.randint(8, 30),
@@ -265,6 +316,11 @@ def run_episode(
 ) -> int:
     """The episode with offloading under ``chaos``, checked against the reference (a disk tier
     in a fresh directory, removed afterwards)."""
+    if any(STORE in s for s in sets):
+        if not shared_available():  # the episode without its shared tier
+            sets = [s for s in sets if not s.startswith("offload.shared.")]
+        else:
+            sets = [s.replace(STORE, store_address()) for s in sets]
     with tempfile.TemporaryDirectory(prefix="raykv-fuzz-disk-") as disk:
         placed = [s.replace(DISK_PATH, disk) for s in sets]
         return _run_episode(placed, workload, max_delay, salt, chaos, threaded)
@@ -358,6 +414,8 @@ def main() -> int:
         return 0
     jobs = max(1, args.jobs)
     quota = cdiv(args.steps, jobs)
+    if shared_available():  # started here: a pool's workers may not start processes
+        store_address()
     if jobs == 1:
         results = [worker(args.seed, 0, 1, quota, args.quiet, args.async_scheduling)]
     else:

@@ -13,6 +13,10 @@ the repeats):
   slope is the cost of a token from disk, and ``disk_hit_cost`` its ratio to computing. Every
   hit is loaded (``bench.ttft.bench_config`` sets ``offload.take_hits: always``): the tiers
   are measured, not the scheduler's choice of them;
+- from the shared tier (with ``offload.shared.enabled``): the same prompts on a second engine
+  (a CPU tier of its own, the same store), which finds them in the store, reads them into its
+  CPU tier and loads them; the slope is the cost of a token from the store, and
+  ``shared_hit_cost`` its ratio to computing;
 - decoding: the shorter fresh prompt arriving while ``k`` requests decode; what it takes
   longer than alone, per decoding request, in computed tokens, is ``decode_cost``.
 """
@@ -24,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from raykv.bench.ttft import LocalTTFTEngine
-from raykv.config import RaykvConfig
+from raykv.config import RaykvConfig, load_config
 
 DECODER_PROMPT_TOKENS = 32
 # enough to be still decoding when the probe's first token comes (they are aborted then)
@@ -43,6 +47,9 @@ class RouteWeightsMeasurement:
     # from disk: promoted into the CPU tier, then loaded (None: no disk tier was measured)
     disk_s_per_token: float | None = None
     disk_hit_cost: float | None = None
+    # from the shared tier, on another engine (None: no shared tier was measured)
+    shared_s_per_token: float | None = None
+    shared_hit_cost: float | None = None
     # each way's fastest TTFT per prompt length (what the slopes come from)
     ttft_s: dict[str, dict[int, float]] = field(default_factory=dict)
 
@@ -97,12 +104,16 @@ class _Engine(LocalTTFTEngine):
         if tier is not None:
             record = self.engine.latency.record_of(req_id)
             assert record is not None
-            hits = {"cpu": record.cpu_hit_tokens, "disk": record.disk_hit_tokens}
+            hits = {
+                "cpu": record.cpu_hit_tokens,
+                "disk": record.disk_hit_tokens,
+                "shared": record.shared_hit_tokens,
+            }
             if hits[tier] == 0 or any(n for other, n in hits.items() if other != tier):
+                found = ", ".join(f"{n} from the {where} tier" for where, n in hits.items())
                 raise RuntimeError(
-                    f"{len(prompt)} tokens: {hits['cpu']} came from the CPU tier and "
-                    f"{hits['disk']} from disk, where the {tier} tier alone should have served "
-                    "it (are the tiers large enough for the prompts?)"
+                    f"{len(prompt)} tokens: {found}, where the {tier} tier alone should have "
+                    "served it (are the tiers large enough for the prompts?)"
                 )
         return ttft
 
@@ -128,13 +139,21 @@ def measure_route_weights(
     seed: int = 0,
 ) -> RouteWeightsMeasurement:
     """Measure on ``cfg``'s model (configured: ``model.checkpoint.configure``, room made by
-    ``bench.ttft.bench_config``; with ``offload.disk.enabled``, ``disk_hit_cost`` too)."""
+    ``bench.ttft.bench_config``; with ``offload.disk.enabled``, ``disk_hit_cost`` too; with
+    ``offload.shared.enabled``, ``shared_hit_cost`` on a second engine)."""
     short, long = prompt_tokens
     disk = cfg.offload.disk.enabled
     engine = _Engine(cfg, seed)
+    reader: _Engine | None = None
     try:
         engine.ttft(engine.prompt(short))  # warm: the first step pays for allocations
+        if cfg.offload.shared.enabled:  # the other engine: the store, no disk tier of its own
+            tree = cfg.model_dump(mode="json")
+            tree["offload"]["disk"]["enabled"] = False
+            reader = _Engine(load_config(tree), seed + 1)
+            reader.ttft(reader.prompt(short))
         ways = ["computed", "cpu_tier", *(["disk_tier"] if disk else [])]
+        ways += ["shared_tier"] if reader is not None else []
         best: dict[str, dict[int, float]] = {way: {} for way in ways}
 
         def keep(way: str, n: int, t: float) -> None:
@@ -148,10 +167,14 @@ def measure_route_weights(
                 keep("cpu_tier", n, engine.ttft(prompt, "cpu"))
                 if disk:
                     keep("disk_tier", n, engine.ttft_from_disk(prompt))
+                if reader is not None:
+                    engine.empty_gpu_cache()  # every publish of the first engine has landed
+                    keep("shared_tier", n, reader.ttft(prompt, "shared"))
         computed = best["computed"]
         compute = (computed[long] - computed[short]) / (long - short)
         load = _slope(best["cpu_tier"], short, long)
         from_disk = _slope(best["disk_tier"], short, long) if disk else None
+        from_store = _slope(best["shared_tier"], short, long) if reader is not None else None
         delays: dict[int, float] = {}
         for k in decoders:
             probe = min(engine.first_token_beside(k, engine.prompt(short)) for _ in range(repeat))
@@ -170,7 +193,11 @@ def measure_route_weights(
             decode_cost,
             from_disk,
             ratio(from_disk) if from_disk is not None else None,
+            from_store,
+            ratio(from_store) if from_store is not None else None,
             best,
         )
     finally:
         engine.close()
+        if reader is not None:
+            reader.close()

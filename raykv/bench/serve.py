@@ -260,7 +260,9 @@ def bench_router(
     on_done: Callable[[RequestResult], None] | None = None,
 ) -> ServeBenchResult:
     """Deploy ``replicas`` behind ``router`` on the Ray this process is connected to, run the
-    workload, tear the application down."""
+    workload, tear the application down (and the shared tier's pool with it: each router's run
+    starts from an empty store, not from what the one before published)."""
+    from raykv.cluster.shared_store import stop_shared_store
     from raykv.serve.app import ServeOptions, Server
 
     # the config's serve: section (replica resources, router weights) as raykv serve takes it
@@ -272,6 +274,8 @@ def bench_router(
         results, wall = asyncio.run(drive(url, "none", specs, concurrency, on_done))
     finally:
         server.stop()
+        if cfg.offload.shared.enabled:
+            stop_shared_store()
     return summarize(router, results, wall)
 
 

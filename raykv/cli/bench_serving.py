@@ -132,25 +132,33 @@ def _shared_ttft_config(
     """The config of both engines with a shared tier on a master of the bench's own (None, said
     on stderr, where the store cannot start here)."""
     from raykv.bench.ttft import with_shared_tier
+
+    if args.engine != "local":
+        Console(stderr=True).print("shared_tier_s: with --engine local only so far (skipped)")
+        return None
+    address = _bench_master("shared_tier_s", cleanup)
+    return None if address is None else with_shared_tier(cfg, address, lengths, args.repeat)
+
+
+def _bench_master(what: str, cleanup: ExitStack) -> str | None:
+    """A Mooncake master of the bench's own, stopped with ``cleanup``: its address, or None
+    (``what`` said skipped on stderr, with why) where the store cannot start here."""
     from raykv.transfer.shared_master import EmbeddedMaster
     from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
 
     err = Console(stderr=True)
-    if args.engine != "local":
-        err.print("shared_tier_s: with --engine local only so far (skipped)")
-        return None
     problem = mooncake_problem()
     if problem:
-        err.print(f"shared_tier_s: skipped ({problem})")
+        err.print(f"{what}: skipped ({problem})")
         return None
     master = EmbeddedMaster()
     try:
         address = master.start()
     except SharedStoreError as exc:
-        err.print(f"shared_tier_s: skipped ({exc})")
+        err.print(f"{what}: skipped ({exc})")
         return None
     cleanup.callback(master.stop)
-    return with_shared_tier(cfg, address, lengths, args.repeat)
+    return address
 
 
 def _ttft(
@@ -300,7 +308,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.ttft import bench_config, with_disk_tier
+    from raykv.bench.ttft import bench_config, with_disk_tier, with_shared_tier
     from raykv.model.checkpoint import configure
 
     check_output("--json", args.json)
@@ -321,6 +329,10 @@ def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
                 where = tempfile.mkdtemp(prefix="raykv-bench-route-weights-")
                 cleanup.callback(shutil.rmtree, where, True)
             cfg = with_disk_tier(cfg, where, lengths, args.repeat)
+        if not args.no_shared:
+            address = _bench_master("shared_hit_cost", cleanup)
+            if address is not None:
+                cfg = with_shared_tier(cfg, address, lengths, args.repeat)
         return _route_weights(args, console, cfg)
 
 
@@ -332,6 +344,8 @@ def _route_weights(args: argparse.Namespace, console: Console, cfg: RaykvConfig)
     from_disk = ""
     if m.disk_s_per_token is not None:
         from_disk = f"; promoted from disk and loaded: {m.disk_s_per_token * 1e3:.4f} ms"
+    if m.shared_s_per_token is not None:
+        from_disk += f"; read from the shared tier and loaded: {m.shared_s_per_token * 1e3:.4f} ms"
     console.print(
         f"computed prompt token: {m.compute_s_per_token * 1e3:.3f} ms; loaded from the CPU "
         f"tier: {m.load_s_per_token * 1e3:.4f} ms{from_disk}; decoding requests delay a prompt "
@@ -341,6 +355,8 @@ def _route_weights(args: argparse.Namespace, console: Console, cfg: RaykvConfig)
     disk_weight = ""
     if m.disk_hit_cost is not None:
         disk_weight = f"serve.router_weights.disk_hit_cost={m.disk_hit_cost:.4f} "
+    if m.shared_hit_cost is not None:
+        disk_weight += f"serve.router_weights.shared_hit_cost={m.shared_hit_cost:.4f} "
     console.print(
         f"serve.router_weights.cpu_hit_cost={m.cpu_hit_cost:.4f} {disk_weight}"
         f"serve.router_weights.decode_cost={m.decode_cost:.2f}",
@@ -456,5 +472,8 @@ def register(bench: Any) -> None:
         "temporary directory, removed at the end)",
     )
     rw.add_argument("--no-disk", action="store_true", help="skip the disk tier (no disk_hit_cost)")
+    rw.add_argument(
+        "--no-shared", action="store_true", help="skip the shared tier (no shared_hit_cost)"
+    )
     rw.add_argument("--json", help="write the measurement to this JSON file")
     rw.set_defaults(func=_cmd_bench_route_weights)

@@ -99,8 +99,10 @@ class EngineServer:
             self.engine = EngineCore(self.cfg, self.group, verify=verify, offload=offload)
         except BaseException:
             # a failed creation leaves no graph behind: its ranks would wait in it, and the
-            # actor's process with them
+            # actor's process with them; nor a client of the store
             self.group.shutdown()
+            if self.group.store_index is not None:
+                self.group.store_index.close()
             raise
         self.driver = Driver(self.engine, check_invariants=check_invariants, digest=digest)
         self.metrics = EngineMetrics(self.engine, metric_labels)
@@ -145,9 +147,10 @@ class EngineServer:
             os._exit(1)  # an injected death is a real one: the process goes, state and all
         if scheduler_fails_at(self._faults, steps):
             raise SchedulerFault(f"fail-scheduler: step {steps} failed (an injected fault)")
-        if shared_master_dies_at(self._faults, steps):
+        # the first scheduler's step N only (a replacement replays the run from step 0)
+        if self._incarnation == 0 and shared_master_dies_at(self._faults, steps):
             kill_master()
-        if store_actor_dies_at(self._faults, steps):
+        if self._incarnation == 0 and store_actor_dies_at(self._faults, steps):
             kill_node_store(ray.get_runtime_context().get_node_id())
 
     def progress(self) -> dict[str, Any]:

@@ -12,6 +12,10 @@ whichever engine first needs them and found by the rest:
   fresh, empty segment: what the old one held is gone (hits on it fail their reads and are
   recomputed), and the pool has its memory again.
 
+An embedded master that dies is started again on its port by its actor; the store actors mount
+their segments on it again, and the engines' clients join it again (their tier paused
+meanwhile).
+
 Ranks and schedulers call :func:`join_shared_store` where they are built; it returns where their
 own clients join (the master and this node's address). ``stop_shared_store`` ends the actors
 (an embedded Ray instance ends them with itself).
@@ -21,6 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
+import time
 from typing import Any
 
 import ray
@@ -42,51 +49,118 @@ log = logging.getLogger(__name__)
 MASTER_NAME = "raykv-shared-master"
 STORE_PREFIX = "raykv-shared-store-"
 JOIN_TIMEOUT_S = 60.0  # an actor's start: a master's, or a segment's mount
+WATCH_S = 1.0  # how often the master's actor looks at its process, a store actor at the master
 
 
 class SharedMaster:
     """An embedded ``mooncake_master`` for the cluster, on this actor's node (it dies with the
-    actor's process)."""
+    actor's process). One that dies is started again on the same port within ``WATCH_S``, a
+    new ``generation`` (it knows no object the old one held: reads of those fail and are
+    recomputed, and the store actors mount their segments on it again)."""
 
     def __init__(self) -> None:
         from raykv.transfer.shared_master import EmbeddedMaster
 
         self.master = EmbeddedMaster(host=ray.util.get_node_ip_address())
         self.master.start()
+        self._generation = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="raykv-master-watch").start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(WATCH_S):
+            with self._lock:
+                if self._stopping.is_set() or self.master.alive():
+                    continue
+                port = self.master.port
+                self.master.stop()
+                try:
+                    self.master.start(port)
+                except Exception as exc:  # the port taken meanwhile: tried again next time
+                    log.warning("the shared tier's master did not start again: %s", exc)
+                    continue
+                self._generation += 1
+                log.warning("the shared tier's master started again on port %d", port)
 
     def address(self) -> str:
         return self.master.address
 
+    def generation(self) -> int:
+        """How many times it was started again."""
+        return self._generation
+
     def kill(self) -> None:
-        """End the master at once (``kill-shared-master``): the actor stays, without it."""
+        """End the master at once (``kill-shared-master``): the actor stays, and starts it
+        again."""
         log.warning("fault: killing the shared tier's embedded master")
-        self.master.kill()
+        with self._lock:
+            self.master.kill()
 
     def stop(self) -> None:
-        self.master.stop()
+        self._stopping.set()
+        with self._lock:
+            self.master.stop()
 
 
 class NodeStore:
-    """This node's segment of the pool, mounted by the actor's process for as long as it lives."""
+    """This node's segment of the pool, mounted by the actor's process for as long as it lives
+    (``watch``: mounted again each time the embedded master is started again)."""
 
-    def __init__(self, endpoint: StoreEndpoint, segment_bytes: int) -> None:
-        from raykv.transfer.shared_store import SegmentHolder
-
-        self.holder: Any = SegmentHolder(endpoint, segment_bytes)
+    def __init__(self, endpoint: StoreEndpoint, segment_bytes: int, watch: bool) -> None:
+        self.endpoint = endpoint
         self.segment_bytes = segment_bytes
+        self._lock = threading.Lock()
+        self._generation = _master_generation() if watch else 0
+        self.holder: Any = _mount(endpoint, segment_bytes)
+        if watch:
+            threading.Thread(target=self._watch, daemon=True, name="raykv-store-watch").start()
 
-    def segment(self) -> int:
-        """Bytes of DRAM it gives the pool."""
-        return self.segment_bytes
+    def _watch(self) -> None:
+        while True:
+            time.sleep(WATCH_S)
+            try:
+                generation = _master_generation()
+                if generation == self._generation:
+                    continue
+                with self._lock:
+                    old, self.holder = self.holder, None
+                    if old is not None:
+                        old.close()
+                    self.holder = _mount(self.endpoint, self.segment_bytes)
+                    self._generation = generation
+                log.warning("the shared tier's segment is mounted on the restarted master")
+            except Exception as exc:  # the master not back yet: tried again next time
+                log.debug("the shared tier's segment is not mounted again yet: %s", exc)
+
+    def mounted(self) -> tuple[str, int]:
+        """The master it is mounted on, and the bytes it gives."""
+        return self.endpoint.master, self.segment_bytes
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def healthy(self) -> bool:
-        return self.holder is not None and self.holder.healthy()
+        with self._lock:
+            return self.holder is not None and self.holder.healthy()
 
     def close(self) -> None:
         """Unmount the segment (the master forgets what it held)."""
-        holder, self.holder = self.holder, None
-        if holder is not None:
-            holder.close()
+        with self._lock:
+            holder, self.holder = self.holder, None
+            if holder is not None:
+                holder.close()
+
+
+def _mount(endpoint: StoreEndpoint, segment_bytes: int) -> Any:
+    from raykv.transfer.shared_store import SegmentHolder
+
+    return SegmentHolder(endpoint, segment_bytes)
+
+
+def _master_generation() -> int:
+    master = ray.get_actor(MASTER_NAME, namespace=NAMESPACE)
+    return ray.get(master.generation.remote(), timeout=JOIN_TIMEOUT_S)
 
 
 def _named(cls: type, name: str, **options: Any) -> Any:
@@ -107,22 +181,41 @@ def master_address(cfg: RaykvConfig) -> str:
     configured = cfg.offload.shared.master
     if configured != EMBEDDED:
         return configured
-    # the master itself is cheap to lose and to restart, but a new one knows no object the old
-    # one held: it is not restarted behind the engines' backs (they pause the tier and retry)
-    master = _named(SharedMaster, MASTER_NAME).remote()
+    # "DEFAULT": outside any placement group, so that it never goes with the replica (or run)
+    # that happened to make it
+    master = _named(SharedMaster, MASTER_NAME, scheduling_strategy="DEFAULT").remote()
     return ray.get(master.address.remote(), timeout=JOIN_TIMEOUT_S)
 
 
 def node_store(cfg: RaykvConfig, endpoint: StoreEndpoint, node_id: str) -> Any:
     """The store actor of ``node_id`` (made, mounting ``offload.shared.segment``, where none
-    runs there), once its segment is mounted."""
-    store = _named(
-        NodeStore,
-        STORE_PREFIX + node_id,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        max_restarts=-1,
-    ).remote(endpoint, cfg.offload.shared.segment)
-    ray.get(store.segment.remote(), timeout=JOIN_TIMEOUT_S)
+    runs there), once its segment is mounted. One mounted on another master (an earlier run's)
+    is replaced; one of another size is kept, and said."""
+    s = cfg.offload.shared
+
+    def made() -> Any:
+        return _named(
+            NodeStore,
+            STORE_PREFIX + node_id,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            max_restarts=-1,
+        ).remote(endpoint, s.segment, s.master == EMBEDDED)
+
+    store = made()
+    master, segment = ray.get(store.mounted.remote(), timeout=JOIN_TIMEOUT_S)
+    if master != endpoint.master:
+        log.warning("shared tier: the store actor of node %s served another master", node_id[:8])
+        ray.kill(store, no_restart=True)
+        store = made()
+        master, segment = ray.get(store.mounted.remote(), timeout=JOIN_TIMEOUT_S)
+    if segment != s.segment:
+        log.warning(
+            "shared tier: node %s gives the pool %d bytes (its store actor's), not "
+            "offload.shared.segment (%d)",
+            node_id[:8],
+            segment,
+            s.segment,
+        )
     return store
 
 
@@ -142,7 +235,7 @@ def join_shared_store(cfg: RaykvConfig, with_segment: bool = True) -> StoreEndpo
             devices=s.devices,
             timeout_s=s.timeout_s,
         )
-        if with_segment:
+        if with_segment and s.mount:
             node_store(cfg, endpoint, ray.get_runtime_context().get_node_id())
     except (SharedStoreError, ray.exceptions.RayError) as exc:
         raise SharedUnavailable(f"offload.shared.master: {_reason(exc)}") from exc

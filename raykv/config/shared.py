@@ -39,6 +39,13 @@ class SharedTierConfig(_Strict):
         gt=0,
         description="Bytes of DRAM this node gives the pool (mounted by the node's store actor).",
     )
+    mount: bool = Field(
+        default=True,
+        description="raykv gives this node's segment (its store actor on Ray; a process of its "
+        "own for an engine in one process). false: the pool's memory is given by others (a "
+        "Mooncake store service the operator runs, or another raykv process); segment then only "
+        "sizes this engine's index of the store.",
+    )
     protocol: Literal["tcp", "rdma"] = Field(
         default="tcp", description="How the store moves bytes: tcp, or rdma where the NICs have it."
     )

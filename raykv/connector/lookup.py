@@ -151,8 +151,10 @@ class PrefixLookup:
             shared = self.shared_moves
             if shared is not None and not state.store_asked and any(m is shared for m, _ in lowers):
                 state.store_asked = True  # once per admission: the store is another process
+                # a chunk on disk does not end the prefix the store is asked about
+                disk = moves.disk if moves is not None and moves.readable() else ()
                 for gs in state.groups:
-                    shared.discover(gs.keys[end:max_chunks])
+                    shared.discover(gs.keys[end:max_chunks], disk)
             union = UnionView(cpu, *(d for _, d in lowers))
             far, far_used, far_pending = self._converge(state, start, max_chunks, union)
             if far > end:

@@ -70,13 +70,13 @@ class LowerTiers:
         if self.shared is not None:
             self.shared.publish(keys)
 
-    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool, step: int) -> None:
+    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool) -> None:
         if job.move in (PUBLISH, FETCH):
             assert self.shared is not None
             self.shared.finalize(job, corrupt, full)
         else:
             assert self.disk is not None
-            self.disk.finalize(job, corrupt, full, step)
+            self.disk.finalize(job, corrupt, full)
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
         if job.move in (PUBLISH, FETCH):

@@ -395,7 +395,7 @@ class ConnectorScheduler:
         corrupt, full = job.job_id in self._corrupt, job.job_id in self._full
         self._corrupt.discard(job.job_id)
         self._full.discard(job.job_id)
-        self.lower.finalize(job, corrupt, full, self.step)
+        self.lower.finalize(job, corrupt, full)
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.

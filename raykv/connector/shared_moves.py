@@ -25,21 +25,17 @@ a publish that found the pool full stops publishes for as long.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.connector.lower_moves import WAIT, LowerTierMoves
 from raykv.connector.state import RequestOffloadState
 from raykv.core.step import TIER_SHARED, ChunkKeys, TierMove
 from raykv.offload.directory import Directory
 
-log = logging.getLogger(__name__)
-
 PUBLISH, FETCH = "publish", "fetch"
-WAIT = -1  # ``promote``: not yet, room is being made
-FAILURES_TO_PAUSE = 8
 MAX_PUBLISHING_SHARE = 0.25  # of the CPU tier's slots, at most pinned by publishes in flight
 
 
@@ -67,8 +63,10 @@ class SharedMoveStats:
     unavailable_events: int = 0
 
 
-class SharedMoves:
+class SharedMoves(LowerTierMoves):
     """Plans the shared tier's moves and closes them when their jobs are final."""
+
+    name = "shared"
 
     def __init__(
         self,
@@ -81,39 +79,26 @@ class SharedMoves:
     ) -> None:
         """``index``: asks the store what it holds (None: only what this engine published);
         ``retry_steps``: steps the tier stays out of use after its moves kept failing."""
-        self.cpu = cpu
+        super().__init__(cpu, shared, retry_steps)
         self.shared = shared
         self.jobs = jobs
         self.index = index
         self.check_sums = check_sums
-        self.retry_steps = retry_steps
         self.stats = SharedMoveStats()
-        self.step = 0
-        self._moves: list[TierMove] = []
-        self._drops: list[int] = []
-        self._waiting: dict[int, RequestOffloadState] = {}
-        self._failures = 0
-        self._unavailable_until = -1
-        self._paused_until = -1  # publishes stop until this step (the pool was full)
         self._publishing = 0  # chunks whose publish is in flight (their CPU slots pinned)
-        self._said: set[str] = set()
-
-    def readable(self) -> bool:
-        """Lookups may reach the shared tier (not while its moves keep failing)."""
-        return self.step >= self._unavailable_until
 
     def writable(self) -> bool:
         return self.readable() and self.step >= self._paused_until
 
     # ---- lookups -----------------------------------------------------------------------------
 
-    def discover(self, keys: Sequence[int]) -> None:
-        """Ask the store about these chunks (those the index lacks) and take in the ones every
-        rank's part is there for. Stops at the first chunk missing: a prefix is all a lookup
-        can use."""
+    def discover(self, keys: Sequence[int], elsewhere: Container[int] = ()) -> None:
+        """Ask the store about these chunks (those the index lacks and no other tier holds:
+        ``elsewhere``, the disk tier) and take in the ones every rank's part is there for.
+        Stops at the first chunk missing everywhere: a prefix is all a lookup can use."""
         if self.index is None or not self.readable():
             return
-        unknown = [k for k in dict.fromkeys(keys) if k not in self.shared]
+        unknown = [k for k in dict.fromkeys(keys) if k not in self.shared and k not in elsewhere]
         if not unknown:
             return
         self.stats.asked += len(unknown)
@@ -201,9 +186,8 @@ class SharedMoves:
 
     def plan(self) -> tuple[list[TierMove], ChunkKeys]:
         """The moves started since the last plan, and the keys whose parts leave the store."""
-        moves, drops = self._moves, ChunkKeys.of(self._drops)
-        self._moves, self._drops = [], []
-        return moves, drops
+        moves, drops = self._take_moves()
+        return moves, ChunkKeys.of(drops)
 
     def drop_parts(self, keys: Sequence[int]) -> None:
         """Have every rank remove its part of these chunks with the next plan."""
@@ -225,18 +209,12 @@ class SharedMoves:
             else:
                 self.stats.publishes_failed += len(job.keys)
             if full:
-                self.stats.full_events += 1
-                self._paused_until = self.step + self.retry_steps
-                self._say("full", "the shared tier's pool is full: publishes stop for a while")
+                self._on_full("publishes")
             return
-        self.cpu.complete_store(job.keys, success=ok)
-        self.shared.complete_load(job.keys)
-        waiting = self._waiting.pop(job.job_id, None)
+        self._promotion_done(job, ok)
         if ok:
             self.stats.promoted += len(job.keys)
             return
-        if waiting is not None:
-            waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
         self.stats.promotions_failed += len(job.keys)
         if corrupt:
             self.stats.gone += len(job.keys)
@@ -254,34 +232,4 @@ class SharedMoves:
             if keep_cpu:
                 self.cpu.complete_load(job.keys)
         else:
-            self.shared.complete_load(job.keys)
-            self._waiting.pop(job.job_id, None)
-            if keep_cpu:
-                self.cpu.complete_store(job.keys, success=False)
-
-    def _count_outcome(self, worked: bool) -> None:
-        if worked:
-            self._failures = 0
-            return
-        self._failures += 1
-        if self._failures >= FAILURES_TO_PAUSE:
-            self._pause(f"{FAILURES_TO_PAUSE} moves failed in a row")
-
-    def _pause(self, why: str) -> None:
-        """Out of use for ``retry_steps`` steps: no moves, no lookups, no questions."""
-        self._failures = 0
-        self._unavailable_until = self.step + self.retry_steps
-        self.stats.unavailable_events += 1
-        self._say(
-            "failing",
-            f"the shared tier is out of use for {self.retry_steps} steps at a time ({why}); "
-            "the run goes on without it meanwhile",
-        )
-
-    def _say(self, what: str, message: str) -> None:
-        if what not in self._said:
-            self._said.add(what)
-            log.warning(message)
-
-    def check_invariants(self) -> None:
-        self.shared.check_invariants()
+            self._promotion_abandoned(job, keep_cpu)

@@ -21,26 +21,23 @@ A move that fails leaves nothing readable that was not: a demotion's disk entry 
 promotion's CPU slots are freed. A source found corrupt (a file's checksums, or CPU bytes that
 changed since their store) leaves its tier; a disk file any rank found bad is deleted on every
 rank. A demotion that found the disk full stops demotions for ``retry_full_steps`` steps,
-said once in the log; the run goes on with the CPU tier alone.
+said once in the log; the run goes on with the CPU tier alone. (``lower_moves.py``: what the
+disk's moves have in common with the shared tier's.)
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raykv.connector.jobs import JobTable, TransferJobStatus
+from raykv.connector.lower_moves import WAIT, LowerTierMoves
 from raykv.connector.state import RequestOffloadState
 from raykv.core.step import ChunkKeys, TierMove
 from raykv.offload.directory import Directory
 
-log = logging.getLogger(__name__)
-
 DEMOTE, PROMOTE = "demote", "promote"
-WAIT = -1  # ``promote``: not yet, room is being made
 MAX_MOVE_CHUNKS = 64  # chunks one demotion job writes at most
-FAILURES_TO_PAUSE = 8  # moves failed in a row that take the tier out of use for a while
 
 
 @dataclass(slots=True)
@@ -60,8 +57,10 @@ class DiskMoveStats:
     unavailable_events: int = 0  # times the tier was taken out of use (its I/O kept failing)
 
 
-class DiskMoves:
+class DiskMoves(LowerTierMoves):
     """Plans the disk tier's moves and closes them when their jobs are final."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -75,23 +74,13 @@ class DiskMoves:
         """``reserve_slots``: CPU slots kept free by demotions; ``check_sums``: moves check and
         carry the pool rows' checksums (``offload.verify``); ``retry_full_steps``: steps
         demotions stop after one found the disk full."""
-        self.cpu = cpu
+        super().__init__(cpu, disk, retry_full_steps)
         self.disk = disk
         self.jobs = jobs
         self.reserve_slots = reserve_slots
         self.check_sums = check_sums
-        self.retry_full_steps = retry_full_steps
         self.stats = DiskMoveStats()
-        self.step = 0  # the step being scheduled: promotions started now belong to it
-        self._moves: list[TierMove] = []  # created since the last plan
-        self._drops: list[int] = []  # disk keys whose files go, since the last plan
-        self._paused_until = -1  # demotions stop until this step (the disk was full)
         self._room_wanted = 0  # free CPU slots a waiting promotion needs, beyond the reserve
-        self._failures = 0  # moves failed in a row (not for a corrupt source or a full disk)
-        self._waiting: dict[int, RequestOffloadState] = {}  # promotion -> who waits for it
-        self._unavailable_until = -1  # no moves, no lookups until this step
-        self._said_failing = False
-        self._said_full = False
 
     # ---- promotions (from a lookup) ------------------------------------------------------
 
@@ -145,13 +134,8 @@ class DiskMoves:
         """The moves to queue this step (demotions to keep room ahead, the promotions started
         since the last plan) and the disk keys whose files go."""
         self._demote(step)
-        moves, drops = self._moves, ChunkKeys.of(self._drops)
-        self._moves, self._drops = [], []
-        return moves, drops
-
-    def readable(self) -> bool:
-        """Lookups may reach the disk tier (not while its I/O keeps failing)."""
-        return self.step >= self._unavailable_until
+        moves, drops = self._take_moves()
+        return moves, ChunkKeys.of(drops)
 
     def _demote(self, step: int) -> None:
         """Keep the reserve free, and the room waiting promotions need. While the tier takes
@@ -200,11 +184,11 @@ class DiskMoves:
 
     # ---- the ranks' acks ---------------------------------------------------------------------
 
-    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool, step: int) -> None:
+    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool) -> None:
         """Every rank reported this move (``corrupt``: some rank found its source bad;
         ``full``: some rank found the disk full)."""
         ok = not job.failed
-        self._count_outcome(ok or corrupt or full, step)
+        self._count_outcome(ok or corrupt or full)
         if job.move == DEMOTE:
             self.disk.complete_store(job.keys, success=ok)
             self.cpu.finish_leaving(job.keys)
@@ -215,44 +199,18 @@ class DiskMoves:
                 # a rank may have renamed its file into place before another failed
                 self._drops.extend(job.keys)
             if full:
-                self._on_full(step)
+                self._on_full("demotions")
             return
-        self.cpu.complete_store(job.keys, success=ok)
-        self.disk.complete_load(job.keys)
-        waiting = self._waiting.pop(job.job_id, None)
+        self._promotion_done(job, ok)
         if ok:
             self.stats.promoted += len(job.keys)
             return
-        if waiting is not None:
-            waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
         self.stats.promotions_failed += len(job.keys)
         self.stats.corrupt += len(job.keys) if corrupt else 0
         # which chunk is not said, nor (a read error) whether its file will read again: every
         # one of them leaves the tier, and its files go on every rank
         self.disk.discard(job.keys)
         self._drops.extend(k for k in job.keys if k not in self.disk)
-
-    def _count_outcome(self, worked: bool, step: int) -> None:
-        """A move that failed for no reason of its own (not a corrupt source, not a full disk)
-        counts towards the tier's being taken out of use: ``FAILURES_TO_PAUSE`` in a row, and
-        it takes no moves and serves no lookups for ``retry_full_steps`` steps."""
-        if worked:
-            self._failures = 0
-            return
-        self._failures += 1
-        if self._failures < FAILURES_TO_PAUSE:
-            return
-        self._failures = 0
-        self._unavailable_until = step + self.retry_full_steps
-        self.stats.unavailable_events += 1
-        if not self._said_failing:
-            self._said_failing = True
-            log.warning(
-                "the disk tier's I/O keeps failing (%d moves in a row): it is out of use for %d "
-                "steps at a time, the run goes on with the CPU tier alone meanwhile",
-                FAILURES_TO_PAUSE,
-                self.retry_full_steps,
-            )
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
         """A reset abandoned this move (its ranks flush it next step; late acks are stale):
@@ -264,21 +222,4 @@ class DiskMoves:
             if keep_cpu:
                 self.cpu.finish_leaving(job.keys)
         else:
-            self.disk.complete_load(job.keys)
-            self._waiting.pop(job.job_id, None)
-            if keep_cpu:
-                self.cpu.complete_store(job.keys, success=False)
-
-    def _on_full(self, step: int) -> None:
-        self.stats.full_events += 1
-        self._paused_until = step + self.retry_full_steps
-        if not self._said_full:
-            self._said_full = True
-            log.warning(
-                "the disk tier's disk is full: demotions stop for %d steps at a time, the run "
-                "goes on with the CPU tier alone meanwhile",
-                self.retry_full_steps,
-            )
-
-    def check_invariants(self) -> None:
-        self.disk.check_invariants()
+            self._promotion_abandoned(job, keep_cpu)

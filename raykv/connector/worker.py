@@ -102,6 +102,9 @@ class ConnectorWorker:
         self._checked: dict[int, tuple[int, int]] = {}  # checked, not yet reported: (n, bad)
         self._reported: OrderedDict[int, bool] = OrderedDict()  # job -> ok, already reported
         self._step = -1
+        # moves of a tier this rank has no engine for (a replacement rank that could not join
+        # the store): failed, reported by the next poll
+        self._no_engine: list[int] = []
 
     # ---- around the model step ---------------------------------------------------------
 
@@ -134,7 +137,11 @@ class ConnectorWorker:
         # queued now, so that their I/O runs beside this step's model: a promotion that lands
         # by the step's poll lets its request load in the very next step
         for move in plan.tier_moves:
-            self.lowers[move.tier].submit(move)
+            lower = self.lowers.get(move.tier)
+            if lower is None:
+                self._no_engine.append(move.job_id)
+            else:
+                lower.submit(move)
         self.check_slots(plan.loads, "load from")
         for spec in plan.loads:
             self.check_writable(spec.copy.gpu_blocks, "load into")
@@ -168,6 +175,8 @@ class ConnectorWorker:
             completed, failed = completed + moved, failed + not_moved
             stats.add(lower.take_stats())
             corrupt, full = corrupt + lower.take_corrupt(), full + lower.take_full()
+        if self._no_engine:
+            failed, self._no_engine = failed + self._no_engine, []
         self._verify_loads(completed, failed, stats)
         self._remember(completed, failed)
         # a job the scheduler has waited for too long: if this rank reported it already (and

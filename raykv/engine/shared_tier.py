@@ -51,8 +51,9 @@ class SharedRuntime:
         try:
             address = self.master.start() if self.master is not None else s.master
             self.endpoint = endpoint_of(cfg, address)
-            self.holder = HeldSegment(self.endpoint, s.segment)
-            self.holder.start()
+            if s.mount:
+                self.holder = HeldSegment(self.endpoint, s.segment)
+                self.holder.start()
             self.index = StoreIndex(
                 self.endpoint, namespace(cfg), cfg.parallel.tensor_parallel_size
             )

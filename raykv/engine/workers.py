@@ -24,8 +24,8 @@ from raykv.engine.shared_tier import SharedRuntime, shared_enabled, shared_engin
 from raykv.engine.tier_namespace import describe, disk_rank_root
 from raykv.faults import (
     FaultyBackend,
-    FaultyDisk,
     FaultyRank,
+    FaultyTier,
     Rank,
     RankDied,
     RankFaults,
@@ -171,12 +171,15 @@ class LocalWorker:
         if self.disk is not None and incarnation > 0:
             self.disk.index()  # sweeps the temporary files a predecessor died writing
         disk = self.disk
-        if disk is not None and self.faults.disk_active:
-            disk = FaultyDisk(disk, self.faults)
+        if disk is not None and self.faults.tier_active("disk"):
+            disk = FaultyTier(disk, self.faults, "disk")
         self.store = shared_engine(
             cfg, rank, self.pool, self.layout, self.engine.checksums, store, incarnation
         )
-        self.connector = ConnectorWorker(rank, backend, verify, disk, self.store)
+        store_engine = self.store
+        if store_engine is not None and self.faults.tier_active("shared"):
+            store_engine = FaultyTier(store_engine, self.faults, "shared")
+        self.connector = ConnectorWorker(rank, backend, verify, disk, store_engine)
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)

@@ -2,11 +2,11 @@
 (``wrappers.py`` around its transfer backend and its step, ``disk.py`` around its disk
 engine)."""
 
-from raykv.faults.disk import FaultyDisk
 from raykv.faults.specs import (
     DISK_KINDS,
     KINDS,
     SCHEDULER_KINDS,
+    SHARED_KINDS,
     Fault,
     FaultSpecError,
     RankDied,
@@ -18,17 +18,19 @@ from raykv.faults.specs import (
     shared_master_dies_at,
     store_actor_dies_at,
 )
+from raykv.faults.tiers import FaultyTier
 from raykv.faults.wrappers import FaultyBackend, FaultyRank, Rank
 
 __all__ = [
     "DISK_KINDS",
     "KINDS",
     "SCHEDULER_KINDS",
+    "SHARED_KINDS",
     "Fault",
     "FaultSpecError",
     "FaultyBackend",
-    "FaultyDisk",
     "FaultyRank",
+    "FaultyTier",
     "Rank",
     "RankDied",
     "RankFaults",

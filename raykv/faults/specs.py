@@ -33,6 +33,13 @@ Specs (repeatable ``--fault`` option, or the ``faults:`` config list):
 - ``kill-shared-master:step=N``  the shared tier's embedded Mooncake master is killed at step N:
                                  publishes and promotions fail, requests recompute, the tier is
                                  out of use for ``offload.shared.retry_steps`` at a time
+- ``fail-shared:rate=P``, ``corrupt-shared:rate=P``, ``slow-shared:ms=N``,
+  ``full-shared:after=N``        the disk's four, for each rank's shared-tier jobs (a part put
+                                 spoiled is found by the CRC-32s of a promotion; a full pool fails
+                                 publishes and pauses them)
+- ``lose-shared:rate=P``         each chunk a rank published has that rank's part removed from the
+                                 store once it landed, with probability P (a part missing for
+                                 one rank: a promotion of it fails, the request recomputes)
 - ``kill-store-actor:step=N``    the shared tier's segment on the scheduler's node is killed at
                                  step N (its store actor on Ray, restarted empty; the segment's
                                  process in one process): what it held is gone, reads of it
@@ -46,11 +53,11 @@ nothing there). A spec's ``rank`` must be a
 rank of the run (below ``parallel.tensor_parallel_size``; the config checks that).
 
 The faults act at three seams, wrapped around a rank once where it is built
-(``faults/wrappers.py``, ``faults/disk.py``): ``FaultyBackend`` around its transfer backend
-(failed copies), ``FaultyDisk`` around its disk engine and ``FaultyRank`` around its step
-(deaths; lost, duplicated and late reports). The production classes carry no fault hooks of
-their own but for the two that corrupt bytes where they live (``corrupt_rows``,
-``corrupt_file``).
+(``faults/wrappers.py``, ``faults/tiers.py``): ``FaultyBackend`` around its transfer backend
+(failed copies), ``FaultyTier`` around its disk and shared-store engines and ``FaultyRank``
+around its step (deaths; lost, duplicated and late reports). The production classes carry no
+fault hooks of their own but for those that spoil or remove bytes where they live
+(``corrupt_rows``, ``spoil``, ``lose``).
 """
 
 from __future__ import annotations
@@ -83,11 +90,18 @@ KINDS = (
     "full-disk",
     "kill-shared-master",
     "kill-store-actor",
+    "fail-shared",
+    "corrupt-shared",
+    "lose-shared",
+    "slow-shared",
+    "full-shared",
 )
 # faults of the scheduler (or of what the engine runs beside it), not of a rank
 SCHEDULER_KINDS = ("kill-scheduler", "fail-scheduler", "kill-shared-master", "kill-store-actor")
-# faults of a rank's disk engine
+# faults of a rank's engine for a tier below the CPU tier
 DISK_KINDS = ("fail-disk", "corrupt-disk", "slow-disk", "full-disk")
+SHARED_KINDS = ("fail-shared", "corrupt-shared", "lose-shared", "slow-shared", "full-shared")
+TIER_KINDS = {"disk": DISK_KINDS, "shared": SHARED_KINDS}
 _PARAMS = {
     "kill-worker": {"rate", "step", "rank", "seed", "incarnation"},
     "delay-acks": {"rank", "steps", "rate", "seed", "incarnation"},
@@ -104,6 +118,11 @@ _PARAMS = {
     "full-disk": {"after", "rank", "seed", "incarnation"},
     "kill-shared-master": {"step", "seed"},
     "kill-store-actor": {"step", "seed"},
+    "fail-shared": {"rate", "seed", "rank", "incarnation"},
+    "corrupt-shared": {"rate", "seed", "rank", "incarnation"},
+    "lose-shared": {"rate", "seed", "rank", "incarnation"},
+    "slow-shared": {"ms", "rank", "seed", "incarnation"},
+    "full-shared": {"after", "rank", "seed", "incarnation"},
 }
 
 
@@ -181,11 +200,21 @@ def parse_fault(text: str) -> Fault:
         raise FaultSpecError(f"fault {text!r}: stall-worker needs step=N, rank=R and seconds=S")
     if kind in SCHEDULER_KINDS and "step" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs step=N")
-    rated = ("drop-acks", "dup-acks", "fail-copy", "corrupt-cpu", "fail-disk", "corrupt-disk")
+    rated = (
+        "drop-acks",
+        "dup-acks",
+        "fail-copy",
+        "corrupt-cpu",
+        "fail-disk",
+        "corrupt-disk",
+        "fail-shared",
+        "corrupt-shared",
+        "lose-shared",
+    )
     if kind in rated and "rate" not in values:
         raise FaultSpecError(f"fault {text!r}: {kind} needs rate=P")
-    if kind == "slow-disk" and "ms" not in values:
-        raise FaultSpecError(f"fault {text!r}: slow-disk needs ms=N")
+    if kind in ("slow-disk", "slow-shared") and "ms" not in values:
+        raise FaultSpecError(f"fault {text!r}: {kind} needs ms=N")
     for key in ("rank", "step", "steps", "incarnation", "seconds", "ms", "after"):
         if key in values and values[key] < 0:
             raise FaultSpecError(f"fault {text!r}: {key} must be >= 0")
@@ -266,25 +295,35 @@ class RankFaults:
     def corrupts(self) -> bool:
         return any(self._rng(i).random() < f.rate for i, f in self._mine("corrupt-cpu"))
 
-    def disk_fails(self) -> bool:
-        return any(self._rng(i).random() < f.rate for i, f in self._mine("fail-disk"))
+    # a tier below the CPU tier (``disk`` or ``shared``): ``fail-<tier>`` and the like
 
-    def disk_corrupts(self) -> bool:
-        return any(self._rng(i).random() < f.rate for i, f in self._mine("corrupt-disk"))
+    def _drawn(self, kind: str) -> bool:
+        return any(self._rng(i).random() < f.rate for i, f in self._mine(kind))
 
-    def disk_delay_s(self) -> float:
-        """The least seconds a disk job takes (``slow-disk``)."""
-        return max((f.ms for _, f in self._mine("slow-disk")), default=0.0) / 1000.0
+    def tier_fails(self, tier: str) -> bool:
+        return self._drawn(f"fail-{tier}")
 
-    def disk_room(self) -> int | None:
-        """Chunks the disk takes before it is full (``full-disk``); None: no limit."""
-        limits = [f.after for _, f in self._mine("full-disk")]
+    def tier_corrupts(self, tier: str) -> bool:
+        return self._drawn(f"corrupt-{tier}")
+
+    def tier_loses(self, tier: str) -> bool:
+        """This rank's copy of a written chunk goes missing (``lose-shared``)."""
+        return self._drawn(f"lose-{tier}")
+
+    def tier_delay_s(self, tier: str) -> float:
+        """The least seconds a job of the tier takes (``slow-<tier>``)."""
+        return max((f.ms for _, f in self._mine(f"slow-{tier}")), default=0.0) / 1000.0
+
+    def tier_room(self, tier: str) -> int | None:
+        """Chunks the tier takes before it is full (``full-<tier>``); None: no limit."""
+        limits = [f.after for _, f in self._mine(f"full-{tier}")]
         return min(limits) if limits else None
 
-    @property
-    def disk_active(self) -> bool:
+    def tier_active(self, tier: str) -> bool:
+        """Any fault of this tier applies to this rank."""
         return any(
-            f.kind in DISK_KINDS and f.applies_to(self.rank, self.incarnation) for f in self.faults
+            f.kind in TIER_KINDS[tier] and f.applies_to(self.rank, self.incarnation)
+            for f in self.faults
         )
 
     @property

@@ -129,7 +129,7 @@ class DiskTransferEngine(ChunkJobEngine):
     def _close(self) -> None:
         os.close(self._lock_fd)  # the directory is free for a successor
 
-    def corrupt_file(self, key: int) -> None:
+    def spoil(self, key: int) -> None:
         """Fault hook (``corrupt-disk``): flip one byte in the middle of ``key``'s pages, in
         its file, as a disk that flips would."""
         fmt = self.format

@@ -10,8 +10,10 @@ against a dead master, where a child is simply ended.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from typing import Any
 
+from raykv.transfer.shared_master import die_with_parent
 from raykv.transfer.shared_store import (
     SegmentHolder,
     SharedStoreError,
@@ -23,8 +25,10 @@ START_S = 30.0  # how long the child may take to give its segment
 STOP_S = 10.0  # how long a clean stop may take before the child is killed
 
 
-def _hold(endpoint: StoreEndpoint, segment_bytes: int, ready: Any, stop: Any) -> None:
-    """The child's life: give the pool a segment until told to stop."""
+def _hold(endpoint: StoreEndpoint, segment_bytes: int, ready: Any, stop: Any, parent: int) -> None:
+    """The child's life: give the pool a segment until told to stop (or its parent dies: a
+    segment never outlives the run that started it)."""
+    die_with_parent(parent)
     try:
         holder = SegmentHolder(endpoint, segment_bytes)
     except Exception as exc:  # said to the parent through the queue, not a traceback
@@ -46,7 +50,7 @@ class HeldSegment:
         self._stop = ctx.Event()
         self._process = ctx.Process(
             target=_hold,
-            args=(self.endpoint, segment_bytes, self._ready, self._stop),
+            args=(self.endpoint, segment_bytes, self._ready, self._stop, os.getpid()),
             daemon=True,
             name="raykv-shared-segment",
         )

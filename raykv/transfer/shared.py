@@ -117,6 +117,16 @@ class SharedTransferEngine(ChunkJobEngine):
         except Exception as exc:  # an unreachable store keeps them: reads check every part
             log.warning("shared tier: removing %d parts failed: %s", len(keys), exc)
 
+    def spoil(self, key: int) -> None:
+        """Fault hook (``corrupt-shared``): flip a byte of this rank's part of ``key``."""
+        if self.chunks is not None:
+            self.chunks.spoil(key)
+
+    def lose(self, key: int) -> None:
+        """Fault hook (``lose-shared``): remove this rank's part of ``key`` from the store."""
+        if self.chunks is not None:
+            self.chunks.lose(key)
+
     def _close(self) -> None:
         if self.chunks is not None:
             self.chunks.close()

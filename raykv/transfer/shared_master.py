@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -45,12 +46,16 @@ def master_binary() -> str:
     raise SharedStoreError(f"{BINARY} not found beside {sys.executable}, on PATH or in mooncake")
 
 
-def _die_with_parent() -> None:
-    """In the child before it runs the master: the kernel kills it when this process dies, so a
-    master never outlives the run that started it (a crash, a test run killed at its limit)."""
+def die_with_parent(parent: int | None = None) -> None:
+    """In a child before it runs its work: the kernel kills it when its parent dies, so a master
+    or a segment never outlives the run that started it (a crash, a test run killed at its
+    limit). ``parent``: the pid it was started by; where that one is already gone (it died
+    before the request took effect), the child ends at once."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,12 +87,17 @@ class EmbeddedMaster:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def start(self) -> str:
-        """Start it and wait until it accepts connections: its address."""
+    def alive(self) -> bool:
+        """Its process runs."""
+        return self._process is not None and self._process.poll() is None
+
+    def start(self, port: int | None = None) -> str:
+        """Start it (on ``port``, else a free one) and wait until it accepts connections: its
+        address."""
         if self._process is not None:
             return self.address
         binary = master_binary()
-        self.port = free_port(self.host)
+        self.port = port or free_port(self.host)
         fd, self.log_path = tempfile.mkstemp(prefix="raykv-mooncake-master-", suffix=".log")
         args = [
             binary,
@@ -103,7 +113,7 @@ class EmbeddedMaster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
             )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:

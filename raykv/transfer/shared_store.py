@@ -209,11 +209,19 @@ class SharedChunks:
         """Put these chunks' parts (``crcs``: their pages' CRC-32s where the caller has them,
         else computed); the store's status of each (0: in the store now; a key already there
         is left as it is, its bytes being the same)."""
-        out: list[int] = []
+        return self._batched(self._put, keys, slots, crcs, split=True)
+
+    def _batched(
+        self, call: Any, keys: Sequence[int], slots: Sequence[int], extra: Any, split: bool
+    ) -> list[Any]:
+        """``call`` over batches of at most ``max_batch`` chunks; ``extra`` goes along (cut in
+        batches too where ``split``)."""
+        out: list[Any] = []
         step = self.max_batch
         for start in range(0, len(keys), step):
-            part = None if crcs is None else crcs[start : start + step]
-            out += self._put(keys[start : start + step], slots[start : start + step], part)
+            end = start + step
+            given = extra[start:end] if split and extra is not None else extra
+            out += call(keys[start:end], slots[start:end], given)
         return out
 
     def _put(
@@ -239,11 +247,7 @@ class SharedChunks:
         ``failed`` (the store did not deliver it: unreachable, or an object of another size);
         a slot's bytes count only where ``ok``. ``crcs`` (where given) gets each chunk's
         verified page CRC-32s, empty where not ``ok``."""
-        out: list[str] = []
-        step = self.max_batch
-        for start in range(0, len(keys), step):
-            out += self._get(keys[start : start + step], slots[start : start + step], crcs)
-        return out
+        return self._batched(self._get, keys, slots, crcs, split=False)
 
     def _get(
         self, keys: Sequence[int], slots: Sequence[int], crcs: list[list[int]] | None
@@ -291,6 +295,34 @@ class SharedChunks:
         lease) is left."""
         names = [object_key(self.namespace, key, self.rank) for key in keys]
         self._client.batch_remove(names, False)
+
+    def spoil(self, key: int) -> None:
+        """Fault hook (``corrupt-shared``): this rank's part of ``key`` put again with one byte
+        of its pages flipped, as a store that flips bytes would (a part not there is left)."""
+        name = object_key(self.namespace, key, self.rank)
+        size = self.format.header_bytes + self.format.data_bytes
+        # through a registered buffer of the part's size: the client's own is smaller than a
+        # real model's chunk
+        buf = mmap.mmap(-1, size)
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        client = self._client
+        if client.register_buffer(ptr, size) != 0:
+            raise SharedStoreError("cannot register a buffer to spoil a part with")
+        try:
+            if client.get_into(name, ptr, size) != size:
+                return
+            buf[self.format.header_bytes + self.format.data_bytes // 2] ^= 0x5A
+            client.remove(name, True)
+            if client.put_from(name, ptr, size) != 0:
+                raise SharedStoreError(f"the spoiled part of {key:x} was not put back")
+        finally:
+            client.unregister_buffer(ptr)
+            buf.close()
+
+    def lose(self, key: int) -> None:
+        """Fault hook (``lose-shared``): this rank's part of ``key`` removed, as one the store
+        evicted or whose node's segment went away while the other ranks' parts stay."""
+        self._client.remove(object_key(self.namespace, key, self.rank), True)
 
     def close(self) -> None:
         with self._lock:

@@ -61,14 +61,32 @@ def test_a_store_actor_killed_mid_run_ends_with_the_fault_free_outputs(
     import ray
 
     from raykv.cluster.runtime import NAMESPACE
-    from raykv.cluster.shared_store import STORE_PREFIX
+    from raykv.cluster.shared_store import STORE_PREFIX, join_shared_store
 
-    report = ray_run([*SMALL, *SHARED, 'faults=["kill-store-actor:step=12"]'])
-    assert report["output_digest"] == baseline
-    # Ray restarted it with an empty segment: the pool has its memory again
+    join_shared_store(load_config(None, [*SMALL, *SHARED]))  # this node's store actor is up
     node = ray.get_runtime_context().get_node_id()
     store = ray.get_actor(STORE_PREFIX + node, namespace=NAMESPACE)
+    before = ray.get(store.pid.remote(), timeout=60)
+    report = ray_run([*SMALL, *SHARED, 'faults=["kill-store-actor:step=12"]'])
+    assert report["output_digest"] == baseline
+    # Ray restarted it (another process) with an empty segment: the pool has its memory again
+    assert ray.get(store.pid.remote(), timeout=60) != before
     assert ray.get(store.healthy.remote(), timeout=60)
+
+
+def test_a_master_killed_mid_run_is_started_again_and_the_segments_mounted_on_it(
+    store_actors: None, baseline: str
+) -> None:
+    """The embedded master dies at step 10: the run recomputes what it cannot load and ends
+    with the fault-free outputs; the master's actor starts it again on its port, the store
+    actors mount their segments on it, and the next deployment publishes into the pool."""
+    sets = [*SMALL, *SHARED, "offload.shared.retry_steps=16"]
+    report = ray_run([*sets, 'faults=["kill-shared-master:step=10"]'])
+    assert report["output_digest"] == baseline
+    after = ray_run(sets)
+    assert after["output_digest"] == baseline
+    s = after["tiers"]["shared"]
+    assert s["published_chunks"] > 0 and s["publishes_failed"] == 0
 
 
 def test_a_master_nothing_answers_for_is_refused_by_name(ray_session) -> None:
@@ -79,3 +97,13 @@ def test_a_master_nothing_answers_for_is_refused_by_name(ray_session) -> None:
 
     with pytest.raises(DeploymentError, match=r"offload\.shared\.master"):
         RaykvClient.start(cfg)
+
+
+def test_a_prompt_loaded_by_ray_ranks_from_the_shared_tier_has_transformers_logprobs(
+    store_actors: None, tmp_path
+) -> None:
+    pytest.importorskip("transformers")
+    from tests.model.test_generate import generate_through_the_shared_tier
+
+    second, _ = generate_through_the_shared_tier(tmp_path, "ray", SHARED)
+    assert second["report"]["shared_hit_tokens"] > 0

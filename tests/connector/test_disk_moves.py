@@ -80,7 +80,7 @@ def test_a_lookup_that_reaches_past_the_cpu_tier_promotes_and_waits() -> None:
     (move,), _ = t.moves.plan(0)
     assert move.promote and move.chunks.unpack() == keys[1:]
     assert t.lookup.lookup(state, 0, {}) is None  # still being written into the CPU tier
-    t.moves.finalize(ack_all(t.jobs, move.job_id), corrupt=False, full=False, step=1)
+    t.moves.finalize(ack_all(t.jobs, move.job_id), corrupt=False, full=False)
     assert t.lookup.lookup(state, 0, {}) == 3 * BLOCK  # now one CPU hit, a load of all three
     assert all(k in t.disk for k in keys[1:])  # a promoted chunk stays on disk too
 
@@ -104,7 +104,7 @@ def test_a_failed_corrupt_promotion_frees_its_slots_and_deletes_the_files() -> N
     t.disk.adopt(keys)
     assert t.lookup.lookup(state, 0, {}) is None
     (move,), _ = t.moves.plan(0)
-    t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), corrupt=True, full=False, step=1)
+    t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), corrupt=True, full=False)
     assert not any(k in t.cpu for k in keys) and not any(k in t.disk for k in keys)
     _, drops = t.moves.plan(1)
     assert sorted(drops.unpack()) == sorted(keys)
@@ -142,7 +142,7 @@ def test_a_request_waiting_for_room_takes_the_cpu_tiers_hit_after_a_few_lookups(
 
 
 def test_a_disk_whose_moves_keep_failing_is_taken_out_of_use_for_a_while() -> None:
-    from raykv.connector.tier_moves import FAILURES_TO_PAUSE
+    from raykv.connector.lower_moves import FAILURES_TO_PAUSE
 
     t = setup()
     state = request(2)
@@ -152,7 +152,8 @@ def test_a_disk_whose_moves_keep_failing_is_taken_out_of_use_for_a_while() -> No
         t.disk.adopt(keys)  # each failed promotion drops them: put them back
         assert t.lookup.lookup(state, 0, {}) is None
         (move,), _ = t.moves.plan(step)
-        t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), False, False, step)
+        t.moves.step = step
+        t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), False, False)
         state.disk_failed = False
     assert not t.moves.readable()
     t.disk.adopt(keys)

@@ -17,6 +17,7 @@ from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request
 from raykv.core.step import TIER_SHARED
 from raykv.offload.directory import Directory
+from tests.connector.test_disk_moves import ack_all  # every rank acks a job
 
 BLOCK = 4
 
@@ -61,14 +62,6 @@ def request(n_chunks: int, tag: int = 0) -> RequestOffloadState:
     state = RequestOffloadState.new(Request(f"r{tag}", tag, tokens, 4), 1)
     state.update_keys(BLOCK, 1)
     return state
-
-
-def ack_all(jobs: JobTable, job_id: int, ok: bool = True):
-    job = None
-    for rank in range(jobs.num_ranks):
-        job = jobs.ack(job_id, rank, ok) or job
-    assert job is not None
-    return job
 
 
 def stored(cpu: Directory, keys: list[int]) -> None:

@@ -173,3 +173,46 @@ def test_a_real_models_corrupt_cpu_chunks_are_caught_and_recomputed(tmp_path: Pa
     assert corrupt["integrity"]["corrupt_detected"] > 0
     assert corrupt["requests_finished"] == 12
     assert corrupt["output_digest"] == clean["output_digest"]
+
+
+def generate_through_the_shared_tier(
+    tmp_path: Path, engine: str, store: list[str]
+) -> tuple[dict, list[int]]:
+    """Two ``raykv generate`` runs (two engines, each with a CPU tier of its own) over one
+    shared tier: the first computes a prompt, the second loads its prefix from the store.
+    The second run's JSON, and its prompt."""
+    path, model = checkpoint(tmp_path / "ckpt", "llama-llama3-untied")
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(1, SHAPE["vocab_size"], (32,), generator=gen).tolist()
+    sets = [
+        "cache.block_size=4",
+        "offload.cpu_slots=64",
+        "offload.take_hits=always",  # the loaded request is the point, not the choice
+        *store,
+    ]
+    results = []
+    for n, prompt in enumerate(([*shared, 3], [*shared, 4, 5])):
+        file, out = tmp_path / f"prompt{n}.jsonl", tmp_path / f"out{n}.json"
+        file.write_text(json.dumps({"prompt_token_ids": prompt}) + "\n")
+        argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--engine", engine]
+        argv += ["--max-tokens", "5", "--json", str(out), "--logprobs", "2"]
+        for s in sets:
+            argv += ["--set", s]
+        assert main(argv) == 0
+        results.append(json.loads(out.read_text()))
+    assert_matches_transformers(model, [*shared, 4, 5], results[1]["outputs"][0], top=2)
+    return results[1], [*shared, 4, 5]
+
+
+def test_a_prompt_loaded_from_the_shared_tier_has_transformers_logprobs(
+    tmp_path: Path, shared_store: str
+) -> None:
+    store = [
+        "offload.shared.enabled=true",
+        f"offload.shared.master={shared_store}",
+        "offload.shared.mount=false",  # the session's segment: it outlives the engines
+        "offload.shared.segment=64MiB",
+    ]
+    second, prompt = generate_through_the_shared_tier(tmp_path, "local", store)
+    assert second["report"]["shared_hit_tokens"] >= 28  # 7 of the 8 full blocks of 4 tokens
+    assert second["report"]["shared_hit_tokens"] < len(prompt)

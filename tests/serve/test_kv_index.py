@@ -144,6 +144,7 @@ def test_the_mirror_predicts_the_engines_hits_from_the_shared_tier(
         "offload.take_hits=always",
         "offload.shared.enabled=true",
         f"offload.shared.master={shared_store}",
+        "offload.shared.mount=false",  # the session's segment: it outlives the engines
         "offload.shared.segment=64MiB",
         f"model.head_dim={8 * blocks_per_chunk + 8}",  # a namespace no other test published to
     ]
@@ -207,7 +208,7 @@ def test_a_replicas_load_counts_what_its_gpu_cache_does_not_hold() -> None:
         assert driver.load() == (len(follow) - 4 * bs, 0)
 
 
-def test_disk_events_and_snapshots_go_to_the_disk_set() -> None:
+def test_disk_and_shared_events_and_snapshots_go_to_their_sets() -> None:
     kv = ReplicaKV()
     kv.load(Snapshot(3, {"GPU": [1], "CPU": [2], "DISK": [3, 4]}))
     assert (kv.gpu, kv.cpu, kv.disk) == ({1}, {2}, {3, 4})
@@ -225,16 +226,17 @@ def test_disk_events_and_snapshots_go_to_the_disk_set() -> None:
     assert kv.apply([(7, True, "REMOTE", (9,))])  # a medium it does not keep: counted nowhere
     assert 9 not in kv.gpu | kv.cpu | kv.disk | kv.shared and kv.next_seq == 8
     assert kv.apply([(8, True, "SHARED", (9,))]) and kv.shared == {9}
-    # what a feed's ring hands a reader that fell behind carries the disk set
+    # what a feed's ring hands a reader that fell behind carries the disk and shared sets
     ring = EventRing(capacity=1)
     ring.reset(kv.snapshot())
-    assert ring.push([(8, True, "DISK", (5,)), (9, True, "GPU", (6,))])
-    whole = ring.since(8)
-    assert isinstance(whole, Snapshot) and whole.next_seq == 10
+    assert ring.push([(9, True, "DISK", (5,)), (10, True, "GPU", (6,))])
+    whole = ring.since(9)
+    assert isinstance(whole, Snapshot) and whole.next_seq == 11
     assert set(whole.held["DISK"]) == {2, 4, 5} and set(whole.held["CPU"]) == {4}
     reader = ReplicaKV()
     reader.load(whole)
     assert (reader.gpu, reader.cpu, reader.disk) == ({1, 6}, {4}, {2, 4, 5})
+    assert reader.shared == {9}
 
 
 def held_by_chunk(keys: PromptKeys, media: str) -> Snapshot:

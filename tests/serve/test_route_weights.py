@@ -39,21 +39,33 @@ def test_route_weights_are_the_measured_ratios(tiny_chat_model: Path, tmp_path: 
     assert m["disk_s_per_token"] >= 0
     assert m["disk_hit_cost"] == pytest.approx(m["disk_s_per_token"] / m["compute_s_per_token"])
     assert f"serve.router_weights.disk_hit_cost={m['disk_hit_cost']:.4f}" in printed
-    assert set(m["ttft_s"]) == {"computed", "cpu_tier", "disk_tier"}
+    # and on a second engine, from the shared tier the first one published to
+    from raykv.transfer.shared_store import mooncake_problem
+
+    shared = mooncake_problem() is None
+    if shared:
+        assert m["shared_s_per_token"] >= 0
+        ratio = m["shared_s_per_token"] / m["compute_s_per_token"]
+        assert m["shared_hit_cost"] == pytest.approx(ratio)
+        assert f"serve.router_weights.shared_hit_cost={m['shared_hit_cost']:.4f}" in printed
+    ways = {"computed", "cpu_tier", "disk_tier"} | ({"shared_tier"} if shared else set())
+    assert set(m["ttft_s"]) == ways
     assert all(set(ttft) == {"32", "1024"} for ttft in m["ttft_s"].values())
 
 
-def test_route_weights_without_the_disk_tier_say_nothing_of_it(
+def test_route_weights_without_the_lower_tiers_say_nothing_of_them(
     tiny_chat_model: Path, tmp_path: Path, capsys
 ) -> None:
     out = tmp_path / "weights.json"
-    argv = ["bench", "route-weights", "--model", str(tiny_chat_model), "--no-disk"]
+    argv = ["bench", "route-weights", "--model", str(tiny_chat_model), "--no-disk", "--no-shared"]
     argv += ["--prompt-tokens", "32,64", "--decoders", "1", "--repeat", "1", "--json", str(out)]
     assert main(argv) == 0
     m = json.loads(out.read_text())
     assert m["disk_hit_cost"] is None and m["disk_s_per_token"] is None
+    assert m["shared_hit_cost"] is None and m["shared_s_per_token"] is None
     assert set(m["ttft_s"]) == {"computed", "cpu_tier"}
-    assert "disk" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "disk" not in printed and "shared" not in printed
 
 
 def test_route_weights_refuse_lengths_out_of_order(capsys) -> None:

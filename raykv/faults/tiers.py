@@ -1,6 +1,7 @@
-"""The disk-tier faults, wrapped around a rank's disk engine: jobs that fail (``fail-disk``),
-chunk files that go bad after they landed (``corrupt-disk``), a slow disk (``slow-disk``) and a
-full one (``full-disk``)."""
+"""The faults of a tier below the CPU tier, wrapped around a rank's engine for it (the disk's or
+the shared store's): jobs that fail (``fail-disk``, ``fail-shared``), chunks that go bad after
+they landed (``corrupt-*``), a slow tier (``slow-*``), a full one (``full-*``) and, for the
+store, a rank's part that goes missing (``lose-shared``)."""
 
 from __future__ import annotations
 
@@ -11,29 +12,35 @@ from raykv.core.step import TierMove
 from raykv.faults.specs import RankFaults
 
 
-class FaultyDisk:
-    """A disk engine (``connector.worker.DiskBackend``) that suffers this rank's disk faults.
+class FaultyTier:
+    """A tier's engine (``connector.worker.DiskBackend``: ``tier`` is ``disk`` or ``shared``)
+    that suffers this rank's faults of that tier.
 
     A failed job reads or writes nothing and is reported failed by the next poll, as one whose
-    I/O got EIO; a full disk fails a demotion the same way and reports it in ``take_full``, as
-    ENOSPC; a corrupted file has a byte of its pages flipped once its demotion has landed; a
-    slow disk reports each job no sooner than ``ms`` after it was queued (a flush waits that
-    long too)."""
+    I/O got EIO (or whose store call failed); a full tier fails a write the same way and reports
+    it in ``take_full``, as ENOSPC (a full pool); a corrupted chunk has a byte of its pages
+    flipped once its write has landed, a lost one this rank's copy removed (``spoil``,
+    ``lose``: the engine's own hooks); a slow tier reports each job no sooner than ``ms``
+    after it was queued (a flush waits that long too)."""
 
-    def __init__(self, inner: Any, faults: RankFaults) -> None:
+    def __init__(self, inner: Any, faults: RankFaults, tier: str = "disk") -> None:
         self.inner = inner
         self.faults = faults
+        self.tier = tier
+        self._lost: dict[
+            int, list[int]
+        ] = {}  # write -> its keys, this rank's part lost once landed
         self._failed: list[int] = []  # failed by a fault, for the next poll
         self._full: list[int] = []
         self._corrupt: dict[int, list[int]] = {}  # demotion -> its keys, corrupted once landed
         self._due: dict[int, float] = {}  # job -> when it may be reported (slow-disk)
         self._held: list[tuple[int, bool]] = []  # finished, not yet due: (job, ok)
-        self._room = faults.disk_room()
+        self._room = faults.tier_room(tier)
         self._written = 0
 
     def submit(self, move: TierMove) -> None:
-        f = self.faults
-        if f.disk_fails():
+        f, tier = self.faults, self.tier
+        if f.tier_fails(tier):
             self._failed.append(move.job_id)
             return
         if not move.promote and self._room is not None:
@@ -43,11 +50,13 @@ class FaultyDisk:
                 return
             self._written += len(move.chunks)
         self.inner.submit(move)
-        delay = f.disk_delay_s()
+        delay = f.tier_delay_s(tier)
         if delay:
             self._due[move.job_id] = time.monotonic() + delay
-        if not move.promote and f.disk_corrupts():
+        if not move.promote and f.tier_corrupts(tier):
             self._corrupt[move.job_id] = move.chunks.unpack()
+        if not move.promote and f.tier_loses(tier):
+            self._lost[move.job_id] = move.chunks.unpack()
 
     def flush(self, job_ids: list[int]) -> None:
         failed = set(self._failed)
@@ -59,11 +68,14 @@ class FaultyDisk:
 
     def poll(self) -> tuple[list[int], list[int]]:
         completed, failed = self.inner.poll()
-        for job_id in completed:  # landed: now its files go bad
+        for job_id in completed:  # landed: now its chunks go bad, or go
             for key in self._corrupt.pop(job_id, ()):
-                self.inner.corrupt_file(key)
+                self.inner.spoil(key)
+            for key in self._lost.pop(job_id, ()):
+                self.inner.lose(key)
         for job_id in failed:
             self._corrupt.pop(job_id, None)
+            self._lost.pop(job_id, None)
         if self._due or self._held:
             completed, failed = self._hold(completed, failed)
         if self._failed:
