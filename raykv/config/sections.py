@@ -369,7 +369,7 @@ class WorkloadConfig(_Strict):
 
 
 # measured: docs/serving.md ("The KV-aware router")
-SHARED_HIT_COST = 0.06
+SHARED_HIT_COST = 0.05
 
 
 class RouterWeightsConfig(_Strict):
@@ -395,8 +395,10 @@ class RouterWeightsConfig(_Strict):
         default=SHARED_HIT_COST,
         ge=0,
         description="A prompt token read from the shared tier (Mooncake Store) into the CPU "
-        "tier and then loaded, in computed ones; measured by raykv bench route-weights "
-        "(docs/serving.md).",
+        "tier and then loaded, in computed ones: the TTFT slope of prompts another engine "
+        "published against computing them (raykv bench route-weights --prompt-tokens 256,1024 "
+        "--no-disk, SmolLM2 float32, the store on loopback TCP, 2 cores: 0.025-0.055 in three "
+        "runs, median 0.046), rounded up.",
     )
     decode_cost: float = Field(
         default=4.0, ge=0, description="A request decoding on the replica, in computed tokens."

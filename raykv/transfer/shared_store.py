@@ -42,6 +42,9 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 
 
+LOCAL_BUFFER = 1 << 20  # each client's own transfer buffer (our bytes go through registered ones)
+
+
 class SharedUnavailable(ConfigError):
     """The shared tier's store cannot be used as configured (``offload.shared.*``): named in
     the message (a configuration problem: ``raykv`` exits 2)."""
@@ -103,6 +106,10 @@ def connect(endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int
             f"nothing answers at {endpoint.master} (the shared tier's master) within "
             f"{timeout_s:g} s"
         )
+    if segment_bytes == 0 and local_buffer_bytes == LOCAL_BUFFER:
+        client = _idle_client(endpoint)
+        if client is not None:
+            return client
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
@@ -128,7 +135,7 @@ class SegmentHolder:
 
     def __init__(self, endpoint: StoreEndpoint, segment_bytes: int) -> None:
         self.segment_bytes = segment_bytes
-        self._client = connect(endpoint, segment_bytes, 1 << 20)
+        self._client = connect(endpoint, segment_bytes, LOCAL_BUFFER)
 
     def healthy(self) -> bool:
         """The master answers this client."""
@@ -136,6 +143,32 @@ class SegmentHolder:
 
     def close(self) -> None:
         self._client.close()
+
+
+# Clients that give no segment, idle, by where they join: Mooncake's close holds the
+# interpreter's lock for about a second (its threads' last beat), which every engine's shutdown
+# would pay per rank; the next engine in this process takes them up instead (a rank actor's
+# process ends with its client anyway).
+_idle: dict[StoreEndpoint, list[Any]] = {}
+_idle_lock = threading.Lock()
+MAX_IDLE = 8  # per endpoint; one more is closed
+
+
+def _idle_client(endpoint: StoreEndpoint) -> Any | None:
+    with _idle_lock:
+        idle = _idle.get(endpoint)
+        return idle.pop() if idle else None
+
+
+def release(endpoint: StoreEndpoint, client: Any) -> None:
+    """Give back a client of ``connect(endpoint, 0, ...)`` whose buffers are all unregistered:
+    kept for the next one joining there (closed where enough are kept)."""
+    with _idle_lock:
+        idle = _idle.setdefault(endpoint, [])
+        if len(idle) < MAX_IDLE:
+            idle.append(client)
+            return
+    client.close()
 
 
 def object_key(namespace: str, key: int, rank: int) -> str:
@@ -165,7 +198,8 @@ class SharedChunks:
         self.master = endpoint.master
         self._pool_ptr = pool_ptr
         self._num_slots = num_slots
-        self._client = connect(endpoint, 0, 1 << 20)
+        self._endpoint = endpoint
+        self._client = connect(endpoint, 0, LOCAL_BUFFER)
         rc = self._client.register_buffer(pool_ptr, num_slots * fmt.data_bytes)
         if rc != 0:
             self._client.close()
@@ -330,7 +364,7 @@ class SharedChunks:
         for buf in headers:
             self._client.unregister_buffer(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
         self._client.unregister_buffer(self._pool_ptr)
-        self._client.close()
+        release(self._endpoint, self._client)
 
 
 class StoreIndex:
@@ -342,7 +376,8 @@ class StoreIndex:
         self.num_ranks = num_ranks
         self._master = endpoint.master
         self._suspect = False  # the last question failed: ask only a master that answers
-        self._client = connect(endpoint, 0, 1 << 20)
+        self._endpoint = endpoint
+        self._client = connect(endpoint, 0, LOCAL_BUFFER)
 
     def present(self, keys: Sequence[int]) -> list[bool]:
         """For each chunk, whether every rank's part is in the store now; ``SharedStoreError``
@@ -362,4 +397,4 @@ class StoreIndex:
         ]
 
     def close(self) -> None:
-        self._client.close()
+        release(self._endpoint, self._client)

@@ -27,29 +27,32 @@ class FakeStream:
         self.items.append(item)
 
 
-def test_the_replica_hands_over_the_disk_tiers_tokens_apart() -> None:
+def test_the_replica_hands_over_the_lower_tiers_tokens_apart() -> None:
     req = Request("r", 0, list(range(1, 101)), 4)
-    req.num_gpu_hit_tokens, req.num_cpu_hit_tokens, req.num_disk_hit_tokens = 16, 32, 48
+    req.num_gpu_hit_tokens, req.num_cpu_hit_tokens, req.num_disk_hit_tokens = 16, 32, 40
+    req.num_shared_hit_tokens = 8
     stream = FakeStream()
     replica = EngineReplica.__new__(EngineReplica)  # _hand reads nothing of the replica
     replica._hand(stream, req, "finished_length")  # type: ignore[arg-type]
     (item,) = stream.items
-    assert item[3] == (16, 32, 48)
+    assert item[3] == (16, 32, 40, 8)
 
 
-def test_usage_reports_the_disk_tiers_tokens_apart() -> None:
+def test_usage_reports_the_lower_tiers_tokens_apart() -> None:
     last = EngineUpdate(
         finish_reason="length",
         prompt_tokens=100,
         completion_tokens=4,
         cached_tokens=96,
         cpu_tier_tokens=32,
-        disk_tier_tokens=48,
+        disk_tier_tokens=40,
+        shared_tier_tokens=8,
     )
     details = usage_of(last)["prompt_tokens_details"]
     assert details == {
         "cached_tokens": 96,
         "gpu_cache_tokens": 16,
         "cpu_tier_tokens": 32,
-        "disk_tier_tokens": 48,
+        "disk_tier_tokens": 40,
+        "shared_tier_tokens": 8,
     }
