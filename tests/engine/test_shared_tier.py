@@ -63,9 +63,21 @@ def test_what_one_engine_computed_another_loads_from_the_store(
     assert other["tiers"]["shared"]["found_chunks"] == 0
 
 
-def test_the_master_killed_mid_run_ends_with_the_fault_free_outputs(baseline: dict) -> None:
-    """An embedded master of the run's own, killed at step 10: publishes and promotions fail,
-    the requests recompute, and the run finishes with the outputs of the run without tiers."""
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # an embedded master of the run's own: publishes and promotions fail, the tier pauses
+        "kill-shared-master:step=10",
+        # the run's own segment process (what a store actor is on Ray): what the pool held
+        # there is gone, reads of it fail
+        "kill-store-actor:step=12",
+    ],
+)
+def test_the_store_killed_mid_run_ends_with_the_fault_free_outputs(
+    baseline: dict, fault: str
+) -> None:
+    """The requests recompute what cannot be loaded, and the run finishes with the outputs of
+    the run without tiers, its books drained."""
     from raykv.transfer.shared_store import mooncake_problem
 
     if mooncake_problem():
@@ -75,30 +87,7 @@ def test_the_master_killed_mid_run_ends_with_the_fault_free_outputs(baseline: di
         "offload.shared.enabled=true",
         "offload.shared.segment=64MiB",
         "offload.shared.retry_steps=16",
-        'faults=["kill-shared-master:step=10"]',
-    ]
-    report, books = run(sets)
-    assert report["output_digest"] == baseline["output_digest"]
-    s = report["tiers"]["shared"]
-    assert s["published_chunks"] > 0  # before the kill
-    assert s["publishes_failed"] + s["promotions_failed"] > 0 or s["unavailable_events"] > 0
-    assert not any(books.values()), books
-
-
-def test_the_segment_killed_mid_run_ends_with_the_fault_free_outputs(baseline: dict) -> None:
-    """The run's own segment process (what a store actor is on Ray) killed at step 12: what the
-    pool held there is gone, reads of it fail, and the run ends with the outputs of the run
-    without tiers."""
-    from raykv.transfer.shared_store import mooncake_problem
-
-    if mooncake_problem():
-        pytest.skip(f"the shared tier's store cannot start here: {mooncake_problem()}")
-    sets = [
-        *SMALL,
-        "offload.shared.enabled=true",
-        "offload.shared.segment=64MiB",
-        "offload.shared.retry_steps=16",
-        'faults=["kill-store-actor:step=12"]',
+        f'faults=["{fault}"]',
     ]
     report, books = run(sets)
     assert report["output_digest"] == baseline["output_digest"]

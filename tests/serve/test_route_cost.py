@@ -22,9 +22,17 @@ from raykv.serve.kv_router import RouteWeights
 
 LAYOUT = KVLayout(block_size=4, blocks_per_chunk=2)
 PROMPT = list(range(100, 133))  # 33 tokens: 4 chunks usable, the last token always computed
-WEIGHTS = RouteWeights(
-    cpu_hit_cost=0.02, disk_hit_cost=0.25, decode_cost=4.0, imbalance=2.0, imbalance_tokens=8
-)
+
+
+def weights(**other: float) -> RouteWeights:
+    """The weights these tests price with (``other``: those that differ)."""
+    given: dict = dict(
+        cpu_hit_cost=0.02, disk_hit_cost=0.25, decode_cost=4.0, imbalance=2.0, imbalance_tokens=8
+    )
+    return RouteWeights(**{**given, **other})
+
+
+WEIGHTS = weights()
 
 
 def mirror(medium: str | None, by_events: bool) -> ReplicaKV:
@@ -64,17 +72,10 @@ def test_a_prefix_on_disk_is_priced_between_one_on_cpu_and_none_by_the_weights(
 
 
 def test_decoding_and_a_spilled_queue_add_to_a_disk_hit_as_to_any() -> None:
-    weights = RouteWeights(
-        cpu_hit_cost=0.02,
-        disk_hit_cost=0.25,
-        decode_cost=4.0,
-        imbalance=2.0,
-        imbalance_tokens=8,
-        step_tokens=16,
-    )
+    spilling = weights(step_tokens=16)
     hit = prompt_hit(PromptKeys.of(PROMPT, LAYOUT), mirror("DISK", True), LAYOUT)
     # 1 computed + 2 decoding leave 13 of the step's 16 tokens: 20 queued spill 7
-    cost = weights.cost(hit, Load(prefill_tokens=20, decoding=2), 0)
+    cost = spilling.cost(hit, Load(prefill_tokens=20, decoding=2), 0)
     assert cost == pytest.approx(1 + 0.25 * 32 + 7 + 4.0 * 2)
 
 
@@ -82,12 +83,12 @@ def test_the_default_weights_rank_the_media_gpu_cpu_disk_compute() -> None:
     defaults = RouterWeightsConfig()
     assert 0 < defaults.cpu_hit_cost < defaults.disk_hit_cost < 1
     assert defaults.cpu_hit_cost < defaults.shared_hit_cost < 1
-    weights = RouteWeights(**defaults.model_dump())
+    default = RouteWeights(**defaults.model_dump())
     keys = PromptKeys.of(PROMPT, LAYOUT)
     on_gpu = ReplicaKV()
     on_gpu.load(Snapshot(0, {"GPU": [k for block in keys.gpu for k in block]}))
     costs = [
-        weights.cost(prompt_hit(keys, kv, LAYOUT), Load(), 0)
+        default.cost(prompt_hit(keys, kv, LAYOUT), Load(), 0)
         for kv in (on_gpu, mirror("CPU", True), mirror("DISK", True), mirror(None, True))
     ]
     assert costs == sorted(costs) and len(set(costs)) == 4
@@ -97,22 +98,15 @@ def test_a_prefix_in_the_shared_tier_is_priced_alike_on_every_replica() -> None:
     """One replica published the prompt's chunks to the shared tier (its SHARED events): every
     replica can read them, so each is priced with ``shared_hit_cost``, not as computing them,
     and the publisher's own CPU-tier copy stays cheaper."""
-    weights = RouteWeights(
-        cpu_hit_cost=0.02,
-        disk_hit_cost=0.25,
-        decode_cost=4.0,
-        imbalance=2.0,
-        imbalance_tokens=8,
-        shared_hit_cost=0.5,
-    )
+    pricey = weights(shared_hit_cost=0.5)
     keys = PromptKeys.of(PROMPT, LAYOUT)
     publisher = mirror("CPU", True)
     assert publisher.apply([(1, True, "SHARED", tuple(publisher.cpu))])
     other = mirror(None, True)
     shared = SharedView([publisher, other])
-    on_other = weights.cost(prompt_hit(keys, other, LAYOUT, shared=shared), Load(), 0)
-    on_publisher = weights.cost(prompt_hit(keys, publisher, LAYOUT, shared=shared), Load(), 0)
-    alone = weights.cost(prompt_hit(keys, other, LAYOUT), Load(), 0)
+    on_other = pricey.cost(prompt_hit(keys, other, LAYOUT, shared=shared), Load(), 0)
+    on_publisher = pricey.cost(prompt_hit(keys, publisher, LAYOUT, shared=shared), Load(), 0)
+    alone = pricey.cost(prompt_hit(keys, other, LAYOUT), Load(), 0)
     assert on_other == pytest.approx(1 + 0.5 * 32)
     assert on_publisher == pytest.approx(1 + 0.02 * 32)
     assert alone == 33  # without the view: nothing cached anywhere for it
