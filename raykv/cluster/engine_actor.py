@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+DRAIN_S = 30.0  # at shutdown, how long transfers left by finished requests may take to land
+
 # (request id, generated tokens, status, why it was refused, logprobs per token)
 FinishedItem = tuple[str, list[int], str, "str | None", "list[TokenLogprobs] | None"]
 
@@ -241,7 +243,16 @@ class EngineServer:
             self._loop.join(timeout=30)
 
     def shutdown(self) -> None:
-        """Before the ranks are shut down: the compiled graph, if any, is torn down."""
+        """Before the ranks are shut down: transfers in flight once every request is done (the
+        last stores, the shared tier's publishes) land first, for at most ``DRAIN_S``; then
+        the loop stops and the compiled graph, if any, is torn down."""
+        deadline = time.monotonic() + DRAIN_S
+        while self._loop is not None and self._error is None and time.monotonic() < deadline:
+            with self._lock:
+                scheduler = self.engine.scheduler
+                if scheduler.has_unfinished() or not self.driver.has_work():
+                    break  # requests still running are stopped, not waited for
+            time.sleep(0.05)
         self.stop()
         with self._lock:
             self.group.shutdown()

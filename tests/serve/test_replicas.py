@@ -1,7 +1,9 @@
 """Two replicas on two Ray nodes behind the KV-aware router: each replica on a node of its own
 (a one-per-node resource places them), conversations kept where their KV is, and a replica
 killed mid-stream: its stream ends in an error (not retried: part of the answer is out), the
-other replica goes on serving at once, and Serve brings a new one up."""
+other replica goes on serving at once, and Serve brings a new one up. With the shared tier on
+(where Mooncake Store starts here): one store actor per node, and a conversation whose replica
+was killed goes on at the other node's replica, which loads its history from the store."""
 
 from __future__ import annotations
 
@@ -20,6 +22,22 @@ from tests.serve.nodes import add_node, remove_node  # noqa: E402
 PORT = 8125
 SLOT = "raykv-test-replica-slot"
 RESTART_S = 120.0
+
+
+def _shared_tier() -> list[str]:
+    from raykv.transfer.shared_store import mooncake_problem
+
+    if mooncake_problem() is not None:
+        return []
+    # every hit loaded: the store's part is tested, not the scheduler's choice of it
+    return [
+        "offload.shared.enabled=true",
+        "offload.shared.segment=128MiB",
+        "offload.take_hits=always",
+    ]
+
+
+SHARED = _shared_tier()
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +63,17 @@ def server(nodes, tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactor
             "model.dtype=float32",
             "cache.num_gpu_blocks=96",
             f"offload.shared_pool_dir={tmp_path_factory.mktemp('shards')}",
+            *SHARED,
         ],
     )
     options = ServeOptions(port=PORT, replicas=2, router="kv", replica_resources={SLOT: 1})
     srv = Server(cfg, options).start()
     yield srv
     srv.stop()
+    if SHARED:  # before the nodes go: their store actors would wait for them to come back
+        from raykv.cluster.shared_store import stop_shared_store
+
+        stop_shared_store()
 
 
 @pytest.fixture
@@ -152,10 +175,6 @@ def test_issue28_3_a_killed_kv_feed_is_replaced_and_conversations_keep_their_rep
 
 
 def test_a_killed_replica_ends_its_stream_in_an_error_and_the_other_serves_on(client) -> None:
-    from ray import serve
-
-    from raykv.serve.app import APP_NAME, ENGINE_DEPLOYMENT
-
     messages = [{"role": "user", "content": "Count slowly from one to one thousand."}]
     model = client.models.list().data[0].id
     stream = client.chat.completions.create(
@@ -175,6 +194,45 @@ def test_a_killed_replica_ends_its_stream_in_an_error_and_the_other_serves_on(cl
         answer = chat(client, [{"role": "user", "content": f"After the loss, question {i}."}])
         assert answer.system_fingerprint != f"raykv-{victim}"
     # and Serve replaces the dead one: two replicas again, the new one serving
+    wait_for_two_replicas(victim)
+
+
+def test_a_conversation_whose_replica_died_loads_its_history_from_the_store(client, nodes) -> None:
+    if not SHARED:
+        pytest.skip("the shared tier's store cannot start here")
+    from raykv.cluster.runtime import NAMESPACE
+    from raykv.cluster.shared_store import STORE_PREFIX
+
+    stores = {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == NAMESPACE
+    }
+    assert {STORE_PREFIX + node.node_id for node in nodes} <= stores  # one per node
+    messages = [
+        {"role": "system", "content": "You answer as the archivist. " * 16},
+        {"role": "user", "content": "Where are the old maps kept?"},
+    ]
+    first = chat(client, messages)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content})
+    messages.append({"role": "user", "content": "And the letters?"})
+    time.sleep(2)  # its stores, and their publishes to the store, land
+    victim = first.system_fingerprint.removeprefix("raykv-")
+    kill_replica(victim)
+    second = chat(client, messages)  # the KV router's choice is gone: the other replica
+    assert second.system_fingerprint != first.system_fingerprint
+    details = second.usage.prompt_tokens_details
+    from_store = int((details.model_extra or {}).get("shared_tier_tokens", 0))
+    assert from_store >= 64, f"{from_store} tokens from the store"
+    wait_for_two_replicas(victim)
+
+
+def wait_for_two_replicas(victim: str) -> None:
+    """Until Serve replaced the killed replica and this process's handle routes to it."""
+    from ray import serve
+
+    from raykv.serve.app import APP_NAME, ENGINE_DEPLOYMENT
+
     deadline = time.monotonic() + RESTART_S
     while True:
         status = serve.status().applications[APP_NAME].deployments[ENGINE_DEPLOYMENT]
