@@ -33,8 +33,7 @@ from raykv.faults import (
     parse_fault,
     scheduler_dies_at,
     scheduler_fails_at,
-    shared_master_dies_at,
-    store_actor_dies_at,
+    strikes_at,
 )
 
 if TYPE_CHECKING:
@@ -150,9 +149,9 @@ class EngineServer:
         if scheduler_fails_at(self._faults, steps):
             raise SchedulerFault(f"fail-scheduler: step {steps} failed (an injected fault)")
         # the first scheduler's step N only (a replacement replays the run from step 0)
-        if self._incarnation == 0 and shared_master_dies_at(self._faults, steps):
+        if self._incarnation == 0 and strikes_at(self._faults, "kill-shared-master", steps):
             kill_master()
-        if self._incarnation == 0 and store_actor_dies_at(self._faults, steps):
+        if self._incarnation == 0 and strikes_at(self._faults, "kill-store-actor", steps):
             kill_node_store(ray.get_runtime_context().get_node_id())
 
     def progress(self) -> dict[str, Any]:

@@ -228,13 +228,7 @@ def join_shared_store(cfg: RaykvConfig, with_segment: bool = True) -> StoreEndpo
         return None
     s = cfg.offload.shared
     try:
-        endpoint = StoreEndpoint(
-            master_address(cfg),
-            host=ray.util.get_node_ip_address(),
-            protocol=s.protocol,
-            devices=s.devices,
-            timeout_s=s.timeout_s,
-        )
+        endpoint = StoreEndpoint.of(s, master_address(cfg), ray.util.get_node_ip_address())
         if with_segment and s.mount:
             node_store(cfg, endpoint, ray.get_runtime_context().get_node_id())
     except (SharedStoreError, ray.exceptions.RayError) as exc:

@@ -28,11 +28,6 @@ def shared_enabled(cfg: RaykvConfig) -> bool:
     return cfg.offload.enabled and cfg.offload.shared.enabled
 
 
-def endpoint_of(cfg: RaykvConfig, master: str) -> StoreEndpoint:
-    s = cfg.offload.shared
-    return StoreEndpoint(master, protocol=s.protocol, devices=s.devices, timeout_s=s.timeout_s)
-
-
 def object_bytes(cfg: RaykvConfig) -> int:
     """Bytes of one chunk in the store, every rank's part (headers and pages)."""
     fmt = ChunkFormat(cfg.page_bytes(), cfg.offload.blocks_per_chunk)
@@ -50,7 +45,7 @@ class SharedRuntime:
         self.holder: HeldSegment | None = None
         try:
             address = self.master.start() if self.master is not None else s.master
-            self.endpoint = endpoint_of(cfg, address)
+            self.endpoint = StoreEndpoint.of(s, address)
             if s.mount:
                 self.holder = HeldSegment(self.endpoint, s.segment)
                 self.holder.start()

@@ -30,8 +30,7 @@ from raykv.faults import (
     RankDied,
     RankFaults,
     parse_fault,
-    shared_master_dies_at,
-    store_actor_dies_at,
+    strikes_at,
 )
 from raykv.model.synthetic import SyntheticModel
 from raykv.transfer.checksums import RowChecksums
@@ -294,9 +293,9 @@ class LocalWorkerGroup:
         """Every rank runs the plan; a rank that dies is reported in ``RankFailed`` with the
         replies of the others (they ran the step, as real ranks would have)."""
         runtime = self.shared_runtime
-        if runtime is not None and shared_master_dies_at(self._faults, plan.step):
+        if runtime is not None and strikes_at(self._faults, "kill-shared-master", plan.step):
             runtime.kill_master()
-        if runtime is not None and store_actor_dies_at(self._faults, plan.step):
+        if runtime is not None and strikes_at(self._faults, "kill-store-actor", plan.step):
             runtime.kill_segment()
         reports, dead = [], []
         for w in self.workers:

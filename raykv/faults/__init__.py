@@ -1,6 +1,6 @@
 """Fault injection: the specs (``specs.py``) and the wrappers that make a rank suffer them
-(``wrappers.py`` around its transfer backend and its step, ``disk.py`` around its disk
-engine)."""
+(``wrappers.py`` around its transfer backend and its step, ``tiers.py`` around its disk and
+shared-store engines)."""
 
 from raykv.faults.specs import (
     DISK_KINDS,
@@ -15,8 +15,7 @@ from raykv.faults.specs import (
     parse_fault,
     scheduler_dies_at,
     scheduler_fails_at,
-    shared_master_dies_at,
-    store_actor_dies_at,
+    strikes_at,
 )
 from raykv.faults.tiers import FaultyTier
 from raykv.faults.wrappers import FaultyBackend, FaultyRank, Rank
@@ -38,6 +37,5 @@ __all__ = [
     "parse_fault",
     "scheduler_dies_at",
     "scheduler_fails_at",
-    "shared_master_dies_at",
-    "store_actor_dies_at",
+    "strikes_at",
 ]

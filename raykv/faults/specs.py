@@ -156,15 +156,10 @@ def scheduler_dies_at(faults: list[Fault], step: int, incarnation: int) -> bool:
     return incarnation == 0 and any(f.kind == "kill-scheduler" and f.step == step for f in faults)
 
 
-def store_actor_dies_at(faults: list[Fault], step: int) -> bool:
-    """The shared tier's segment on the scheduler's node is killed at ``step``
-    (``kill-store-actor``)."""
-    return any(f.kind == "kill-store-actor" and f.step == step for f in faults)
-
-
-def shared_master_dies_at(faults: list[Fault], step: int) -> bool:
-    """The shared tier's embedded master is killed at ``step`` (``kill-shared-master``)."""
-    return any(f.kind == "kill-shared-master" and f.step == step for f in faults)
+def strikes_at(faults: list[Fault], kind: str, step: int) -> bool:
+    """A fault of ``kind`` that strikes at ``step`` (``kill-shared-master``,
+    ``kill-store-actor``: what the engine runs beside the scheduler)."""
+    return any(f.kind == kind and f.step == step for f in faults)
 
 
 def scheduler_fails_at(faults: list[Fault], step: int) -> bool:

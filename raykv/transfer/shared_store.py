@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv.config import ConfigError
+from raykv.config.shared import SharedTierConfig
 from raykv.transfer.crc import crc32
 from raykv.transfer.disk_files import ChunkFileError, ChunkFormat
 
@@ -80,6 +81,18 @@ class StoreEndpoint:
     protocol: str = "tcp"
     devices: str = ""  # RDMA devices (empty: found by Mooncake)
     timeout_s: float = 5.0  # a master nothing answers for is refused within this
+
+    @classmethod
+    def of(cls, shared: SharedTierConfig, master: str, host: str = "127.0.0.1") -> StoreEndpoint:
+        """Where a client on ``host`` (its node's address) joins the store at ``master``, as
+        ``offload.shared`` says it moves bytes."""
+        return cls(
+            master,
+            host=host,
+            protocol=shared.protocol,
+            devices=shared.devices,
+            timeout_s=shared.timeout_s,
+        )
 
 
 def reachable(address: str, timeout_s: float) -> bool:
