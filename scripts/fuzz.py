@@ -13,17 +13,17 @@ tier (a few chunks to a few hundred, in a directory of their own, removed afterw
 own policy, filter and reserve, its I/O direct or buffered, and its own faults (failed,
 corrupted, slow reads and writes; a full disk). One in five puts the shared tier (Mooncake
 Store) under them: a master and segment of the fuzzing process's own, joined by every such
-episode as replicas join a long-lived store, with failed, spoiled and lost parts and a full
-pool. A disk tier's I/O threads and the store's run on their own clock, so such an episode,
-like one with real copy threads, replays only approximately. One in
-five episodes loads only the tier hits the measured costs say are worth it. A hostile client
-aborts requests at random moments (queued, loading, running), resets the CPU tier mid-run, and
-with finished requests forgotten (the serving setting) hands their ids to new requests. The run
-with offloading checks the scheduler's books after every step (each rank checks the fence before
-every write), then requires the drain (no jobs, no fence, no request state, no busy slot, every
-GPU block free), a CPU tier whose every readable chunk holds the right bytes on every rank, and
-the tokens of a run without offloading and without the client's mischief (an aborted request: a
-prefix of them).
+episode as replicas join a long-lived store, publishing as chunks reach the CPU tier or as they
+leave it, with failed, spoiled and lost parts and a full pool. A disk tier's I/O threads and the
+store's run on their own clock, so such an episode, like one with real copy threads, replays
+only approximately. One in five episodes loads only the tier hits the measured costs say are
+worth it. A hostile client aborts requests at random moments (queued, loading, running), resets
+the CPU tier mid-run, and with finished requests forgotten (the serving setting) hands their ids
+to new requests. The run with offloading checks the scheduler's books after every step (each
+rank checks the fence before every write), then requires the drain (no jobs, no fence, no
+request state, no busy slot, every GPU block free), a CPU tier whose every readable chunk holds
+the right bytes on every rank, and the tokens of a run without offloading and without the
+client's mischief (an aborted request: a prefix of them).
 
 Usage: python scripts/fuzz.py --steps 1000000 [--seed S] [--jobs N] [--async-scheduling on]
 (CI runs a short version)
@@ -191,6 +191,7 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
             "offload.shared.mount=false",  # this process's segment (``store_address``)
             f"offload.shared.segment={STORE_SEGMENT}",
             f"offload.shared.retry_steps={rng.choice([8, 64])}",
+            f"offload.shared.publish={rng.choice(['through', 'back'])}",
         ]
     workload = dict(
         num_requests=rng.randint(8, 30),

@@ -46,6 +46,14 @@ class SharedTierConfig(_Strict):
         "Mooncake store service the operator runs, or another raykv process); segment then only "
         "sizes this engine's index of the store.",
     )
+    publish: Literal["through", "back"] = Field(
+        default="through",
+        description="When a chunk is put into the store: through, as the CPU tier stores it "
+        "(every replica can load it from then on); back, as it leaves the CPU tier (fewer "
+        "puts; what a replica still holds in DRAM is not shared, and goes with the replica). "
+        "Without a disk tier, back keeps offload.disk.reserve_fraction of the CPU tier free by "
+        "publishing its coldest chunks ahead of need.",
+    )
     protocol: Literal["tcp", "rdma"] = Field(
         default="tcp", description="How the store moves bytes: tcp, or rdma where the NICs have it."
     )

@@ -26,22 +26,40 @@ class LowerTiers:
         cpu: Directory,
         jobs: JobTable,
         check_sums: bool,
-        disk: tuple[Directory | None, int, int],
-        shared: tuple[Directory | None, StoreIndex | None, int],
+        reserve: int,
+        disk: tuple[Directory | None, int],
+        shared: tuple[Directory | None, StoreIndex | None, int, bool],
     ) -> LowerTiers:
-        """The tiers' moves over ``cpu``: ``disk`` is (its directory, the CPU slots its
-        demotions keep free, steps it pauses when full), ``shared`` (its index of the store, the
-        store's answers, steps it pauses after failures); a None directory: no such tier."""
-        disk_dir, reserve, retry_full = disk
-        shared_dir, index, retry = shared
-        return cls(
+        """The tiers' moves over ``cpu``: ``reserve``, the CPU slots kept free ahead of need
+        (by the disk's demotions, or by the shared tier's write-back without a disk); ``disk``
+        is (its directory, steps it pauses when full), ``shared`` (its index of the store, the
+        store's answers, steps it pauses after failures, write-back); a None directory: no
+        such tier. With both, write-back publishes what the disk's demotions give up."""
+        disk_dir, retry_full = disk
+        shared_dir, index, retry, write_back = shared
+        disk_moves = (
             None
             if disk_dir is None
-            else DiskMoves(cpu, disk_dir, jobs, reserve, check_sums, retry_full),
+            else DiskMoves(cpu, disk_dir, jobs, reserve, check_sums, retry_full)
+        )
+        shared_moves = (
             None
             if shared_dir is None
-            else SharedMoves(cpu, shared_dir, jobs, index, check_sums, retry),
+            else SharedMoves(
+                cpu,
+                shared_dir,
+                jobs,
+                index,
+                check_sums,
+                retry,
+                write_back,
+                reserve,
+            )
         )
+        if disk_moves is not None and shared_moves is not None and write_back:
+            disk_moves.on_leaving = shared_moves.leaving
+            shared_moves.keeps_reserve = False
+        return cls(disk_moves, shared_moves)
 
     def __bool__(self) -> bool:
         return self.disk is not None or self.shared is not None
@@ -66,7 +84,8 @@ class LowerTiers:
         return moves, disk_drops, shared_drops
 
     def stored(self, keys: Sequence[int]) -> None:
-        """A store into the CPU tier landed: the shared tier publishes its chunks."""
+        """A store into the CPU tier landed: the shared tier publishes its chunks (when it
+        writes through)."""
         if self.shared is not None:
             self.shared.publish(keys)
 

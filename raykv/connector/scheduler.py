@@ -46,8 +46,12 @@ class ConnectorScheduler:
             its request can compute in the step that loads it (``TransferSpec.same_step``).
         max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
-        disk: the disk tier, ``disk_reserve`` the CPU slots its demotions keep free.
-        shared: the shared tier's index of the store, ``store_index`` the store's answers.
+        disk: the disk tier.
+        cpu_reserve: the CPU slots kept free ahead of need by the disk's demotions, or by the
+            shared tier's write-back publishes where there is no disk tier.
+        shared: the shared tier's index of the store, ``store_index`` the store's answers;
+            ``shared_write_back``: publish chunks as they leave the CPU tier (else as they reach
+            it).
         costs: the measured costs that decide which hits are worth loading (None: all are).
     """
 
@@ -64,12 +68,13 @@ class ConnectorScheduler:
         check_sums: bool = False,
         load_in_step: bool = False,
         disk: Directory | None = None,
-        disk_reserve: int = 0,
+        cpu_reserve: int = 0,
         retry_full_steps: int = 512,
         costs: TierCosts | None = None,
         shared: Directory | None = None,
         store_index: StoreIndex | None = None,
         shared_retry_steps: int = 512,
+        shared_write_back: bool = False,
     ) -> None:
         self.directory = directory
         self.load_in_step = load_in_step
@@ -87,8 +92,8 @@ class ConnectorScheduler:
         self.fence = Fence()
         self.stats = ConnectorStats()
         self.lower = LowerTiers.build(
-            directory, self.jobs, check_sums, (disk, disk_reserve, retry_full_steps),
-            (shared, store_index, shared_retry_steps),
+            directory, self.jobs, check_sums, cpu_reserve, (disk, retry_full_steps),
+            (shared, store_index, shared_retry_steps, shared_write_back),
         )  # fmt: skip
         self.moves, self.shared_moves = self.lower.disk, self.lower.shared
         self._lookup = PrefixLookup(

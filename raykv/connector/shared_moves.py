@@ -3,11 +3,14 @@ parts to remove.
 
 Both are jobs of the connector's job table, acked by every rank like loads and stores:
 
-- **Publish** (write-through). A chunk the CPU tier has just stored is put into the store by
-  every rank from its own CPU-pool shard: its CPU slot is pinned (being read, still readable by
-  a load) and its entry in this engine's index of the store being written until every rank has
-  acked. A chunk the index already holds is not published again (another engine, or this one,
-  put the same bytes under the same key).
+- **Publish.** Write-through (``offload.shared.publish: through``): a chunk the CPU tier has
+  just stored is put into the store. Write-back (``back``): a chunk is put there as it leaves
+  the CPU tier, given up by the disk tier's demotions or, without a disk tier, by this tier's
+  own (a share of the CPU tier kept free, as the disk's demotions keep it). Either way every
+  rank puts it from its own CPU-pool shard: its CPU slot is pinned (being read, still readable
+  by a load; a leaving chunk's slot is freed only then) and its entry in this engine's index of
+  the store being written until every rank has acked. A chunk the index already holds is not
+  published again (another engine, or this one, put the same bytes under the same key).
 - **Promotion.** A lookup that reaches chunks only the store holds has them read by every rank
   into fresh CPU slots (being written until every rank acked); the request waits and then
   loads them like any CPU hit. A promotion that finds a part missing (the store evicted it, or
@@ -76,14 +79,23 @@ class SharedMoves(LowerTierMoves):
         index: StoreIndex | None,
         check_sums: bool = False,
         retry_steps: int = 512,
+        write_back: bool = False,
+        reserve_slots: int = 0,
     ) -> None:
         """``index``: asks the store what it holds (None: only what this engine published);
-        ``retry_steps``: steps the tier stays out of use after its moves kept failing."""
+        ``retry_steps``: steps the tier stays out of use after its moves kept failing;
+        ``write_back``: publish chunks as they leave the CPU tier, not as they reach it;
+        ``reserve_slots``: CPU slots kept free by giving up the coldest chunks, by this tier's
+        write-back (``keeps_reserve``) or by the disk's demotions, which hand them to
+        ``leaving``; publishes in flight may pin that many at least."""
         super().__init__(cpu, shared, retry_steps)
         self.shared = shared
         self.jobs = jobs
         self.index = index
         self.check_sums = check_sums
+        self.write_back = write_back
+        self.reserve_slots = reserve_slots
+        self.keeps_reserve = write_back  # False: the disk tier's demotions keep it
         self.stats = SharedMoveStats()
         self._publishing = 0  # chunks whose publish is in flight (their CPU slots pinned)
 
@@ -121,18 +133,34 @@ class SharedMoves(LowerTierMoves):
         self.shared.complete_store(plan.keys, success=True)
         self.stats.found += len(plan.keys)
 
-    # ---- publishes (a CPU-tier store landed) ------------------------------------------------
+    # ---- publishes ---------------------------------------------------------------------------
 
     def publish(self, keys: Sequence[int]) -> None:
-        """Put these chunks, just stored in the CPU tier, into the store (those the index does
-        not hold yet), as long as publishes in flight pin at most ``MAX_PUBLISHING_SHARE`` of
-        the CPU tier (a store slower than the stores would pin all of it; what is not published
-        is counted, and its later loads come from the CPU tier or are recomputed)."""
-        if not self.writable():
+        """Write-through: these chunks were just stored in the CPU tier; put those the index
+        lacks into the store."""
+        if self.write_back or not self.writable():
             return
         cpu = self.cpu
-        fresh = [k for k in dict.fromkeys(keys) if k not in self.shared and cpu.is_readable(k)]
-        room = int(cpu.capacity * MAX_PUBLISHING_SHARE) - self._publishing
+        self._publish(
+            [k for k in dict.fromkeys(keys) if k not in self.shared and cpu.is_readable(k)]
+        )
+
+    def leaving(self, victims: Sequence[int]) -> None:
+        """Write-back: these CPU chunks are leaving the CPU tier (``Directory.start_leaving``,
+        not yet finished); put those the index lacks into the store. A publish's read pin keeps
+        its chunk's slot past ``finish_leaving`` until every rank has put it."""
+        if not self.write_back or not self.writable():
+            return
+        self._publish([k for k in dict.fromkeys(victims) if k not in self.shared])
+
+    def _publish(self, fresh: list[int]) -> None:
+        """Start publishing these readable CPU chunks, as long as publishes in flight pin at
+        most ``MAX_PUBLISHING_SHARE`` of the CPU tier, or the reserve where that is more (a
+        store slower than the stores would pin all of it; what is not published is counted,
+        and its later loads come from the CPU tier or are recomputed)."""
+        cpu = self.cpu
+        room = max(int(cpu.capacity * MAX_PUBLISHING_SHARE), self.reserve_slots)
+        room -= self._publishing
         if len(fresh) > room:
             self.stats.not_published += len(fresh) - max(0, room)
             fresh = fresh[: max(0, room)]
@@ -149,6 +177,20 @@ class SharedMoves(LowerTierMoves):
         )
         self._publishing += len(keys)
         self.stats.publish_jobs += 1
+
+    def _keep_reserve(self) -> None:
+        """Write-back without a disk tier: give up the CPU tier's coldest chunks ahead of need,
+        to keep ``reserve_slots`` free, publishing those the store lacks (their slots are freed
+        when the publish ends; the others' at once). Nothing leaves early while the tier takes
+        no publishes: the CPU tier then evicts as it does without a tier below."""
+        cpu = self.cpu
+        want = self.reserve_slots - cpu.num_free - cpu.num_leaving
+        if want <= 0 or not self.writable():
+            return
+        victims = cpu.start_leaving(want)
+        if victims:
+            self.leaving(victims)
+            cpu.finish_leaving(victims)
 
     # ---- promotions (from a lookup) ----------------------------------------------------------
 
@@ -185,7 +227,10 @@ class SharedMoves(LowerTierMoves):
     # ---- the step's plan ---------------------------------------------------------------------
 
     def plan(self) -> tuple[list[TierMove], ChunkKeys]:
-        """The moves started since the last plan, and the keys whose parts leave the store."""
+        """The moves started since the last plan (and, for write-back without a disk tier, the
+        publishes that keep the CPU tier's reserve), and the keys whose parts leave the store."""
+        if self.keeps_reserve:
+            self._keep_reserve()
         moves, drops = self._take_moves()
         return moves, ChunkKeys.of(drops)
 

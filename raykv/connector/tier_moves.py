@@ -27,7 +27,7 @@ disk's moves have in common with the shared tier's.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.connector.jobs import JobTable, TransferJobStatus
@@ -81,6 +81,8 @@ class DiskMoves(LowerTierMoves):
         self.check_sums = check_sums
         self.stats = DiskMoveStats()
         self._room_wanted = 0  # free CPU slots a waiting promotion needs, beyond the reserve
+        # told of the chunks leaving the CPU tier before they go (the shared tier's write-back)
+        self.on_leaving: Callable[[list[int]], None] | None = None
 
     # ---- promotions (from a lookup) ------------------------------------------------------
 
@@ -151,6 +153,8 @@ class DiskMoves(LowerTierMoves):
         victims = cpu.start_leaving(want)
         if not victims:
             return
+        if self.on_leaving is not None:
+            self.on_leaving(victims)
         held = [k for k in victims if k in disk]
         if held:  # written before (or being written): the CPU copy can go now
             self.stats.already_on_disk += len(held)

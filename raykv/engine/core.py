@@ -36,7 +36,7 @@ from raykv.engine.latency import RECENT_REQUESTS, LatencyBook
 from raykv.engine.ranks import RankFailed, StepHandle, Workers
 from raykv.engine.sampler import real_model_tokens, sample_batch
 from raykv.engine.scheduler import Scheduler
-from raykv.engine.shared_tier import shared_directory, store_index_of
+from raykv.engine.shared_tier import shared_directory, store_index_of, write_back
 from raykv.engine.step_output import EngineTotals, PlannedStep, SchedulerOutput
 from raykv.offload.directory import Directory
 
@@ -98,11 +98,12 @@ class EngineCore:
                 check_sums=checked,
                 load_in_step=cfg.load_in_step(),
                 disk=disk,
-                disk_reserve=reserve_slots(cfg) if disk is not None else 0,
+                cpu_reserve=(reserve_slots(cfg) if disk is not None or write_back(cfg) else 0),
                 retry_full_steps=o.disk.retry_full_steps,
                 shared=shared_directory(cfg, self.events),
                 store_index=store_index_of(cfg, workers),
                 shared_retry_steps=o.shared.retry_steps,
+                shared_write_back=write_back(cfg),
                 costs=(
                     TierCosts(cfg.engine.max_num_batched_tokens)
                     if o.take_hits == "faster"

@@ -28,6 +28,12 @@ def shared_enabled(cfg: RaykvConfig) -> bool:
     return cfg.offload.enabled and cfg.offload.shared.enabled
 
 
+def write_back(cfg: RaykvConfig) -> bool:
+    """The shared tier publishes chunks as they leave the CPU tier (``offload.shared.publish:
+    back``), not as they reach it."""
+    return shared_enabled(cfg) and cfg.offload.shared.publish == "back"
+
+
 def object_bytes(cfg: RaykvConfig) -> int:
     """Bytes of one chunk in the store, every rank's part (headers and pages)."""
     fmt = ChunkFormat(cfg.page_bytes(), cfg.offload.blocks_per_chunk)

@@ -194,3 +194,57 @@ def test_a_promotion_never_evicts_what_its_request_loads_beside_it() -> None:
     job = t.moves.promote(mine[2:4], keep=mine[:2])
     assert job is not None and job != -1
     assert all(k in t.cpu for k in mine) and not any(k in t.cpu for k in others)
+
+
+def test_write_back_publishes_what_leaves_the_cpu_tier_and_frees_its_slot_after() -> None:
+    """Write-back without a disk tier: a store publishes nothing; keeping the reserve gives up
+    the coldest chunks, publishes those the store lacks, and frees each slot only when every
+    rank has put it (one the index holds already leaves at once)."""
+    t = setup(cpu_slots=4)
+    t.moves = SharedMoves(t.cpu, t.shared, t.jobs, t.store, retry_steps=4, write_back=True,
+                          reserve_slots=2)  # fmt: skip
+    keys = request(4).groups[0].keys[:4]
+    stored(t.cpu, keys)  # the CPU tier full: two must leave
+    t.moves.publish(keys)  # write-back: a store is no reason to publish
+    # the coldest are a prefix's last chunks; the store holds the second coldest already
+    t.shared.adopt(keys[2:3])
+    (move,), _ = t.moves.plan()
+    assert move.tier == TIER_SHARED and move.chunks.unpack() == [keys[3]]
+    assert t.cpu.num_free == 1  # the held one left at once; the published one waits
+    assert t.cpu.is_readable(keys[3])  # leaving, still readable (a load may read it)
+    assert not t.moves.plan()[0]  # no second publish of what is leaving already
+    t.moves.finalize(ack_all(t.jobs, move.job_id), corrupt=False, full=False)
+    assert t.cpu.num_free == 2 and keys[3] not in t.cpu
+    assert t.shared.is_readable(keys[3])
+    t.cpu.check_invariants()
+    t.shared.check_invariants()
+
+
+def test_write_back_with_a_disk_tier_publishes_what_its_demotions_give_up() -> None:
+    """With a disk tier, its demotions pick the chunks that leave: each is written to disk and
+    put into the store, and its CPU slot is freed only when both moves ended, whichever ends
+    first (a failed publish frees it too, and leaves the store's index without it)."""
+    from raykv.connector.lower_tiers import LowerTiers
+
+    cpu = Directory(4, "lru")
+    disk = Directory(16, "lru")
+    shared = Directory(16, "lru")
+    jobs = JobTable(2)
+    tiers = LowerTiers.build(cpu, jobs, False, 2, (disk, 4), (shared, Answers(), 4, True))
+    keys = request(4).groups[0].keys[:4]
+    stored(cpu, keys)
+    tiers.stored(keys)  # write-back: nothing yet
+    moves, _, _ = tiers.plan(0)
+    by_tier = {m.tier: m for m in moves}
+    assert len(moves) == 2 and TIER_SHARED in by_tier
+    demotion = next(m for m in moves if m.tier != TIER_SHARED)
+    publish = by_tier[TIER_SHARED]
+    leaving = keys[2:]  # the coldest: the prefix's last chunks
+    assert sorted(demotion.chunks.unpack()) == sorted(publish.chunks.unpack()) == sorted(leaving)
+    tiers.finalize(ack_all(jobs, demotion.job_id), corrupt=False, full=False)
+    assert cpu.num_free == 0 and all(cpu.is_readable(k) for k in leaving)  # still published
+    tiers.finalize(ack_all(jobs, publish.job_id, ok=False), corrupt=False, full=False)
+    assert cpu.num_free == 2 and all(disk.is_readable(k) for k in leaving)
+    assert not any(k in shared for k in leaving)
+    tiers.check_invariants()
+    cpu.check_invariants()

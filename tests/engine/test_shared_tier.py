@@ -141,3 +141,28 @@ def test_store_faults_end_with_the_fault_free_outputs(
         assert f["full_events"] > 0 and f["publishes_failed"] > 0
     else:  # slow on both sides, and all of it landed
         assert f["published_chunks"] > 0 and s["promoted_chunks"] > 0
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["alone", "under-disk"])
+def test_write_back_publishes_as_chunks_leave_the_cpu_tier(
+    shared_store: str, baseline: dict, disk: bool, tmp_path
+) -> None:
+    """``publish: back``: a CPU tier that never evicts publishes nothing; a small one publishes
+    what leaves it (given up by its own reserve, or by the disk's demotions), and a second
+    engine loads that from the store, every byte checked."""
+    back = [*SMALL, *shared(shared_store), "offload.shared.publish=back", "model.head_dim=12"]
+    if disk:
+        back += ["offload.disk.enabled=true", f"offload.disk.path={tmp_path}"]
+    reference, _ = run([*SMALL, "model.head_dim=12"], offload=False)
+    roomy, books = run([*back, "offload.cpu_slots=4096"])
+    assert roomy["output_digest"] == reference["output_digest"]
+    assert roomy["tiers"]["shared"]["published_chunks"] == 0
+    assert not any(books.values()), books
+    first, books = run([*back, "offload.cpu_slots=16"])
+    assert first["output_digest"] == reference["output_digest"]
+    assert first["tiers"]["shared"]["published_chunks"] > 0
+    assert not any(books.values()), books
+    second, books = run([*back, "offload.cpu_slots=16", "offload.disk.enabled=false"])
+    assert second["output_digest"] == reference["output_digest"]
+    assert second["shared_hit_tokens"] > 0 and second["integrity"]["mismatches"] == 0
+    assert not any(books.values()), books
