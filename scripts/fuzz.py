@@ -73,6 +73,12 @@ def store_address() -> str:
     return _store[0].address
 
 
+def close_store() -> None:
+    """Stop this process's segment and master, if a shared episode started them."""
+    while _store:
+        _store.pop().stop()  # the segment first, then the master
+
+
 def shared_available() -> bool:
     from raykv.transfer.shared_store import mooncake_problem
 
@@ -443,4 +449,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    finally:
+        close_store()
+    sys.exit(status)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -97,7 +98,10 @@ def disk_dir() -> Iterator[str]:
     try:
         yield path
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        # with it, the ``path.1``, ``path.2``... a second engine on the path took (its first
+        # engine's lock still held: a rank replaced in the same process)
+        for taken in [path, *glob.glob(glob.escape(path) + ".[0-9]*")]:
+            shutil.rmtree(taken, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

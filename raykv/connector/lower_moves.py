@@ -34,6 +34,8 @@ class LowerTierMoves:
 
     name = "lower"
     stats: Any
+    # seconds the CPU slots of a promotion that failed stay out of use (0: freed at once)
+    failed_read_hold_s = 0.0
 
     def __init__(self, cpu: Directory, tier: Directory, retry_steps: int) -> None:
         self.cpu = cpu
@@ -62,7 +64,7 @@ class LowerTierMoves:
     def _promotion_done(self, job: TransferJobStatus, ok: bool) -> None:
         """Close a promotion every rank reported: its CPU slots readable (or freed), its
         entries in the tier read; a request that waited for one that failed recomputes."""
-        self.cpu.complete_store(job.keys, success=ok)
+        self.cpu.complete_store(job.keys, success=ok, hold_s=self.failed_read_hold_s)
         self.tier.complete_load(job.keys)
         waiting = self._waiting.pop(job.job_id, None)
         if not ok and waiting is not None:
@@ -73,7 +75,7 @@ class LowerTierMoves:
         self.tier.complete_load(job.keys)
         self._waiting.pop(job.job_id, None)
         if keep_cpu:
-            self.cpu.complete_store(job.keys, success=False)
+            self.cpu.complete_store(job.keys, success=False, hold_s=self.failed_read_hold_s)
 
     # ---- out of use ------------------------------------------------------------------------
 

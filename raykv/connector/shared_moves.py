@@ -15,7 +15,9 @@ Both are jobs of the connector's job table, acked by every rank like loads and s
   into fresh CPU slots (being written until every rank acked); the request waits and then
   loads them like any CPU hit. A promotion that finds a part missing (the store evicted it, or
   its node's segment is gone) or spoiled fails as corrupt: the chunk leaves the index (a
-  spoiled part is removed from the store on every rank) and the request recomputes.
+  spoiled part is removed from the store on every rank) and the request recomputes. The CPU
+  slots of a promotion that failed are not reused for ``LATE_READ_HOLD_S``: a read the store's
+  client gave up on may still land in them.
 
 The index (a ``Directory`` of its own, LRU) holds what this engine published and what lookups
 found in the store (``discover``: the store is asked once per admission for the chunks a
@@ -40,6 +42,10 @@ from raykv.offload.directory import Directory
 
 PUBLISH, FETCH = "publish", "fetch"
 MAX_PUBLISHING_SHARE = 0.25  # of the CPU tier's slots, at most pinned by publishes in flight
+# Mooncake's client gives up on a transfer after 60 s and says it failed, but does not cancel
+# it: its bytes may still land in the CPU slots of the promotion it failed. Those slots stay
+# out of use for twice that, so no chunk stored there meanwhile is overwritten.
+LATE_READ_HOLD_S = 120.0
 
 
 class StoreIndex(Protocol):
@@ -70,6 +76,7 @@ class SharedMoves(LowerTierMoves):
     """Plans the shared tier's moves and closes them when their jobs are final."""
 
     name = "shared"
+    failed_read_hold_s = LATE_READ_HOLD_S
 
     def __init__(
         self,
@@ -206,7 +213,7 @@ class SharedMoves(LowerTierMoves):
         None when the CPU tier could never hold them beside its other readers."""
         keys = list(dict.fromkeys(keys))
         cpu = self.cpu
-        if len(keys) > cpu.capacity // 2:
+        if len(keys) > (cpu.capacity - cpu.num_held) // 2:
             return None
         plan = cpu.prepare_store(keys, admit_all=True, keep=keep)
         if plan is None:

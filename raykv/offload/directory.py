@@ -92,6 +92,11 @@ class Directory:
         return self._slots.num_free
 
     @property
+    def num_held(self) -> int:
+        """Slots out of use for a while (``complete_store``'s ``hold_s``)."""
+        return self._slots.num_held
+
+    @property
     def num_leaving(self) -> int:
         return len(self._leaving)
 
@@ -336,10 +341,13 @@ class Directory:
         self.policy.insert(to_store)
         return StorePlan(to_store, slots, evicted)
 
-    def complete_store(self, keys: Iterable[int], success: bool = True) -> None:
+    def complete_store(
+        self, keys: Iterable[int], success: bool = True, hold_s: float = 0.0
+    ) -> None:
         """Finish writes started by ``prepare_store``. On success the keys become readable and
         evictable (one ``BlockStored`` event); on failure they are dropped and their slots freed,
-        never having been readable. Keys not being written are left alone."""
+        never having been readable (``hold_s``: free only that many seconds from now, for a
+        write that failed but may still land). Keys not being written are left alone."""
         writing = self._writing
         keys = list(keys)
         if writing.issuperset(keys):  # the usual case: one job's keys, all still being written
@@ -357,7 +365,11 @@ class Directory:
         else:
             self._store_failures += len(done)
             slot_pop = self._slot.pop
-            self._slots.release([slot_pop(k) for k in done])
+            slots = [slot_pop(k) for k in done]
+            if hold_s > 0:
+                self._slots.hold(slots, hold_s)
+            else:
+                self._slots.release(slots)
             self.policy.remove(done)
 
     def discard(self, keys: Iterable[int]) -> None:
@@ -429,6 +441,7 @@ class Directory:
             policy=self.policy.name or type(self.policy).__name__,
             leaving=len(self._leaving),
             left=self._left,
+            held=self.num_held,
         )
 
     def check_invariants(self) -> None:
@@ -442,5 +455,7 @@ class Directory:
         slots = list(slot.values())
         assert len(set(slots)) == len(slots), "a slot is owned by two keys"
         assert all(0 <= s < self.capacity for s in slots), "slot id out of range"
-        assert len(slot) + self._slots.num_free == self.capacity, "slots leaked or double-freed"
-        assert not self._slots.free_slots() & set(slots), "a slot is both free and owned"
+        free, held = self._slots.free_slots(), self._slots.held_slots()
+        assert len(slot) + len(free) + len(held) == self.capacity, "slots leaked or double-freed"
+        assert not free & set(slots), "a slot is both free and owned"
+        assert not held & (free | set(slots)), "a held slot is free or owned"

@@ -52,6 +52,7 @@ class DirectoryStats:
     policy: str
     leaving: int = 0  # given up to the tier below, still being copied there (or read)
     left: int = 0  # of the evictions, chunks given up to the tier below (``start_leaving``)
+    held: int = 0  # slots of failed reads from the store, not reused until those cannot land
 
     @property
     def usage(self) -> float:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable
+
 
 class SlotAllocator:
     """Hands out slot ids 0..capacity-1.
@@ -9,16 +13,22 @@ class SlotAllocator:
     Never-used slots come first, from a bump pointer in increasing order; after that, freed slots
     are reused last-freed first. Filling the pool front to back, then reusing the most recently
     freed slots, keeps the touched part of a large, lazily committed CPU pool small.
+
+    A slot given back *held* (``hold``) is free again only after a while: a read into it that
+    failed may still be landing (``clock``: seconds, monotonic).
     """
 
-    __slots__ = ("_capacity", "_free", "_next")
+    __slots__ = ("_capacity", "_clock", "_free", "_held", "_next", "_num_held")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
         if capacity <= 0:
             raise ValueError(f"slot capacity must be positive, got {capacity}")
         self._capacity = capacity
         self._next = 0
         self._free: list[int] = []
+        self._clock = clock
+        self._held: deque[tuple[float, list[int]]] = deque()  # (free from, slots), in order
+        self._num_held = 0
 
     @property
     def capacity(self) -> int:
@@ -26,7 +36,16 @@ class SlotAllocator:
 
     @property
     def num_free(self) -> int:
+        if self._held:
+            self._thaw()
         return len(self._free) + self._capacity - self._next
+
+    @property
+    def num_held(self) -> int:
+        """Slots given back held, not yet free."""
+        if self._held:
+            self._thaw()
+        return self._num_held
 
     def allocate(self, n: int) -> list[int]:
         """Return n distinct free slots; raises if fewer are free (callers check first)."""
@@ -48,10 +67,33 @@ class SlotAllocator:
         """Give slots back. The caller guarantees each was allocated and is released once."""
         self._free.extend(slots)
 
+    def hold(self, slots: list[int], seconds: float) -> None:
+        """Give slots back, free only ``seconds`` from now."""
+        if slots:
+            self._held.append((self._clock() + seconds, list(slots)))
+            self._num_held += len(slots)
+
+    def _thaw(self) -> None:
+        now, held = self._clock(), self._held
+        while held and held[0][0] <= now:
+            _, slots = held.popleft()
+            self._num_held -= len(slots)
+            self._free[:0] = slots  # reused after the slots freed since
+
     def free_slots(self) -> set[int]:
         """Every free slot id (for invariant checks; O(capacity))."""
         return set(self._free) | set(range(self._next, self._capacity))
 
+    def held_slots(self) -> set[int]:
+        """Every held slot id (for invariant checks)."""
+        return {slot for _, slots in self._held for slot in slots}
+
     def reset(self) -> None:
-        self._next = 0
+        """Every slot free, except those held: a reset does not stop a read landing."""
+        held = self.held_slots()
         self._free.clear()
+        if not held:
+            self._next = 0
+            return
+        self._next = self._capacity
+        self._free.extend(s for s in range(self._capacity - 1, -1, -1) if s not in held)

@@ -137,6 +137,23 @@ def test_a_chunk_the_store_lost_fails_its_promotion_and_the_request_recomputes()
     assert t.lookup.lookup(state, 0, {}) == 0  # it recomputes, and asks no more
 
 
+def test_the_slots_of_a_failed_promotion_are_not_reused_while_its_read_may_land() -> None:
+    """The store's client gives up on a read without cancelling it: the slots it was reading
+    into are held (not free, not owned) and never handed to the next store."""
+    t = setup(cpu_slots=4)
+    state = request(2)
+    keys = state.groups[0].keys[:2]
+    t.store.held = set(keys)
+    assert t.lookup.lookup(state, 0, {}) is None
+    (move,), _ = t.moves.plan()
+    t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), corrupt=False, full=False)
+    assert t.cpu.stats().held == 2 and t.cpu.num_free == 2
+    other = request(2, tag=1).groups[0].keys[:2]
+    plan = t.cpu.prepare_store(other)
+    assert plan is not None and not set(plan.slots) & set(move.cpu_slots)
+    t.cpu.check_invariants()
+
+
 def test_an_abandoned_move_releases_what_it_held() -> None:
     t = setup()
     keys = request(2).groups[0].keys[:2]

@@ -28,6 +28,21 @@ def test_allocator_refuses_more_than_free_and_resets() -> None:
     assert alloc.num_free == 2 and alloc.free_slots() == {0, 1}
 
 
+def test_held_slots_are_free_only_after_their_time_and_stay_held_through_a_reset() -> None:
+    now = [0.0]
+    alloc = SlotAllocator(4, clock=lambda: now[0])
+    first = alloc.allocate(3)
+    alloc.hold(first[:2], 10.0)  # a failed read into them may still land
+    assert alloc.num_free == 1 and alloc.num_held == 2
+    alloc.reset()
+    assert alloc.held_slots() == set(first[:2])
+    assert sorted(alloc.allocate(2)) == [2, 3]  # never one of the held
+    with pytest.raises(RuntimeError):
+        alloc.allocate(1)
+    now[0] = 10.0
+    assert alloc.num_held == 0 and sorted(alloc.allocate(2)) == first[:2]
+
+
 def test_allocator_rejects_empty_pool() -> None:
     with pytest.raises(ValueError, match="positive"):
         SlotAllocator(0)
