@@ -79,7 +79,9 @@ class DiskTierConfig(_Strict):
         le=0.5,
         description="The share of the CPU tier kept free by demoting its coldest chunks to "
         "disk ahead of need, so that stores find room without waiting for the disk (at "
-        "least what two steps can store, at most half the tier).",
+        "least what two steps can store, at most half the tier). Also the share the shared "
+        "tier's write-back (offload.shared.publish: back) keeps free by publishing, without a "
+        "disk tier or while the disk takes no demotions.",
     )
     retry_full_steps: int = Field(
         default=512,

@@ -51,7 +51,8 @@ class SharedTierConfig(_Strict):
         description="When a chunk is put into the store: through, as the CPU tier stores it "
         "(every replica can load it from then on); back, as it leaves the CPU tier (fewer "
         "puts; what a replica still holds in DRAM is not shared, and goes with the replica). "
-        "Without a disk tier, back keeps offload.disk.reserve_fraction of the CPU tier free by "
+        "With a disk tier, back publishes what its demotions give up; without one (or while "
+        "the disk takes none) it keeps offload.disk.reserve_fraction of the CPU tier free by "
         "publishing its coldest chunks ahead of need.",
     )
     protocol: Literal["tcp", "rdma"] = Field(

@@ -34,7 +34,7 @@ class LowerTierMoves:
 
     name = "lower"
     stats: Any
-    # seconds the CPU slots of a promotion that failed stay out of use (0: freed at once)
+    # seconds the CPU slots of a promotion whose reads may still land stay out of use
     failed_read_hold_s = 0.0
 
     def __init__(self, cpu: Directory, tier: Directory, retry_steps: int) -> None:
@@ -61,20 +61,24 @@ class LowerTierMoves:
 
     # ---- promotions ----------------------------------------------------------------------
 
-    def _promotion_done(self, job: TransferJobStatus, ok: bool) -> None:
-        """Close a promotion every rank reported: its CPU slots readable (or freed), its
-        entries in the tier read; a request that waited for one that failed recomputes."""
-        self.cpu.complete_store(job.keys, success=ok, hold_s=self.failed_read_hold_s)
+    def _promotion_done(self, job: TransferJobStatus, ok: bool, hold: bool = False) -> None:
+        """Close a promotion every rank reported: its CPU slots readable (or freed: ``hold``,
+        only after ``failed_read_hold_s``), its entries in the tier read; a request that
+        waited for one that failed recomputes."""
+        hold_s = self.failed_read_hold_s if hold and not ok else 0.0
+        self.cpu.complete_store(job.keys, success=ok, hold_s=hold_s)
         self.tier.complete_load(job.keys)
         waiting = self._waiting.pop(job.job_id, None)
         if not ok and waiting is not None:
             waiting.disk_failed = True  # it recomputes what the CPU tier does not hold
 
     def _promotion_abandoned(self, job: TransferJobStatus, keep_cpu: bool) -> None:
-        """A reset abandoned a promotion: nothing it was reading becomes readable."""
+        """A reset abandoned a promotion: nothing it was reading becomes readable. Its slots
+        are held where its reads may land late (its outcome is never heard), even when the CPU
+        tier is being emptied (held slots outlast the reset)."""
         self.tier.complete_load(job.keys)
         self._waiting.pop(job.job_id, None)
-        if keep_cpu:
+        if keep_cpu or self.failed_read_hold_s:
             self.cpu.complete_store(job.keys, success=False, hold_s=self.failed_read_hold_s)
 
     # ---- out of use ------------------------------------------------------------------------

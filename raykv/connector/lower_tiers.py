@@ -79,6 +79,9 @@ class LowerTiers:
         if self.disk is not None:
             moves, disk_drops = self.disk.plan(step)
         if self.shared is not None:
+            if self.disk is not None and self.shared.write_back:
+                # while the disk takes no demotions, write-back keeps the reserve itself
+                self.shared.keeps_reserve = not self.disk.writable(step)
             published, shared_drops = self.shared.plan()
             moves = moves + published
         return moves, disk_drops, shared_drops
@@ -89,10 +92,14 @@ class LowerTiers:
         if self.shared is not None:
             self.shared.publish(keys)
 
-    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool) -> None:
+    def finalize(
+        self, job: TransferJobStatus, corrupt: bool, full: bool, unsettled: bool = False
+    ) -> None:
+        """Every rank reported this move: ``corrupt``, ``full``, ``unsettled`` (some rank's
+        read failed but may still land) as the ranks said."""
         if job.move in (PUBLISH, FETCH):
             assert self.shared is not None
-            self.shared.finalize(job, corrupt, full)
+            self.shared.finalize(job, corrupt, full, unsettled)
         else:
             assert self.disk is not None
             self.disk.finalize(job, corrupt, full)

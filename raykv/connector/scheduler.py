@@ -86,6 +86,7 @@ class ConnectorScheduler:
         self.check_sums = check_sums
         self._corrupt: set[int] = set()  # jobs a rank found corrupt, until they finalize
         self._full: set[int] = set()  # demotions a rank found the disk full for
+        self._unsettled: set[int] = set()  # promotions whose failed reads may still land
         self.ack_timeout_steps = ack_timeout_steps
         self.step = 0  # the step being scheduled: jobs created now belong to it
         self.jobs = JobTable(num_ranks)
@@ -350,6 +351,7 @@ class ConnectorScheduler:
             t = report.transfers
             self._corrupt.update(t.corrupt)
             self._full.update(t.full)
+            self._unsettled.update(t.unsettled)
             for ok, ids in ((True, t.completed), (False, t.failed)):
                 for job_id in ids:
                     job = self.jobs.ack(job_id, report.rank, ok)
@@ -398,9 +400,10 @@ class ConnectorScheduler:
 
     def _finalize_move(self, job: TransferJobStatus) -> None:
         corrupt, full = job.job_id in self._corrupt, job.job_id in self._full
-        self._corrupt.discard(job.job_id)
-        self._full.discard(job.job_id)
-        self.lower.finalize(job, corrupt, full)
+        unsettled = job.job_id in self._unsettled
+        for flags in (self._corrupt, self._full, self._unsettled):
+            flags.discard(job.job_id)
+        self.lower.finalize(job, corrupt, full, unsettled)
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.

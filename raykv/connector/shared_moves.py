@@ -160,21 +160,32 @@ class SharedMoves(LowerTierMoves):
             return
         self._publish([k for k in dict.fromkeys(victims) if k not in self.shared])
 
+    def _room(self) -> int:
+        """Chunks a publish may start now: publishes in flight pin at most
+        ``MAX_PUBLISHING_SHARE`` of the CPU tier (a store slower than the stores would pin all
+        of it), or write-back's reserve where that is more, and the index takes no more than
+        its entries nobody writes or reads."""
+        room = int(self.cpu.capacity * MAX_PUBLISHING_SHARE)
+        if self.write_back:
+            room = max(room, self.reserve_slots)
+        return min(room - self._publishing, self.shared.capacity - self.shared.num_pinned)
+
     def _publish(self, fresh: list[int]) -> None:
-        """Start publishing these readable CPU chunks, as long as publishes in flight pin at
-        most ``MAX_PUBLISHING_SHARE`` of the CPU tier, or the reserve where that is more (a
-        store slower than the stores would pin all of it; what is not published is counted,
-        and its later loads come from the CPU tier or are recomputed)."""
+        """Start publishing these readable CPU chunks, as many as there is room for (what is
+        not published is counted, and its later loads come from the CPU tier or are
+        recomputed)."""
         cpu = self.cpu
-        room = max(int(cpu.capacity * MAX_PUBLISHING_SHARE), self.reserve_slots)
-        room -= self._publishing
+        room = self._room()
         if len(fresh) > room:
             self.stats.not_published += len(fresh) - max(0, room)
             fresh = fresh[: max(0, room)]
         if not fresh:
             return
         plan = self.shared.prepare_store(fresh, admit_all=True)
-        if plan is None or not plan.keys:
+        if plan is None:  # not within the room: never expected, but counted if it happens
+            self.stats.not_published += len(fresh)
+            return
+        if not plan.keys:
             return
         keys = list(plan.keys)
         slots = cpu.prepare_load(keys)  # pinned while the ranks read them
@@ -186,12 +197,14 @@ class SharedMoves(LowerTierMoves):
         self.stats.publish_jobs += 1
 
     def _keep_reserve(self) -> None:
-        """Write-back without a disk tier: give up the CPU tier's coldest chunks ahead of need,
-        to keep ``reserve_slots`` free, publishing those the store lacks (their slots are freed
-        when the publish ends; the others' at once). Nothing leaves early while the tier takes
-        no publishes: the CPU tier then evicts as it does without a tier below."""
+        """Write-back without a disk tier taking demotions: give up the CPU tier's coldest
+        chunks ahead of need, to keep ``reserve_slots`` free, no more than can be published
+        now, publishing those the store lacks (their slots are freed when the publish ends;
+        the others' at once). Nothing leaves early while the tier takes no publishes: the CPU
+        tier then evicts as it does without a tier below."""
         cpu = self.cpu
-        want = self.reserve_slots - cpu.num_free - cpu.num_leaving
+        # no more than can be published: a chunk given up unpublished would be lost early
+        want = min(self.reserve_slots - cpu.num_free - cpu.num_leaving, self._room())
         if want <= 0 or not self.writable():
             return
         victims = cpu.start_leaving(want)
@@ -247,9 +260,12 @@ class SharedMoves(LowerTierMoves):
 
     # ---- the ranks' acks ---------------------------------------------------------------------
 
-    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool) -> None:
+    def finalize(
+        self, job: TransferJobStatus, corrupt: bool, full: bool, unsettled: bool = False
+    ) -> None:
         """Every rank reported this move (``corrupt``: some rank's part was missing or bad, or
-        its CPU bytes changed; ``full``: some rank found the pool full)."""
+        its CPU bytes changed; ``full``: some rank found the pool full; ``unsettled``: some
+        rank's read failed without being cancelled: the slots are held)."""
         ok = not job.failed
         self._count_outcome(ok or corrupt or full)
         if job.move == PUBLISH:
@@ -263,7 +279,7 @@ class SharedMoves(LowerTierMoves):
             if full:
                 self._on_full("publishes")
             return
-        self._promotion_done(job, ok)
+        self._promotion_done(job, ok, hold=unsettled)
         if ok:
             self.stats.promoted += len(job.keys)
             return

@@ -100,7 +100,7 @@ class DiskMoves(LowerTierMoves):
         here (the promotion waits for room), so nothing of it is at risk."""
         del keep
         keys = list(dict.fromkeys(keys))
-        if len(keys) > self.cpu.capacity - self.reserve_slots:
+        if len(keys) > self.cpu.capacity - self.reserve_slots - self.cpu.num_held:
             return None
         if len(keys) > self.cpu.num_free:
             self._room_wanted = max(self._room_wanted, len(keys))
@@ -139,12 +139,16 @@ class DiskMoves(LowerTierMoves):
         moves, drops = self._take_moves()
         return moves, ChunkKeys.of(drops)
 
+    def writable(self, step: int) -> bool:
+        """Demotions may write at ``step`` (the disk is neither full nor failing)."""
+        return step >= max(self._paused_until, self._unavailable_until)
+
     def _demote(self, step: int) -> None:
         """Keep the reserve free, and the room waiting promotions need. While the tier takes
         no writes (full, or failing), only the room for promotions is made, from chunks already
         on disk or, failing those, by dropping the coldest."""
         cpu, disk = self.cpu, self.disk
-        writable = step >= max(self._paused_until, self._unavailable_until)
+        writable = self.writable(step)
         reserve = self.reserve_slots if writable else 0
         want = reserve + self._room_wanted - cpu.num_free - cpu.num_leaving
         self._room_wanted = 0

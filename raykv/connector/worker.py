@@ -69,6 +69,7 @@ class DiskBackend(Protocol):
     def take_stats(self) -> TransferStats: ...
     def take_corrupt(self) -> list[int]: ...
     def take_full(self) -> list[int]: ...
+    def take_unsettled(self) -> list[int]: ...
 
 
 class FenceViolation(RuntimeError):
@@ -101,6 +102,7 @@ class ConnectorWorker:
         self._verify: dict[int, TransferSpec] = {}  # loads to check once finished
         self._checked: dict[int, tuple[int, int]] = {}  # checked, not yet reported: (n, bad)
         self._reported: OrderedDict[int, bool] = OrderedDict()  # job -> ok, already reported
+        self._unsettled: set[int] = set()  # of those, failed reads that may still land
         self._step = -1
         # moves of a tier this rank has no engine for (a replacement rank that could not join
         # the store): failed, reported by the next poll
@@ -169,23 +171,27 @@ class ConnectorWorker:
                     lower.wait(IDLE_WAIT_S)
         completed, failed = backend.poll()
         stats = backend.take_stats()
-        corrupt, full = backend.take_corrupt(), []
+        corrupt, full, unsettled = backend.take_corrupt(), [], []
         for lower in self.lowers.values():
             moved, not_moved = lower.poll()
             completed, failed = completed + moved, failed + not_moved
             stats.add(lower.take_stats())
             corrupt, full = corrupt + lower.take_corrupt(), full + lower.take_full()
+            unsettled += lower.take_unsettled()
         if self._no_engine:
             failed, self._no_engine = failed + self._no_engine, []
         self._verify_loads(completed, failed, stats)
         self._remember(completed, failed)
+        self._unsettled.update(unsettled)
         # a job the scheduler has waited for too long: if this rank reported it already (and
         # the report was lost), it says so again; the scheduler counts a rank once per job
         for job_id in plan.reack:
             ok = self._reported.get(job_id)
             if ok is not None and job_id not in completed and job_id not in failed:
                 (completed if ok else failed).append(job_id)
-        return TransferReport(completed, failed, stats, corrupt, full)
+                if job_id in self._unsettled:  # said again, or its slots would be reused
+                    unsettled.append(job_id)
+        return TransferReport(completed, failed, stats, corrupt, full, unsettled)
 
     def check_writable(self, blocks: list[int], what: str = "write") -> None:
         """Raise unless no unfinished transfer on this rank uses ``blocks``."""
@@ -239,7 +245,7 @@ class ConnectorWorker:
             for job_id in ids:
                 reported[job_id] = ok
         while len(reported) > _REMEMBERED:
-            reported.popitem(last=False)
+            self._unsettled.discard(reported.popitem(last=False)[0])
 
     def _check_loads(self, job_ids: Iterable[int]) -> None:
         """Compare finished loads' blocks with what they must hold; kept until the poll."""

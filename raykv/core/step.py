@@ -339,6 +339,8 @@ class TransferReport(msgspec.Struct, array_like=True):
     corrupt: list[int] = field(default_factory=list)  # failed loads that read corrupt bytes
     # failed demotions that found the disk full (ENOSPC): the tier stops admitting for a while
     full: list[int] = field(default_factory=list)
+    # failed promotions whose reads may still land in their CPU slots (not reused for a while)
+    unsettled: list[int] = field(default_factory=list)
 
 
 class StepReport(msgspec.Struct, array_like=True):

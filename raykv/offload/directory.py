@@ -92,6 +92,11 @@ class Directory:
         return self._slots.num_free
 
     @property
+    def num_pinned(self) -> int:
+        """Keys being written or read (not evictable)."""
+        return len(self._writing) + len(self._readers)
+
+    @property
     def num_held(self) -> int:
         """Slots out of use for a while (``complete_store``'s ``hold_s``)."""
         return self._slots.num_held

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
 from collections.abc import Callable
 
 
@@ -18,7 +18,7 @@ class SlotAllocator:
     failed may still be landing (``clock``: seconds, monotonic).
     """
 
-    __slots__ = ("_capacity", "_clock", "_free", "_held", "_next", "_num_held")
+    __slots__ = ("_capacity", "_clock", "_free", "_held", "_holds", "_next", "_num_held")
 
     def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
         if capacity <= 0:
@@ -27,7 +27,8 @@ class SlotAllocator:
         self._next = 0
         self._free: list[int] = []
         self._clock = clock
-        self._held: deque[tuple[float, list[int]]] = deque()  # (free from, slots), in order
+        self._held: list[tuple[float, int, list[int]]] = []  # heap: (free from, order, slots)
+        self._holds = 0
         self._num_held = 0
 
     @property
@@ -70,13 +71,14 @@ class SlotAllocator:
     def hold(self, slots: list[int], seconds: float) -> None:
         """Give slots back, free only ``seconds`` from now."""
         if slots:
-            self._held.append((self._clock() + seconds, list(slots)))
+            self._holds += 1
+            heapq.heappush(self._held, (self._clock() + seconds, self._holds, list(slots)))
             self._num_held += len(slots)
 
     def _thaw(self) -> None:
         now, held = self._clock(), self._held
         while held and held[0][0] <= now:
-            _, slots = held.popleft()
+            _, _, slots = heapq.heappop(held)
             self._num_held -= len(slots)
             self._free[:0] = slots  # reused after the slots freed since
 
@@ -86,7 +88,7 @@ class SlotAllocator:
 
     def held_slots(self) -> set[int]:
         """Every held slot id (for invariant checks)."""
-        return {slot for _, slots in self._held for slot in slots}
+        return {slot for _, _, slots in self._held for slot in slots}
 
     def reset(self) -> None:
         """Every slot free, except those held: a reset does not stop a read landing."""

@@ -43,6 +43,8 @@ def tier_report(
             "later_than_recompute": later_than_recompute.get("cpu", 0),
             "capacity_chunks": d.capacity,
             "used_chunks": d.used,
+            # slots of failed reads from the store, out of use while those may still land
+            "held_chunks": d.held,
         }
     }
     if stats.shared is not None and stats.shared_moves is not None:

@@ -7,7 +7,9 @@ into one run of chunks per I/O thread; promotions run on threads at the process'
 request waits for them), the rest a few nice levels below, so that their checksums and system
 calls yield the cores to the model. Each run reports its worst outcome, the job the worst of its
 runs: ``ok``, ``failed`` (an I/O error: the tier may be failing), ``full`` (the tier had no
-room) or ``corrupt`` (the source was bad: the key leaves the tier it was read from). A finished
+room), ``corrupt`` (the source was bad: the key leaves the tier it was read from) or
+``unsettled`` (a read the tier gave up on without cancelling it: its bytes may still land in its
+CPU slots, which must not be reused for a while). A finished
 job is reported by the non-blocking :meth:`ChunkJobEngine.poll`; the step never waits on the
 tier but to flush a job the scheduler abandoned.
 """
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 
 from raykv.core.step import TierMove, TransferStats
 
-OUTCOMES = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3}  # worse ones rank higher
+# worse ones rank higher
+OUTCOMES = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3, "unsettled": 4}
 WRITE_NICENESS = 5  # how far below the process's priority a write's thread runs
 
 
@@ -55,6 +58,7 @@ class ChunkJobEngine:
         self._failed: list[int] = []
         self._corrupt: list[int] = []
         self._full: list[int] = []
+        self._unsettled: list[int] = []
         self._stats = TransferStats()
         self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix=f"raykv-{self.name}-read")
         self._writes = ThreadPoolExecutor(
@@ -118,6 +122,12 @@ class ChunkJobEngine:
         """Failed writes that found the tier full."""
         with self._cond:
             out, self._full = self._full, []
+        return out
+
+    def take_unsettled(self) -> list[int]:
+        """Failed reads whose bytes may still land in their CPU slots."""
+        with self._cond:
+            out, self._unsettled = self._unsettled, []
         return out
 
     def take_stats(self) -> TransferStats:
@@ -198,6 +208,8 @@ class ChunkJobEngine:
                     self._corrupt.append(job_id)
                 elif job.outcome == "full":
                     self._full.append(job_id)
+                elif job.outcome == "unsettled":
+                    self._unsettled.append(job_id)
             self._cond.notify_all()
         job.done.set()
 

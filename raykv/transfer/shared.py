@@ -11,8 +11,10 @@ into its CPU slot and checks it. Outcomes, per job (the worst of its chunks):
   ``corrupt`` and puts nothing; any other refusal is ``failed``;
 - a promotion of a part the store no longer has (evicted, or its node's segment gone) or whose
   bytes fail their checks is ``corrupt``: the chunk leaves the tier and its request recomputes
-  (a spoiled part is removed from the store); one the store did not deliver (unreachable) is
-  ``failed``.
+  (a spoiled part is removed from the store); one the store did not deliver is ``unsettled``
+  (Mooncake's client gives up on a transfer without cancelling it: its bytes may still land in
+  the slot), and one never asked of the store (no client, a master that refuses connections)
+  is ``failed``.
 
 A part a key already has in the store is never written again: a chunk's bytes are a function of
 its key and namespace, so two engines publishing the same key at once put the same bytes.
@@ -151,8 +153,8 @@ class SharedTransferEngine(ChunkJobEngine):
         except Exception as exc:  # the store failed the call: the job fails, never the engine
             log.warning("shared job %d: %s: %s", move.job_id, type(exc).__name__, exc)
             self._suspect = True
-            return "failed"
-        self._suspect = worst == "failed"
+            return "unsettled" if move.promote else "failed"
+        self._suspect = worst in ("failed", "unsettled")
         seconds = time.perf_counter() - start
         nbytes = moved * self.format.data_bytes
         if move.promote:
@@ -178,8 +180,9 @@ class SharedTransferEngine(ChunkJobEngine):
                 if move.check_sums and self.sums is not None:
                     self.sums.sums[self._rows(slot)] = torch.tensor(sums, dtype=torch.int64)
                 continue
-            # gone from the store, or not this key's intact part: the chunk leaves the tier
-            worst = worse("failed" if status == "failed" else "corrupt", worst)
+            # not delivered (its bytes may still come), gone from the store, or not this key's
+            # intact part: the chunk leaves the tier
+            worst = worse("unsettled" if status == "failed" else "corrupt", worst)
             if status == "corrupt":
                 spoiled.append(key)
         if spoiled:

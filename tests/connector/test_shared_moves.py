@@ -138,18 +138,48 @@ def test_a_chunk_the_store_lost_fails_its_promotion_and_the_request_recomputes()
 
 
 def test_the_slots_of_a_failed_promotion_are_not_reused_while_its_read_may_land() -> None:
-    """The store's client gives up on a read without cancelling it: the slots it was reading
-    into are held (not free, not owned) and never handed to the next store."""
+    """The store's client gives up on a read without cancelling it (a rank says
+    ``unsettled``): the slots it was reading into are held (not free, not owned) and never
+    handed to the next store, even with every other slot in use. A promotion that failed
+    because a part was missing (nothing in transit) frees its slots at once."""
     t = setup(cpu_slots=4)
     state = request(2)
     keys = state.groups[0].keys[:2]
     t.store.held = set(keys)
     assert t.lookup.lookup(state, 0, {}) is None
     (move,), _ = t.moves.plan()
-    t.moves.finalize(ack_all(t.jobs, move.job_id, ok=False), corrupt=False, full=False)
+    job = ack_all(t.jobs, move.job_id, ok=False)
+    t.moves.finalize(job, corrupt=False, full=False, unsettled=True)
     assert t.cpu.stats().held == 2 and t.cpu.num_free == 2
-    other = request(2, tag=1).groups[0].keys[:2]
-    plan = t.cpu.prepare_store(other)
+    other = request(4, tag=1).groups[0].keys[:4]
+    stored(t.cpu, other[:2])  # every free slot taken, then two more stores evict them
+    plan = t.cpu.prepare_store(other[2:])
+    assert plan is not None and not set(plan.slots) & set(move.cpu_slots)
+    t.cpu.check_invariants()
+    # a part missing: no hold
+    t2 = setup(cpu_slots=4)
+    t2.store.held = set(keys)
+    assert t2.lookup.lookup(request(2), 0, {}) is None
+    (move2,), _ = t2.moves.plan()
+    t2.moves.finalize(ack_all(t2.jobs, move2.job_id, ok=False), corrupt=True, full=False)
+    assert t2.cpu.stats().held == 0 and t2.cpu.num_free == 4
+
+
+def test_an_abandoned_promotion_holds_its_slots_through_the_cpu_tier_emptied() -> None:
+    """A reset that empties the CPU tier abandons a promotion whose read is under way: its
+    outcome is never heard, so its slots stay out of use through the reset."""
+    t = setup(cpu_slots=4)
+    state = request(2)
+    keys = state.groups[0].keys[:2]
+    t.store.held = set(keys)
+    assert t.lookup.lookup(state, 0, {}) is None
+    (move,), _ = t.moves.plan()
+    job = t.jobs.jobs[move.job_id]
+    t.jobs.reset()
+    t.moves.abandon(job, keep_cpu=False)
+    t.cpu.reset()
+    assert t.cpu.num_held == 2 and t.cpu.num_free == 2
+    plan = t.cpu.prepare_store(request(2, tag=3).groups[0].keys[:2])
     assert plan is not None and not set(plan.slots) & set(move.cpu_slots)
     t.cpu.check_invariants()
 
@@ -265,3 +295,38 @@ def test_write_back_with_a_disk_tier_publishes_what_its_demotions_give_up() -> N
     assert not any(k in shared for k in leaving)
     tiers.check_invariants()
     cpu.check_invariants()
+
+
+def test_write_back_gives_up_no_more_than_the_store_index_can_take() -> None:
+    """An index of the store smaller than the reserve: only as many chunks leave the CPU tier
+    as can be published (one given up unpublished would be lost early)."""
+    cpu = Directory(16, "lru")
+    shared = Directory(4, "lru")
+    jobs = JobTable(2)
+    moves = SharedMoves(cpu, shared, jobs, Answers(), retry_steps=4, write_back=True,
+                        reserve_slots=8)  # fmt: skip
+    keys = request(16).groups[0].keys[:16]
+    stored(cpu, keys)
+    (move,), _ = moves.plan()
+    assert len(move.chunks) == 4 and cpu.num_free == 0 and cpu.num_leaving == 4
+    assert moves.stats.not_published == 0
+    moves.finalize(ack_all(jobs, move.job_id), corrupt=False, full=False)
+    assert cpu.num_free == 4 and all(shared.is_readable(k) for k in move.chunks.unpack())
+    cpu.check_invariants()
+
+
+def test_write_back_keeps_the_reserve_itself_while_the_disk_takes_no_demotions() -> None:
+    from raykv.connector.lower_tiers import LowerTiers
+
+    cpu = Directory(8, "lru")
+    disk = Directory(16, "lru")
+    shared = Directory(16, "lru")
+    jobs = JobTable(2)
+    tiers = LowerTiers.build(cpu, jobs, False, 2, (disk, 4), (shared, Answers(), 4, True))
+    assert tiers.disk is not None
+    tiers.disk._on_full("demotions")  # the disk is full: demotions stop for a while
+    keys = request(8).groups[0].keys[:8]
+    stored(cpu, keys)
+    moves, _, _ = tiers.plan(0)
+    assert [m.tier for m in moves] == [TIER_SHARED] and len(moves[0].chunks) == 2
+    tiers.check_invariants()

@@ -111,3 +111,43 @@ def test_an_unreachable_master_is_a_configuration_error_naming_the_key() -> None
     pool = filled_pool(4)
     with pytest.raises(SharedUnavailable, match=r"offload\.shared\.master"):
         SharedTransferEngine(StoreEndpoint(f"127.0.0.1:{free_port()}"), "x", 0, pool, LAYOUT)
+
+
+def test_a_read_the_store_gave_up_on_is_reported_unsettled_and_a_missing_part_is_not(
+    shared_store: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion whose read failed in transit (Mooncake's TRANSFER_FAIL, or the call raised)
+    may still have bytes landing in its slots: it is reported ``unsettled`` (the scheduler holds
+    the slots); a part that was never there is not. The failures in transit are forced by
+    replacing the client's read with one that answers TRANSFER_FAIL or raises: a real store
+    cannot be made to time out on demand."""
+    pool = filled_pool(4)
+    eng = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, pool, LAYOUT)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS[:2], [0, 1], False)) == ([1], [], [])
+        assert run(eng, TierMove.of(2, True, KEYS[2:3], [4], False)) == ([], [2], [2])
+        assert eng.take_unsettled() == []  # never published: nothing was in transit
+        client = eng.chunks._client
+
+        class Answering:
+            """The real client, but for its reads: ``read`` answers them."""
+
+            def __init__(self, read: object) -> None:
+                self.batch_get_into_multi_buffers = read
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(client, name)
+
+        monkeypatch.setattr(eng.chunks, "_client", Answering(lambda names, *_: [-800] * len(names)))
+        assert run(eng, TierMove.of(3, True, KEYS[:2], [5, 6], False)) == ([], [3], [])
+        assert eng.take_unsettled() == [3]
+
+        def broken(*_: object) -> list[int]:
+            raise RuntimeError("the transfer engine's call failed")
+
+        monkeypatch.setattr(eng.chunks, "_client", Answering(broken))
+        assert run(eng, TierMove.of(4, True, KEYS[:1], [5], False)) == ([], [4], [])
+        assert eng.take_unsettled() == [4]
+    finally:
+        monkeypatch.undo()
+        eng.shutdown()
