@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -449,6 +450,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # ended by a signal, the store is still stopped (its log removed)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         status = main()
     finally:

@@ -152,9 +152,10 @@ class SharedTransferEngine(ChunkJobEngine):
             worst, moved = (self._promote if move.promote else self._publish)(move, run)
         except Exception as exc:  # the store failed the call: the job fails, never the engine
             log.warning("shared job %d: %s: %s", move.job_id, type(exc).__name__, exc)
-            self._suspect = True
+            self._suspect = store.failed = True
             return "unsettled" if move.promote else "failed"
         self._suspect = worst in ("failed", "unsettled")
+        store.failed |= self._suspect
         seconds = time.perf_counter() - start
         nbytes = moved * self.format.data_bytes
         if move.promote:

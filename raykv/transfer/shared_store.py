@@ -173,9 +173,14 @@ def _idle_client(endpoint: StoreEndpoint) -> Any | None:
         return idle.pop() if idle else None
 
 
-def release(endpoint: StoreEndpoint, client: Any) -> None:
+def release(endpoint: StoreEndpoint, client: Any, failed: bool = False) -> None:
     """Give back a client of ``connect(endpoint, 0, ...)`` whose buffers are all unregistered:
-    kept for the next one joining there (closed where enough are kept)."""
+    kept for the next one joining there (closed where enough are kept, or where it ``failed``
+    an operation: what it knows of the pool's segments may be stale, a master started again
+    since, and the next engine would inherit its failures)."""
+    if failed:
+        client.close()
+        return
     with _idle_lock:
         idle = _idle.setdefault(endpoint, [])
         if len(idle) < MAX_IDLE:
@@ -220,6 +225,7 @@ class SharedChunks:
         self._local = threading.local()
         self._headers: list[mmap.mmap] = []  # every thread's, unregistered at close
         self._lock = threading.Lock()
+        self.failed = False  # an operation failed: the client is closed, never kept, at the end
 
     def _header_buffer(self) -> tuple[mmap.mmap, int]:
         local = self._local
@@ -334,6 +340,7 @@ class SharedChunks:
         names = [object_key(self.namespace, key, self.rank) for key in keys]
         codes = self._client.batch_is_exist(names)
         if any(code < 0 for code in codes):
+            self.failed = True
             raise SharedStoreError("the store's master did not answer whether chunks exist")
         return [code == 1 for code in codes]
 
@@ -377,7 +384,7 @@ class SharedChunks:
         for buf in headers:
             self._client.unregister_buffer(ctypes.addressof(ctypes.c_char.from_buffer(buf)))
         self._client.unregister_buffer(self._pool_ptr)
-        release(self._endpoint, self._client)
+        release(self._endpoint, self._client, self.failed)
 
 
 class StoreIndex:
@@ -389,6 +396,7 @@ class StoreIndex:
         self.num_ranks = num_ranks
         self._master = endpoint.master
         self._suspect = False  # the last question failed: ask only a master that answers
+        self._failed = False  # some question failed: the client is not kept at the end
         self._endpoint = endpoint
         self._client = connect(endpoint, 0, LOCAL_BUFFER)
 
@@ -403,6 +411,7 @@ class StoreIndex:
         names = [object_key(self.namespace, key, rank) for key in keys for rank in range(ranks)]
         codes = self._client.batch_is_exist(names)
         self._suspect = any(code < 0 for code in codes)
+        self._failed |= self._suspect
         if self._suspect:
             raise SharedStoreError("the store's master did not answer whether chunks exist")
         return [
@@ -410,4 +419,4 @@ class StoreIndex:
         ]
 
     def close(self) -> None:
-        release(self._endpoint, self._client)
+        release(self._endpoint, self._client, self._failed)

@@ -15,7 +15,7 @@ from raykv.core.step import TierMove
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.layout import allocate_pool
 from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
-from raykv.transfer.shared_store import StoreEndpoint, object_key
+from raykv.transfer.shared_store import StoreEndpoint, _idle, object_key
 from tests.transfer.test_disk_engine import KEYS  # keys up to 72 bits
 from tests.transfer.test_disk_engine import LAYOUT as DISK_LAYOUT
 
@@ -151,3 +151,6 @@ def test_a_read_the_store_gave_up_on_is_reported_unsettled_and_a_missing_part_is
     finally:
         monkeypatch.undo()
         eng.shutdown()
+    # a client that failed is closed, not kept for the next engine in the process (what it
+    # knows of the pool may be stale)
+    assert all(kept is not client for kept in _idle.get(StoreEndpoint(shared_store), []))
