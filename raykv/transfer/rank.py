@@ -12,7 +12,7 @@ import torch
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
-from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable
+from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable, filesystem_type
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,14 @@ def build_rank(
         kv = allocate_kv(layout, dev)
         shared = _shared_pool(pool_path, layout, rank)
         if shared is not None and not shared.pin():
-            log.warning("rank %d: cannot page-lock %s; pinning a private pool", rank, pool_path)
+            log.warning(
+                "rank %d: CUDA cannot page-lock %s (a shared file on %s; Linux pins shared files "
+                "for DMA on tmpfs such as /dev/shm only): pinning a private pool, which a "
+                "replaced rank does not find again (offload.shared_pool_dir)",
+                rank,
+                pool_path,
+                filesystem_type(pool_path),
+            )
             shared.unlink()
             shared = None
         pool = shared.tensor if shared is not None else allocate_pool(layout, pin=True)

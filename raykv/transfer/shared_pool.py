@@ -76,6 +76,8 @@ class SharedPool:
         except (AttributeError, RuntimeError):  # a torch without the binding, or no driver
             return False
         self._pinned = int(rc) == 0
+        if not self._pinned:
+            _drain_cuda_error()
         return self._pinned
 
     def unpin(self) -> None:
@@ -87,6 +89,33 @@ class SharedPool:
         """Remove the file (the mapping stays valid until the tensor is dropped)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the file system ``path`` is on (``tmpfs``, ``ext4``, ...), from the mount
+    table; ``unknown`` where that cannot be read. Linux 6.5 and later page-lock a shared file
+    for DMA only on tmpfs and hugetlbfs, so this names the cause when CUDA refuses."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            table = [line.split()[1:3] for line in mounts if len(line.split()) > 2]
+    except OSError:
+        return "unknown"
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    for point, fstype in table:
+        point = point.replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def _drain_cuda_error() -> None:
+    """Read and clear CUDA's last error after a refused ``cudaHostRegister``. Left there, torch
+    reads it after its next kernel launch and raises it from that launch, one that did nothing
+    wrong (torch binds no ``cudaGetLastError``; its check after a launch is what reads it)."""
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda").add_(1)
 
 
 def _reserve(fd: int, nbytes: int, path: str) -> None:

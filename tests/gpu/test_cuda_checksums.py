@@ -39,7 +39,7 @@ def test_a_landed_store_is_vouched_for_and_its_load_checked() -> None:
     engine.flush([1])
     assert engine.poll() == ([1], [])
     rows = pool_rows(pool, layout)
-    sums = engine._checksums.sums
+    sums = engine.checksums.sums
     assert int(sums[2]) == row_checksum(rows[2]) and int(sums[5]) == row_checksum(rows[5])
     original = kv[[3, 5]].clone()
     kv.zero_()
@@ -77,32 +77,35 @@ def test_rows_being_rewritten_vouch_for_nothing_until_the_store_lands() -> None:
     engine.submit(spec(1, True, [0], [3], [0]))
     engine.flush([1])
     engine.poll()
-    first = int(engine._checksums.sums[6])
+    first = int(engine.checksums.sums[6])
     assert first != NO_CHECKSUM
     engine.pause()
     engine.submit(spec(2, True, [4], [3], [0]))  # held on the host: not issued yet
-    assert int(engine._checksums.sums[6]) == first
+    assert int(engine.checksums.sums[6]) == first
     engine.resume()
-    assert int(engine._checksums.sums[6]) == NO_CHECKSUM  # issued, maybe not landed
+    assert int(engine.checksums.sums[6]) == NO_CHECKSUM  # issued, maybe not landed
     engine.flush([2])
     assert engine.poll() == ([2], [])
-    assert int(engine._checksums.sums[6]) not in (NO_CHECKSUM, first)
+    assert int(engine.checksums.sums[6]) not in (NO_CHECKSUM, first)
     engine.shutdown()
 
 
-def test_a_cuda_rank_keeps_its_checksums_in_the_shared_shard(tmp_path) -> None:
+def test_a_cuda_rank_keeps_its_checksums_in_the_shared_shard() -> None:
     from raykv.transfer.pool_files import PoolFiles
     from raykv.transfer.rank import build_rank
 
     layout = KVLayout(8, 4, 1, 2, 2, 64, "float16", 1, 8)
-    res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    files = PoolFiles.new("/dev/shm")  # CUDA page-locks shared files on tmpfs only
+    res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
     try:
         assert res.shared is not None
-        sums = res.engine._checksums.sums
+        sums = res.engine.checksums.sums
         assert sums.data_ptr() == res.shared.sums.data_ptr()
     finally:
         res.engine.shutdown()
-        res.shared.unpin()
+        if res.shared is not None:
+            res.shared.unpin()
+        files.remove()
 
 
 def test_verify_on_cuda_ranks_catches_corrupt_chunks_with_the_tokens_unchanged() -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from raykv.bench.transfer import run_transfer_bench
 from raykv.config import load_config
+from raykv.core.step import BlockCopy, TransferSpec
 from raykv.engine.core import EngineCore
 from raykv.engine.workers import LocalWorkerGroup
 from raykv.runs.driver import run_workload
@@ -31,7 +34,11 @@ def run(device: str, offload: bool = True, extra: tuple[str, ...] = ()) -> dict:
 
 
 def test_cuda_ranks_produce_the_tokens_of_cpu_ranks() -> None:
-    gpu, cpu = run("cuda"), run("cpu")
+    # rank 1's acks come 4 steps late (a fault), so stores stay in flight as the scheduler sees
+    # them and the fence flushes blocks handed out again: on an idle GPU every store would
+    # have landed before its block is reused
+    late = ('faults=["delay-acks:rank=1:steps=4"]',)
+    gpu, cpu = run("cuda", extra=late), run("cpu")
     assert gpu["integrity"]["mismatches"] == 0 and gpu["integrity"]["blocks_verified"] > 0
     assert gpu["cpu_hit_tokens"] > 0 and gpu["flushes"]["reuse"] > 0
     assert (
@@ -51,19 +58,52 @@ def test_cuda_ranks_under_heavy_reuse_and_sliding_windows() -> None:
     assert gpu["output_digest"] == run("cuda", offload=False, extra=extra)["output_digest"]
 
 
-def test_cuda_ranks_page_lock_their_shared_memory_shard(tmp_path) -> None:
+def test_cuda_ranks_page_lock_their_shared_memory_shard() -> None:
     from raykv.engine.workers import make_layout
     from raykv.transfer.pool_files import PoolFiles
     from raykv.transfer.rank import build_rank
 
     cfg = load_config(None, [*SETS, "parallel.device=cuda"])
     layout = make_layout(cfg, 16)
-    res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    files = PoolFiles.new("/dev/shm")
+    res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
     try:
         assert res.shared is not None and res.pool.is_pinned()
     finally:
         res.engine.shutdown()
-        res.shared.unpin()
+        if res.shared is not None:
+            res.shared.unpin()
+        files.remove()
+
+
+def test_a_shard_cuda_cannot_page_lock_leaves_no_error_behind(tmp_path) -> None:
+    """A pool file on a disk file system (Linux 6.5 and later refuse long-term pins of such
+    pages): the rank pins a private pool instead, and the refused ``cudaHostRegister`` must not
+    stay CUDA's last error, which torch would raise from its next kernel launch, one that did
+    nothing wrong (seen on the lent H200: the rank's first copy failed)."""
+    from raykv.engine.workers import make_layout
+    from raykv.transfer.layout import pool_rows
+    from raykv.transfer.pool_files import PoolFiles
+    from raykv.transfer.rank import build_rank
+    from raykv.transfer.shared_pool import filesystem_type
+
+    if filesystem_type(str(tmp_path)) in ("tmpfs", "hugetlbfs"):
+        pytest.skip(f"{tmp_path} is on tmpfs, where CUDA page-locks a shared file")
+    cfg = load_config(None, [*SETS, "parallel.device=cuda"])
+    layout = make_layout(cfg, 16)
+    res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
+    try:
+        assert res.pool.is_pinned()
+        res.kv.fill_(1.0)  # a kernel launch, after which torch reads CUDA's last error
+        res.engine.submit(TransferSpec(1, True, BlockCopy([0, 1], [0, 1], [0, 0])))
+        res.engine.flush([1])
+        assert res.engine.poll() == ([1], [])
+        rows = pool_rows(res.pool, layout)
+        assert bool((rows[0] == 1.0).all()) and bool((rows[layout.blocks_per_chunk] == 1.0).all())
+    finally:
+        res.engine.shutdown()
+        if res.shared is not None:
+            res.shared.unpin()
 
 
 def test_a_dead_cuda_rank_is_replaced_and_finds_the_cpu_tier() -> None:

@@ -79,3 +79,13 @@ def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
     assert result["ratios"]["ttft_mean"] == pytest.approx(
         on["ttft_s"]["mean"] / off["ttft_s"]["mean"]
     )
+    assert result["warm_up_requests"] == 4  # CPU ranks: a short warm-up
+
+
+def test_the_offload_bench_warms_up_with_the_whole_workload_on_cuda_ranks() -> None:
+    from raykv.bench.offload import warm_up_requests
+
+    assert warm_up_requests("cuda", 300) == 300
+    assert warm_up_requests("cpu", 300) == 4 and warm_up_requests("cpu", 2) == 2
+    assert warm_up_requests("cuda", 300, asked=0) == 0
+    assert warm_up_requests("cpu", 300, asked=500) == 300
