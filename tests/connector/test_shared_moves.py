@@ -15,7 +15,7 @@ from raykv.connector.state import RequestOffloadState
 from raykv.connector.stats import ConnectorStats
 from raykv.core.kv_groups import GroupKind, KVGroup
 from raykv.core.request import Request
-from raykv.core.step import TIER_SHARED
+from raykv.core.step import TIER_SHARED, TierMove
 from raykv.offload.directory import Directory
 from tests.connector.test_disk_moves import ack_all  # every rank acks a job
 
@@ -68,6 +68,17 @@ def stored(cpu: Directory, keys: list[int]) -> None:
     plan = cpu.prepare_store(keys)
     assert plan is not None
     cpu.complete_store(plan.keys)
+
+
+def promotion_planned(cpu_slots: int = 4) -> tuple[Tiers, TierMove]:
+    """Tiers whose lookup of a two-chunk prompt, held only by the store, planned one promotion
+    (its request waits for it)."""
+    t = setup(cpu_slots=cpu_slots)
+    state = request(2)
+    t.store.held = set(state.groups[0].keys[:2])
+    assert t.lookup.lookup(state, 0, {}) is None
+    (move,), _ = t.moves.plan()
+    return t, move
 
 
 def test_a_publish_pins_its_cpu_slots_until_every_rank_acked() -> None:
@@ -142,12 +153,7 @@ def test_the_slots_of_a_failed_promotion_are_not_reused_while_its_read_may_land(
     ``unsettled``): the slots it was reading into are held (not free, not owned) and never
     handed to the next store, even with every other slot in use. A promotion that failed
     because a part was missing (nothing in transit) frees its slots at once."""
-    t = setup(cpu_slots=4)
-    state = request(2)
-    keys = state.groups[0].keys[:2]
-    t.store.held = set(keys)
-    assert t.lookup.lookup(state, 0, {}) is None
-    (move,), _ = t.moves.plan()
+    t, move = promotion_planned()
     job = ack_all(t.jobs, move.job_id, ok=False)
     t.moves.finalize(job, corrupt=False, full=False, unsettled=True)
     assert t.cpu.stats().held == 2 and t.cpu.num_free == 2
@@ -157,10 +163,7 @@ def test_the_slots_of_a_failed_promotion_are_not_reused_while_its_read_may_land(
     assert plan is not None and not set(plan.slots) & set(move.cpu_slots)
     t.cpu.check_invariants()
     # a part missing: no hold
-    t2 = setup(cpu_slots=4)
-    t2.store.held = set(keys)
-    assert t2.lookup.lookup(request(2), 0, {}) is None
-    (move2,), _ = t2.moves.plan()
+    t2, move2 = promotion_planned()
     t2.moves.finalize(ack_all(t2.jobs, move2.job_id, ok=False), corrupt=True, full=False)
     assert t2.cpu.stats().held == 0 and t2.cpu.num_free == 4
 
@@ -168,12 +171,7 @@ def test_the_slots_of_a_failed_promotion_are_not_reused_while_its_read_may_land(
 def test_an_abandoned_promotion_holds_its_slots_through_the_cpu_tier_emptied() -> None:
     """A reset that empties the CPU tier abandons a promotion whose read is under way: its
     outcome is never heard, so its slots stay out of use through the reset."""
-    t = setup(cpu_slots=4)
-    state = request(2)
-    keys = state.groups[0].keys[:2]
-    t.store.held = set(keys)
-    assert t.lookup.lookup(state, 0, {}) is None
-    (move,), _ = t.moves.plan()
+    t, move = promotion_planned()
     job = t.jobs.jobs[move.job_id]
     t.jobs.reset()
     t.moves.abandon(job, keep_cpu=False)
