@@ -49,22 +49,63 @@ def _hit_ratios(with_tier: dict[str, Any], without_tier: dict[str, Any], key: st
     }
 
 
-SHORT_WARM_UP_REQUESTS = 4
-
-
-def warm_up_requests(device: str, num_requests: int, asked: int | None = None) -> int:
+def warm_up_requests(num_requests: int, asked: int | None = None) -> int:
     """How many of the workload's requests run first, unmeasured (``--warm-up``; ``asked``
-    None: the default). The first run in a process pays for what later runs find ready: on
-    CUDA that is every kernel and GEMM shape met for the first time (loaded lazily, its
-    heuristics cached) and the allocator's growth, so the default there is the whole workload.
-    Measured on an H200 (a random SmolLM2-shaped model, the shared trace, 300 requests): after
-    a 4-request warm-up the run measured first, with the CPU tier, had 2.6x the mean TTFT of
-    the one after it, without; standalone runs of the two ways, alternated, were within 17%
-    of each other either way round. On CPU ranks a short warm-up (threads, the weights' page
-    cache) is enough, and the whole workload again would cost half the bench's time."""
-    if asked is not None:
-        return max(0, min(asked, num_requests))
-    return num_requests if device == "cuda" else min(SHORT_WARM_UP_REQUESTS, num_requests)
+    None: all of them). The first run in a process pays for what later runs find ready: on
+    CUDA every kernel and GEMM shape met for the first time (loaded lazily, its heuristics
+    cached), on both devices the allocator's growth and the caches of the model's code paths;
+    only the same workload meets the same shapes. Measured, with 4 requests of warm-up and the
+    run with the tiers measured first: on an H200 (a random SmolLM2-shaped model, the shared
+    trace, 300 requests) that run had 2.6x the mean TTFT of the one after it, though
+    standalone runs of the two ways were within 17% of each other either way round; on this
+    2-core machine (SmolLM2, the trace as conversations, 300 requests, 112 tier-hit tokens)
+    p90 1.02x and p99 1.08x, and with the whole workload first 0.99x and 0.96x."""
+    if asked is None:
+        return num_requests
+    return max(0, min(asked, num_requests))
+
+
+def pool_runs(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Repeats of one way (``--repeat``) as one report: the requests of all of them (each id
+    marked with its repeat, ``#i``, so that a repeat's requests join the other way's of the same
+    repeat), TTFT percentiles over them all, and the means of the totals. A percentile pooled
+    from K runs moves less with one run's noise than any one run's does."""
+    if len(reports) == 1:
+        return reports[0]
+    pooled = dict(reports[0])
+    requests = [
+        {**r, "req_id": f"{r['req_id']}#{i}"}
+        for i, report in enumerate(reports)
+        for r in report["requests"]
+    ]
+    ttfts = sorted(r["ttft_s"] for r in requests if r.get("ttft_s") is not None)
+    pooled["requests"] = requests
+    pooled["ttft_s"] = (
+        {"mean": statistics.fmean(ttfts), **{f"p{q}": percentile(ttfts, q) for q in (50, 90, 99)}}
+        if ttfts
+        else None
+    )
+
+    def mean(values: list[float]) -> float:
+        return statistics.fmean(values)
+
+    pooled["throughput"] = {
+        key: mean([r["throughput"][key] for r in reports]) for key in reports[0]["throughput"]
+    }
+    pooled["prefill_tokens"] = {
+        key: round(mean([r["prefill_tokens"][key] for r in reports]))
+        for key in reports[0]["prefill_tokens"]
+    }
+    for key in ("wall_seconds", "requests_finished", "cpu_hit_tokens", "disk_hit_tokens"):
+        if key in reports[0]:
+            pooled[key] = mean([r.get(key, 0) for r in reports])
+    disk = (reports[0].get("tiers") or {}).get("disk")
+    if disk is not None:
+        late = sum(
+            (r.get("tiers") or {}).get("disk", {}).get("later_than_recompute", 0) for r in reports
+        )
+        pooled["tiers"] = {**reports[0]["tiers"], "disk": {**disk, "later_than_recompute": late}}
+    return pooled
 
 
 def compare_runs(
@@ -119,7 +160,8 @@ def format_comparison(result: dict[str, Any]) -> str:
     ]
     lines = [
         f"raykv bench offload: the same workload with tiers {'+'.join(result['tiers'])} "
-        "and without the last",
+        "and without the last"
+        + (f", {result['repeats']} runs each, pooled" if result.get("repeats", 1) > 1 else ""),
         f"{'':<22}{'with tier':>14}{'without':>14}{'with/without':>14}",
     ]
     for name, key, ratio_key, unit in rows:

@@ -4,6 +4,7 @@ against recompute, the routers behind real replicas, the router's weights."""
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 from contextlib import ExitStack
@@ -72,41 +73,52 @@ def _offload(
         compare_runs,
         format_comparison,
         plot_ttft_distributions,
+        pool_runs,
         warm_up_requests,
     )
 
     err = Console(stderr=True)
     # the first run in a process pays for warming up: its first requests, unmeasured and
     # without the tiers, so that neither way is charged for it (see warm_up_requests)
-    warm_up = warm_up_requests(cfg.parallel.device, cfg.workload.num_requests, args.warm_up)
+    warm_up = warm_up_requests(cfg.workload.num_requests, args.warm_up)
     if warm_up:
         tree = cfg.model_dump(mode="json")
         tree["workload"]["num_requests"] = warm_up
         tree["offload"]["enabled"] = False
         execute_run(load_config(tree), args.engine, args.address, err, "warm-up")
-    runs = {}
-    disk = "disk" in tiers
-    for way, enabled, with_disk in (
-        ("with_tier", True, disk),
-        ("without_tier", against != "none", False),
-    ):
-        tree = cfg.model_dump(mode="json")
-        tree["offload"]["enabled"] = enabled
-        tree["offload"]["disk"]["enabled"] = with_disk
-        this = load_config(tree)
-        runs[way] = execute_run(this, args.engine, args.address, err, way.replace("_", " "))
-    result = compare_runs(runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), tiers)
+    ways = {
+        "with_tier": (True, "disk" in tiers),
+        "without_tier": (against != "none", False),
+    }
+    runs: dict[str, list[Any]] = {way: [] for way in ways}
+    for repeat in range(args.repeat):
+        # the two ways take turns going first, so that neither is always the second to run
+        order = list(ways) if repeat % 2 == 0 else list(reversed(ways))
+        for way in order:
+            enabled, with_disk = ways[way]
+            tree = cfg.model_dump(mode="json")
+            tree["offload"]["enabled"] = enabled
+            tree["offload"]["disk"]["enabled"] = with_disk
+            if with_disk and repeat:  # each repeat's disk tier starts empty, as the first's
+                tree["offload"]["disk"]["path"] = os.path.join(
+                    tree["offload"]["disk"]["path"], f"repeat-{repeat}"
+                )
+            label = way.replace("_", " ") + (f", repeat {repeat + 1}" if args.repeat > 1 else "")
+            runs[way].append(execute_run(load_config(tree), args.engine, args.address, err, label))
+    with_tier, without_tier = (
+        pool_runs([run.as_dict() for run in runs[way]]) for way in ("with_tier", "without_tier")
+    )
+    result = compare_runs(with_tier, without_tier, tiers)
     result["warm_up_requests"] = warm_up
+    result["repeats"] = args.repeat
     console.print(format_comparison(result), highlight=False)
     if args.json:
-        shape = {**result, "runs": {k: v.as_dict() for k, v in runs.items()}}
+        shape = {**result, "runs": {"with_tier": with_tier, "without_tier": without_tier}}
         write_json(args.json, shape, err)
     if args.plot:
-        plot_ttft_distributions(
-            runs["with_tier"].as_dict(), runs["without_tier"].as_dict(), args.plot
-        )
+        plot_ttft_distributions(with_tier, without_tier, args.plot)
         err.print(f"wrote {args.plot}")
-    return 1 if any(r.integrity.mismatches for r in runs.values()) else 0
+    return 1 if any(r.integrity.mismatches for way in runs.values() for r in way) else 0
 
 
 def _cmd_bench_ttft(args: argparse.Namespace, console: Console) -> int:
@@ -403,9 +415,15 @@ def register(bench: Any) -> None:
         "--warm-up",
         type=int,
         metavar="REQUESTS",
-        help="the workload's first REQUESTS run first, without the tiers and unmeasured "
-        "(default: all of them on CUDA ranks, whose first use of each kernel shape is slow; "
-        "4 on CPU ranks)",
+        help="the workload's first REQUESTS run first, without the tiers and unmeasured, so "
+        "that neither way pays for first use (default: the whole workload)",
+    )
+    off.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="run each way this many times, taking turns at going first; the percentiles are "
+        "over the requests of all of them (default 1)",
     )
     off.add_argument("--json", help="write the comparison and both run reports to this file")
     off.add_argument("--plot", help="draw both TTFT distributions to this PNG file")

@@ -79,13 +79,38 @@ def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
     assert result["ratios"]["ttft_mean"] == pytest.approx(
         on["ttft_s"]["mean"] / off["ttft_s"]["mean"]
     )
-    assert result["warm_up_requests"] == 4  # CPU ranks: a short warm-up
+    assert result["warm_up_requests"] == 12  # the whole workload, by default
 
 
-def test_the_offload_bench_warms_up_with_the_whole_workload_on_cuda_ranks() -> None:
+def test_the_offload_bench_warm_up_is_the_workload_unless_asked_otherwise() -> None:
     from raykv.bench.offload import warm_up_requests
 
-    assert warm_up_requests("cuda", 300) == 300
-    assert warm_up_requests("cpu", 300) == 4 and warm_up_requests("cpu", 2) == 2
-    assert warm_up_requests("cuda", 300, asked=0) == 0
-    assert warm_up_requests("cpu", 300, asked=500) == 300
+    assert warm_up_requests(300) == 300
+    assert warm_up_requests(300, asked=0) == 0 and warm_up_requests(300, asked=-5) == 0
+    assert warm_up_requests(300, asked=500) == 300 and warm_up_requests(300, asked=40) == 40
+
+
+def test_bench_offload_repeats_pool_each_way_and_give_each_disk_tier_its_own_start(
+    tmp_path: Path,
+) -> None:
+    from raykv.engine.latency import percentile
+    from tests.model.test_generate import SMALL_CHAT
+
+    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
+    out, disk = tmp_path / "offload.json", tmp_path / "disk"
+    argv = ["bench", "offload", "--engine", "local", "--config", "configs/synthetic.yaml"]
+    argv += ["--model", str(path), "--num-requests", "6", "--json", str(out), "--repeat", "2"]
+    argv += ["--tiers", "cpu,disk", "--disk-path", str(disk), "--warm-up", "0"]
+    for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["repeats"] == 2 and result["warm_up_requests"] == 0
+    on = result["runs"]["with_tier"]
+    ids = [r["req_id"] for r in on["requests"]]
+    assert len(ids) == 12 and len(set(ids)) == 12
+    assert {i.rsplit("#", 1)[1] for i in ids} == {"0", "1"}
+    ttfts = sorted(r["ttft_s"] for r in on["requests"])
+    assert result["with_tier"]["ttft_p90_s"] == pytest.approx(percentile(ttfts, 90))
+    # the second repeat's disk tier is a directory of its own: it starts as empty as the first's
+    assert any((disk / "repeat-1").iterdir())
