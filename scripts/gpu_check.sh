@@ -69,7 +69,7 @@ step run-cuda-disk-faults 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cud
 
 # TTFT on a real-sized model: a random checkpoint of SmolLM2-135M's shape (its GGUF is more than
 # a device run can carry; the timing depends on the shape, not on the weights' values)
-"$PY" scripts/random_checkpoint.py "$SCRATCH/smol" > "$DIR/checkpoint.txt" 2>&1 || status=1
+step checkpoint 120 "$PY" scripts/random_checkpoint.py "$SCRATCH/smol"
 for dtype in float32 bfloat16; do
   step "ttft-cuda-$dtype" 90 "${RAYKV[@]}" bench ttft --model "$SCRATCH/smol" \
     --set parallel.device=cuda --set model.dtype=$dtype --prompt-tokens 256,1024,2048,4096 \
@@ -80,10 +80,11 @@ step transfer-disk 60 "${RAYKV[@]}" bench transfer --device disk --page-kib 64,2
   --repeat 3 --path "$SCRATCH" --json "$DIR/transfer-disk.json"
 
 # the tiers against none on the shared trace, the crossover deciding per hit (GPU prefill is cheap)
-# (TRACE: the trace's path; a device run carries it in an ignored folder, since ../shared stays behind)
+# (TRACE: the trace's path, from the repository's root; a device run carries it in an ignored
+# folder, since ../shared stays behind)
 TRACE="${TRACE:-../shared/traces/mooncake_synthetic_trace.jsonl}"
 if [ -f "$TRACE" ]; then
-  step offload-cuda 120 "${RAYKV[@]}" bench offload --engine local --model "$SCRATCH/smol" \
+  step offload-cuda 180 "${RAYKV[@]}" bench offload --engine local --model "$SCRATCH/smol" \
     --workload "trace:$TRACE" --num-requests 300 --set workload.trace_tokens_per_block=4 \
     --set workload.max_tokens=4 --set parallel.device=cuda --set model.dtype=bfloat16 \
     --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB --tiers cpu,disk \

@@ -23,6 +23,7 @@ from raykv.cli.common import (
     interrupt_on_sigterm,
     load_real_model_config,
     need_matplotlib,
+    non_negative_int,
     positive_int,
     real_model_config,
     workload_overrides,
@@ -78,13 +79,16 @@ def _offload(
     )
 
     err = Console(stderr=True)
-    # the first run in a process pays for warming up: its first requests, unmeasured and
-    # without the tiers, so that neither way is charged for it (see warm_up_requests)
-    warm_up = warm_up_requests(cfg.workload.num_requests, args.warm_up)
+    # the first run in a process pays for warming up: the workload first, unmeasured, so that
+    # neither way is charged for it (see warm_up_requests). The CPU tier's copies are warmed
+    # too; the disk and shared tiers stay off, or the run with them would find what the
+    # warm-up left there.
+    warm_up = warm_up_requests(cfg.workload.num_requests, args.engine, args.warm_up)
     if warm_up:
         tree = cfg.model_dump(mode="json")
         tree["workload"]["num_requests"] = warm_up
-        tree["offload"]["enabled"] = False
+        tree["offload"]["disk"]["enabled"] = False
+        tree["offload"]["shared"]["enabled"] = False
         execute_run(load_config(tree), args.engine, args.address, err, "warm-up")
     ways = {
         "with_tier": (True, "disk" in tiers),
@@ -413,10 +417,11 @@ def register(bench: Any) -> None:
     )
     off.add_argument(
         "--warm-up",
-        type=int,
+        type=non_negative_int,
         metavar="REQUESTS",
-        help="the workload's first REQUESTS run first, without the tiers and unmeasured, so "
-        "that neither way pays for first use (default: the whole workload)",
+        help="the workload's first REQUESTS run first, unmeasured, without the disk tier, so "
+        "that neither way pays for first use (default: the whole workload with --engine "
+        "local; 0 with --engine ray, whose runs each start rank actors of their own)",
     )
     off.add_argument(
         "--repeat",

@@ -28,6 +28,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text.replace("_", ""))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 
 import torch
 
@@ -82,8 +83,10 @@ class SharedPool:
 
     def unpin(self) -> None:
         if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            rc = torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._pinned = False
+            if int(rc) != 0:
+                _drain_cuda_error()
 
     def unlink(self) -> None:
         """Remove the file (the mapping stays valid until the tensor is dropped)."""
@@ -91,22 +94,23 @@ class SharedPool:
             os.unlink(self.path)
 
 
-def filesystem_type(path: str) -> str:
+def filesystem_type(path: str, mount_table: str = "/proc/self/mounts") -> str:
     """The type of the file system ``path`` is on (``tmpfs``, ``ext4``, ...), from the mount
     table; ``unknown`` where that cannot be read. Linux 6.5 and later page-lock a shared file
     for DMA only on tmpfs and hugetlbfs, so this names the cause when CUDA refuses."""
     try:
-        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+        with open(mount_table, "rb") as mounts:
             table = [line.split()[1:3] for line in mounts if len(line.split()) > 2]
     except OSError:
         return "unknown"
-    real = os.path.realpath(path)
-    best, kind = "", "unknown"
-    for point, fstype in table:
-        point = point.replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
+    real = os.fsencode(os.path.realpath(path))
+    best, kind = b"", "unknown"
+    for escaped, fstype in table:
+        # the table writes a space, tab, newline and backslash in a name as octal escapes
+        point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), escaped)
+        inside = real == point or real.startswith(point.rstrip(b"/") + b"/")
         if inside and len(point) >= len(best):
-            best, kind = point, fstype
+            best, kind = point, fstype.decode(errors="replace")
     return kind
 
 

@@ -96,15 +96,17 @@ def test_a_cuda_rank_keeps_its_checksums_in_the_shared_shard() -> None:
 
     layout = KVLayout(8, 4, 1, 2, 2, 64, "float16", 1, 8)
     files = PoolFiles.new("/dev/shm")  # CUDA page-locks shared files on tmpfs only
-    res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
     try:
-        assert res.shared is not None
-        sums = res.engine.checksums.sums
-        assert sums.data_ptr() == res.shared.sums.data_ptr()
+        res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
+        try:
+            assert res.shared is not None
+            sums = res.engine.checksums.sums
+            assert sums.data_ptr() == res.shared.sums.data_ptr()
+        finally:
+            res.engine.shutdown()
+            if res.shared is not None:
+                res.shared.unpin()
     finally:
-        res.engine.shutdown()
-        if res.shared is not None:
-            res.shared.unpin()
         files.remove()
 
 

@@ -66,13 +66,15 @@ def test_cuda_ranks_page_lock_their_shared_memory_shard() -> None:
     cfg = load_config(None, [*SETS, "parallel.device=cuda"])
     layout = make_layout(cfg, 16)
     files = PoolFiles.new("/dev/shm")
-    res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
     try:
-        assert res.shared is not None and res.pool.is_pinned()
+        res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
+        try:
+            assert res.shared is not None and res.pool.is_pinned()
+        finally:
+            res.engine.shutdown()
+            if res.shared is not None:
+                res.shared.unpin()
     finally:
-        res.engine.shutdown()
-        if res.shared is not None:
-            res.shared.unpin()
         files.remove()
 
 
@@ -93,6 +95,8 @@ def test_a_shard_cuda_cannot_page_lock_leaves_no_error_behind(tmp_path) -> None:
     layout = make_layout(cfg, 16)
     res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
     try:
+        if res.shared is not None:
+            pytest.skip("this kernel page-locks shared files here: no refusal to recover from")
         assert res.pool.is_pinned()
         res.kv.fill_(1.0)  # a kernel launch, after which torch reads CUDA's last error
         res.engine.submit(TransferSpec(1, True, BlockCopy([0, 1], [0, 1], [0, 0])))

@@ -82,12 +82,19 @@ def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
     assert result["warm_up_requests"] == 12  # the whole workload, by default
 
 
-def test_the_offload_bench_warm_up_is_the_workload_unless_asked_otherwise() -> None:
+def test_the_offload_bench_warm_up_is_the_workload_on_the_local_engine_unless_asked() -> None:
     from raykv.bench.offload import warm_up_requests
 
-    assert warm_up_requests(300) == 300
-    assert warm_up_requests(300, asked=0) == 0 and warm_up_requests(300, asked=-5) == 0
+    assert warm_up_requests(300) == 300 and warm_up_requests(300, "ray") == 0
+    assert warm_up_requests(300, asked=0) == 0 and warm_up_requests(300, "ray", asked=8) == 8
     assert warm_up_requests(300, asked=500) == 300 and warm_up_requests(300, asked=40) == 40
+
+
+def test_bench_offload_refuses_a_negative_warm_up(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "offload", "--warm-up", "-5"])
+    assert exit_info.value.code == 2
+    assert "--warm-up: expected 0 or a positive integer, got '-5'" in capsys.readouterr().err
 
 
 def test_bench_offload_repeats_pool_each_way_and_give_each_disk_tier_its_own_start(

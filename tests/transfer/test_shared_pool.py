@@ -154,3 +154,25 @@ def test_a_missing_directory_is_named_and_the_rank_still_serves(tmp_path, caplog
         assert res.shared is None and "private memory" in caplog.text
     finally:
         res.engine.shutdown()
+
+
+def test_the_file_system_of_a_path_is_its_longest_mount_point_with_names_unescaped(
+    tmp_path,
+) -> None:
+    """How a CUDA rank names why it could not page-lock its shard: the mount table's escapes
+    (a space as \\040, a backslash as \\134) undone, bytes that are not UTF-8 read as bytes."""
+    from raykv.transfer.shared_pool import filesystem_type
+
+    table = tmp_path / "mounts"
+    table.write_bytes(
+        b"/dev/root / ext4 rw 0 0\n"
+        b"tmpfs /dev/shm tmpfs rw 0 0\n"
+        b"fast /mnt/my\\040disk xfs rw 0 0\n"
+        b"odd /mnt/caf\\351 btrfs rw 0 0\n"
+    )
+    assert filesystem_type("/dev/shm/raykv-x.pool", str(table)) == "tmpfs"
+    assert filesystem_type("/mnt/my disk/kv", str(table)) == "xfs"
+    assert filesystem_type("/mnt/my", str(table)) == "ext4"  # a prefix of a name is not inside
+    assert filesystem_type(os.fsdecode(b"/mnt/caf\xe9/x"), str(table)) == "btrfs"
+    assert filesystem_type("/work", str(tmp_path / "no-such-table")) == "unknown"
+    assert filesystem_type("/dev/shm") == "tmpfs"  # this machine's own table
