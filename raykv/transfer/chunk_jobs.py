@@ -4,14 +4,15 @@ have in common.
 
 A job (a ``TierMove``: a promotion into CPU slots, or a demotion or publish out of them) is split
 into one run of chunks per I/O thread; promotions run on threads at the process's priority (a
-request waits for them), the rest a few nice levels below, so that their checksums and system
-calls yield the cores to the model. Each run reports its worst outcome, the job the worst of its
-runs: ``ok``, ``failed`` (an I/O error: the tier may be failing), ``full`` (the tier had no
-room), ``corrupt`` (the source was bad: the key leaves the tier it was read from) or
+request waits for them), the rest at the lowest (nice 19), so that their checksums and system
+calls yield the cores to the model (a core taken from one of the model's threads stalls the
+others at the end of each parallel operation). Each run reports its worst outcome, the job the
+worst of its runs: ``ok``, ``failed`` (an I/O error: the tier may be failing), ``full`` (the
+tier had no room), ``corrupt`` (the source was bad: the key leaves the tier it was read from) or
 ``unsettled`` (a read the tier gave up on without cancelling it: its bytes may still land in its
-CPU slots, which must not be reused for a while). A finished
-job is reported by the non-blocking :meth:`ChunkJobEngine.poll`; the step never waits on the
-tier but to flush a job the scheduler abandoned.
+CPU slots, which must not be reused for a while). A finished job is reported by the non-blocking
+:meth:`ChunkJobEngine.poll`; the step never waits on the tier but to flush a job the scheduler
+abandoned.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from raykv.core.step import TierMove, TransferStats
 
 # worse ones rank higher
 OUTCOMES = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3, "unsettled": 4}
-WRITE_NICENESS = 5  # how far below the process's priority a write's thread runs
+WRITE_NICENESS = 19  # how far below the process's priority a write's thread runs (clamped at 19)
 
 
 def worse(a: str, b: str) -> str:

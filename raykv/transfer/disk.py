@@ -101,9 +101,11 @@ class DiskTransferEngine(ChunkJobEngine):
         self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
         self.layout = layout
         self.chunks = ChunkIO(self.files, self.format, pool, direct, fsync, sums)
-        # promotions at the process's priority, demotions a few nice levels below (measured:
-        # a trace whose CPU tier demoted 3 GB ran its requests without a tier hit 3% slower
-        # than without the disk tier when they ran at the same priority)
+        # promotions at the process's priority, demotions at the lowest (measured: a trace
+        # whose CPU tier demoted 3 GB ran its requests without a tier hit 3% slower than
+        # without the disk tier when they ran at the same priority; on the trace as whole
+        # conversations, 100 requests and no tier hit, 3 runs each way pooled, TTFT p50 1.14x
+        # and mean 1.05x with demotions 5 levels down, 1.01x and 1.02x at the lowest)
         super().__init__(io_threads)
 
     # ---------------------------------------------------------------- public API
