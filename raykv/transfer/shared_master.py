@@ -104,6 +104,7 @@ class EmbeddedMaster:
             f"--rpc_address={self.host}",
             f"--rpc_port={self.port}",
             f"--metrics_port={free_port(self.host)}",  # never the fixed default another holds
+            f"--metrics_host={self.host}",  # else its HTTP metrics server takes every interface
             "--enable_metric_reporting=false",
             f"--default_kv_lease_ttl={self.lease_ms}",
         ]

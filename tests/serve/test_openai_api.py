@@ -222,15 +222,18 @@ def test_while_serving_only_serves_own_replica_ports_are_beyond_loopback(server)
         mapped = getattr(addr, "ipv4_mapped", None)
         return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
+    # what this test session started: Ray's processes, its workers and actors, and what they
+    # started (the store's master and segments); not a name match, which a checkout's path
+    # ("raykv") would pass for everything
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
     exposed = {}
     for c in psutil.net_connections(kind="tcp"):
-        if c.status != psutil.CONN_LISTEN or c.pid is None or loopback(c.laddr.ip):
+        if c.status != psutil.CONN_LISTEN or c.pid not in ours or loopback(c.laddr.ip):
             continue
         try:
             name = " ".join(psutil.Process(c.pid).cmdline())
         except psutil.Error:
             continue
-        if "ray" in name:
-            exposed[f"{c.laddr.ip}:{c.laddr.port}"] = name[:60]
+        exposed[f"{c.laddr.ip}:{c.laddr.port}"] = name[:60]
     assert exposed, "expected Serve's replica gRPC ports (if Ray fixed them, tighten this test)"
     assert all(name.startswith("ray::ServeReplica") for name in exposed.values()), exposed

@@ -119,3 +119,30 @@ def test_a_dead_master_fails_operations_instead_of_answering(shared_store: str) 
         holder.stop()
         master.stop()
     assert master.pid is None
+
+
+def test_an_embedded_master_listens_on_loopback_only(shared_store: str) -> None:
+    """Its RPC and its HTTP metrics server both: the metrics server took every interface
+    until ``--metrics_host`` was passed (found by the serving test that lists listeners)."""
+    import ipaddress
+
+    psutil = pytest.importorskip("psutil")
+    from raykv.transfer.shared_master import EmbeddedMaster
+
+    master = EmbeddedMaster()
+    master.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # the metrics server may come up a little after the RPC answers
+            bound = [
+                c.laddr
+                for c in psutil.net_connections(kind="tcp")
+                if c.pid == master.pid and c.status == psutil.CONN_LISTEN
+            ]
+            if len(bound) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(bound) >= 2, bound  # RPC and metrics
+        assert all(ipaddress.ip_address(a.ip).is_loopback for a in bound), bound
+    finally:
+        master.stop()
