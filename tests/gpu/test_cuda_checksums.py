@@ -91,23 +91,12 @@ def test_rows_being_rewritten_vouch_for_nothing_until_the_store_lands() -> None:
 
 
 def test_a_cuda_rank_keeps_its_checksums_in_the_shared_shard() -> None:
-    from raykv.transfer.pool_files import PoolFiles
-    from raykv.transfer.rank import build_rank
+    from tests.gpu.conftest import cuda_rank
 
     layout = KVLayout(8, 4, 1, 2, 2, 64, "float16", 1, 8)
-    files = PoolFiles.new("/dev/shm")  # CUDA page-locks shared files on tmpfs only
-    try:
-        res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
-        try:
-            assert res.shared is not None
-            sums = res.engine.checksums.sums
-            assert sums.data_ptr() == res.shared.sums.data_ptr()
-        finally:
-            res.engine.shutdown()
-            if res.shared is not None:
-                res.shared.unpin()
-    finally:
-        files.remove()
+    with cuda_rank(layout) as res:  # on /dev/shm: CUDA page-locks shared files on tmpfs only
+        assert res.shared is not None
+        assert res.engine.checksums.sums.data_ptr() == res.shared.sums.data_ptr()
 
 
 def test_verify_on_cuda_ranks_catches_corrupt_chunks_with_the_tokens_unchanged() -> None:

@@ -60,22 +60,11 @@ def test_cuda_ranks_under_heavy_reuse_and_sliding_windows() -> None:
 
 def test_cuda_ranks_page_lock_their_shared_memory_shard() -> None:
     from raykv.engine.workers import make_layout
-    from raykv.transfer.pool_files import PoolFiles
-    from raykv.transfer.rank import build_rank
+    from tests.gpu.conftest import cuda_rank
 
     cfg = load_config(None, [*SETS, "parallel.device=cuda"])
-    layout = make_layout(cfg, 16)
-    files = PoolFiles.new("/dev/shm")
-    try:
-        res = build_rank(layout, 0, "cuda", pool_path=files.path(0))
-        try:
-            assert res.shared is not None and res.pool.is_pinned()
-        finally:
-            res.engine.shutdown()
-            if res.shared is not None:
-                res.shared.unpin()
-    finally:
-        files.remove()
+    with cuda_rank(make_layout(cfg, 16)) as res:
+        assert res.shared is not None and res.pool.is_pinned()
 
 
 def test_a_shard_cuda_cannot_page_lock_leaves_no_error_behind(tmp_path) -> None:
@@ -85,16 +74,14 @@ def test_a_shard_cuda_cannot_page_lock_leaves_no_error_behind(tmp_path) -> None:
     nothing wrong (seen on the lent H200: the rank's first copy failed)."""
     from raykv.engine.workers import make_layout
     from raykv.transfer.layout import pool_rows
-    from raykv.transfer.pool_files import PoolFiles
-    from raykv.transfer.rank import build_rank
     from raykv.transfer.shared_pool import filesystem_type
+    from tests.gpu.conftest import cuda_rank
 
     if filesystem_type(str(tmp_path)) in ("tmpfs", "hugetlbfs"):
         pytest.skip(f"{tmp_path} is on tmpfs, where CUDA page-locks a shared file")
     cfg = load_config(None, [*SETS, "parallel.device=cuda"])
     layout = make_layout(cfg, 16)
-    res = build_rank(layout, 0, "cuda", pool_path=PoolFiles.new(str(tmp_path)).path(0))
-    try:
+    with cuda_rank(layout, str(tmp_path)) as res:
         if res.shared is not None:
             pytest.skip("this kernel page-locks shared files here: no refusal to recover from")
         assert res.pool.is_pinned()
@@ -104,10 +91,6 @@ def test_a_shard_cuda_cannot_page_lock_leaves_no_error_behind(tmp_path) -> None:
         assert res.engine.poll() == ([1], [])
         rows = pool_rows(res.pool, layout)
         assert bool((rows[0] == 1.0).all()) and bool((rows[layout.blocks_per_chunk] == 1.0).all())
-    finally:
-        res.engine.shutdown()
-        if res.shared is not None:
-            res.shared.unpin()
 
 
 def test_a_dead_cuda_rank_is_replaced_and_finds_the_cpu_tier() -> None:

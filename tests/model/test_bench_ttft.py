@@ -51,18 +51,24 @@ def test_bench_ttft_refuses_a_prompt_longer_than_the_context(tmp_path: Path, cap
     assert "--prompt-tokens 512: longer than the model's context of 256" in capsys.readouterr().err
 
 
+def offload_argv(tmp_path: Path, requests: int, out: Path) -> list[str]:
+    """``raykv bench offload`` on the local engine as test_generate's ``raykv run``: a tiny
+    checkpoint with two KV groups in a small pool, so that the chat reaches the tier."""
+    from tests.model.test_generate import SMALL_CHAT
+
+    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
+    argv = ["bench", "offload", "--engine", "local", "--config", "configs/synthetic.yaml"]
+    argv += ["--model", str(path), "--num-requests", str(requests), "--json", str(out)]
+    for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
+        argv += ["--set", s]
+    return argv
+
+
 def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
     tmp_path: Path,
 ) -> None:
-    from tests.model.test_generate import SMALL_CHAT
-
-    # as test_generate's raykv run: two KV groups in a small pool, so the chat reaches the tier
-    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
     out, plot = tmp_path / "offload.json", tmp_path / "offload.png"
-    argv = ["bench", "offload", "--engine", "local", "--config", "configs/synthetic.yaml"]
-    argv += ["--model", str(path), "--num-requests", "12", "--json", str(out), "--plot", str(plot)]
-    for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
-        argv += ["--set", s]
+    argv = [*offload_argv(tmp_path, 12, out), "--plot", str(plot)]
     assert main(argv) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(out.read_text())
@@ -101,15 +107,10 @@ def test_bench_offload_repeats_pool_each_way_and_give_each_disk_tier_its_own_sta
     tmp_path: Path,
 ) -> None:
     from raykv.engine.latency import percentile
-    from tests.model.test_generate import SMALL_CHAT
 
-    path, _ = checkpoint(tmp_path / "ckpt", "qwen3-norms-sliding")
     out, disk = tmp_path / "offload.json", tmp_path / "disk"
-    argv = ["bench", "offload", "--engine", "local", "--config", "configs/synthetic.yaml"]
-    argv += ["--model", str(path), "--num-requests", "6", "--json", str(out), "--repeat", "2"]
-    argv += ["--tiers", "cpu,disk", "--disk-path", str(disk), "--warm-up", "0"]
-    for s in ("parallel.tensor_parallel_size=1", "cache.num_gpu_blocks=64", *SMALL_CHAT):
-        argv += ["--set", s]
+    argv = [*offload_argv(tmp_path, 6, out), "--repeat", "2", "--tiers", "cpu,disk"]
+    argv += ["--disk-path", str(disk), "--warm-up", "0"]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["repeats"] == 2 and result["warm_up_requests"] == 0
