@@ -87,19 +87,17 @@ def pool_runs(reports: list[dict[str, Any]]) -> dict[str, Any]:
         else None
     )
 
-    def mean(values: list[float]) -> float:
-        return statistics.fmean(values)
-
     pooled["throughput"] = {
-        key: mean([r["throughput"][key] for r in reports]) for key in reports[0]["throughput"]
+        key: statistics.fmean(r["throughput"][key] for r in reports)
+        for key in reports[0]["throughput"]
     }
     pooled["prefill_tokens"] = {
-        key: round(mean([r["prefill_tokens"][key] for r in reports]))
+        key: round(statistics.fmean(r["prefill_tokens"][key] for r in reports))
         for key in reports[0]["prefill_tokens"]
     }
     for key in ("wall_seconds", "requests_finished", "cpu_hit_tokens", "disk_hit_tokens"):
         if key in reports[0]:
-            pooled[key] = mean([r.get(key, 0) for r in reports])
+            pooled[key] = statistics.fmean(r.get(key, 0) for r in reports)
     disk = (reports[0].get("tiers") or {}).get("disk")
     if disk is not None:
         late = sum(

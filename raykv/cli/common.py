@@ -28,24 +28,24 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def non_negative_int(text: str) -> int:
+def _int_from(text: str, smallest: int, expected: str) -> int:
+    """``text`` as an int (``_`` separators allowed) of at least ``smallest``, else an
+    argparse error saying what was ``expected``."""
     try:
         value = int(text.replace("_", ""))
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or a positive integer, got {text!r}")
+        value = smallest - 1
+    if value < smallest:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    return _int_from(text, 0, "0 or a positive integer")
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _int_from(text, 1, "a positive integer")
 
 
 def check_output(flag: str, path: str | None) -> None:

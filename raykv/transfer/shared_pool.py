@@ -100,7 +100,7 @@ def filesystem_type(path: str, mount_table: str = "/proc/self/mounts") -> str:
     for DMA only on tmpfs and hugetlbfs, so this names the cause when CUDA refuses."""
     try:
         with open(mount_table, "rb") as mounts:
-            table = [line.split()[1:3] for line in mounts if len(line.split()) > 2]
+            table = [fields[1:3] for fields in map(bytes.split, mounts) if len(fields) > 2]
     except OSError:
         return "unknown"
     real = os.fsencode(os.path.realpath(path))
@@ -115,9 +115,10 @@ def filesystem_type(path: str, mount_table: str = "/proc/self/mounts") -> str:
 
 
 def _drain_cuda_error() -> None:
-    """Read and clear CUDA's last error after a refused ``cudaHostRegister``. Left there, torch
-    reads it after its next kernel launch and raises it from that launch, one that did nothing
-    wrong (torch binds no ``cudaGetLastError``; its check after a launch is what reads it)."""
+    """Read and clear CUDA's last error after a refused ``cudaHostRegister`` or
+    ``cudaHostUnregister``. Left there, torch reads it after its next kernel launch and raises
+    it from that launch, one that did nothing wrong (torch binds no ``cudaGetLastError``; its
+    check after a launch is what reads it)."""
     with contextlib.suppress(RuntimeError):
         torch.zeros(1, device="cuda").add_(1)
 
