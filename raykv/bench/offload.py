@@ -26,7 +26,16 @@ def _way(report: dict[str, Any]) -> dict[str, Any]:
         "prefill_tokens": report["prefill_tokens"],
         "wall_seconds": report["wall_seconds"],
         "requests_finished": report["requests_finished"],
+        # what a step cost, and of it the rank's model and the rank's moves (report.step_time)
+        "step_time": {key: report["step_time"].get(key) for key in STEP_PARTS},
+        "steps": report.get("steps"),
+        "idle_steps": report.get("idle_steps"),
     }
+
+
+# the parts of a step the comparison shows: where a tier's cost lands, if it has one
+STEP_PARTS = ("busy_step_s", "step_s", "model_s", "transfers_s")
+RATIO_KEYS = ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "generated_tokens_per_s")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -95,7 +104,15 @@ def pool_runs(reports: list[dict[str, Any]]) -> dict[str, Any]:
         key: round(statistics.fmean(r["prefill_tokens"][key] for r in reports))
         for key in reports[0]["prefill_tokens"]
     }
-    for key in ("wall_seconds", "requests_finished", "cpu_hit_tokens", "disk_hit_tokens"):
+    pooled["step_time"] = _pooled_step_time(reports)
+    for key in (
+        "wall_seconds",
+        "requests_finished",
+        "cpu_hit_tokens",
+        "disk_hit_tokens",
+        "steps",
+        "idle_steps",
+    ):
         if key in reports[0]:
             pooled[key] = statistics.fmean(r.get(key, 0) for r in reports)
     disk = (reports[0].get("tiers") or {}).get("disk")
@@ -105,6 +122,41 @@ def pool_runs(reports: list[dict[str, Any]]) -> dict[str, Any]:
         )
         pooled["tiers"] = {**reports[0]["tiers"], "disk": {**disk, "later_than_recompute": late}}
     return pooled
+
+
+def _pooled_step_time(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """The repeats' ``step_time`` as one run's: each mean over all their steps (busy_step_s
+    over their busy ones), outside_share from the pooled means."""
+    steps = [r["steps"] for r in reports]
+    busy = [r["steps"] - r["idle_steps"] for r in reports]
+    out = {}
+    for key in reports[0]["step_time"]:
+        weights = busy if key == "busy_step_s" else steps
+        total = sum(r["step_time"][key] * w for r, w in zip(reports, weights, strict=True))
+        out[key] = total / max(sum(weights), 1)
+    if "outside_share" in out:
+        step = out["step_s"]
+        out["outside_share"] = 1.0 - out["ranks_busy_s"] / step if step > 0 else 0.0
+    return out
+
+
+def _ratios(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | None]:
+    return {
+        key: _ratio(on[f"{key}_s"], off[f"{key}_s"])
+        if key.startswith("ttft")
+        else _ratio(on[key], off[key])
+        for key in RATIO_KEYS
+    }
+
+
+def repeat_ratios(
+    with_runs: list[dict[str, Any]], without_runs: list[dict[str, Any]]
+) -> dict[str, list[float | None]]:
+    """Each repeat's own ratios (with / without, repeat i against repeat i): how far they
+    scatter is the noise of one pair of runs on this machine, the yardstick for the pooled
+    ratios' distance from 1."""
+    pairs = [_ratios(_way(on), _way(off)) for on, off in zip(with_runs, without_runs, strict=True)]
+    return {key: [pair[key] for pair in pairs] for key in RATIO_KEYS}
 
 
 def compare_runs(
@@ -117,15 +169,7 @@ def compare_runs(
         "tiers": list(tiers),
         "with_tier": on,
         "without_tier": off,
-        "ratios": {
-            "ttft_mean": _ratio(on["ttft_mean_s"], off["ttft_mean_s"]),
-            "ttft_p50": _ratio(on["ttft_p50_s"], off["ttft_p50_s"]),
-            "ttft_p90": _ratio(on["ttft_p90_s"], off["ttft_p90_s"]),
-            "ttft_p99": _ratio(on["ttft_p99_s"], off["ttft_p99_s"]),
-            "generated_tokens_per_s": _ratio(
-                on["generated_tokens_per_s"], off["generated_tokens_per_s"]
-            ),
-        },
+        "ratios": _ratios(on, off),
         "cpu_hit_requests": _hit_ratios(with_tier, without_tier, "cpu_hit_tokens"),
         "tier_hit_tokens": {
             way: report["cpu_hit_tokens"] + report.get("disk_hit_tokens", 0)
@@ -148,6 +192,10 @@ def _cell(value: float | None, unit: str = "") -> str:
     return f"{value:,.2f}"
 
 
+def _count(steps: float, idle: float | None) -> str:
+    return f"{steps:,.0f} ({idle or 0:,.0f})"
+
+
 def format_comparison(result: dict[str, Any]) -> str:
     on, off, ratio = result["with_tier"], result["without_tier"], result["ratios"]
     rows = [
@@ -157,17 +205,36 @@ def format_comparison(result: dict[str, Any]) -> str:
         ("TTFT p99", "ttft_p99_s", "ttft_p99", "s"),
         ("generated tokens/s", "generated_tokens_per_s", "generated_tokens_per_s", ""),
     ]
+    spread = result.get("repeat_ratios")
     lines = [
         f"raykv bench offload: the same workload with tiers {'+'.join(result['tiers'])} "
         "and without the last"
         + (f", {result['repeats']} runs each, pooled" if result.get("repeats", 1) > 1 else ""),
-        f"{'':<22}{'with tier':>14}{'without':>14}{'with/without':>14}",
+        f"{'':<22}{'with tier':>14}{'without':>14}{'with/without':>14}"
+        + (f"{'each repeat':>24}" if spread else ""),
     ]
     for name, key, ratio_key, unit in rows:
         lines.append(
             f"{name:<22}{_cell(on[key], unit):>14}{_cell(off[key], unit):>14}"
             f"{_cell(ratio[ratio_key]):>14}"
+            + (f"{' '.join(_cell(v) for v in spread[ratio_key]):>24}" if spread else "")
         )
+    if on.get("steps") is not None and off.get("steps") is not None:
+        lines.append(
+            f"{'steps (idle ones)':<22}{_count(on['steps'], on['idle_steps']):>14}"
+            f"{_count(off['steps'], off['idle_steps']):>14}"
+        )
+    for name, key in (
+        ("busy step", "busy_step_s"),
+        ("step", "step_s"),
+        ("  its rank's model", "model_s"),
+        ("  its rank's moves", "transfers_s"),
+    ):
+        a, b = on["step_time"].get(key), off["step_time"].get(key)
+        if a is not None and b is not None:
+            lines.append(
+                f"{name:<22}{_cell(a, 's'):>14}{_cell(b, 's'):>14}{_cell(_ratio(a, b)):>14}"
+            )
     for source in ("computed", "gpu_cache", "cpu_tier", "disk_tier"):
         lines.append(
             f"{'prefill ' + source:<22}{on['prefill_tokens'].get(source, 0):>14,}"

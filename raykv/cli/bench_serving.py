@@ -75,6 +75,7 @@ def _offload(
         format_comparison,
         plot_ttft_distributions,
         pool_runs,
+        repeat_ratios,
         warm_up_requests,
     )
 
@@ -115,6 +116,10 @@ def _offload(
     result = compare_runs(with_tier, without_tier, tiers)
     result["warm_up_requests"] = warm_up
     result["repeats"] = args.repeat
+    if args.repeat > 1:
+        result["repeat_ratios"] = repeat_ratios(
+            *([run.as_dict() for run in runs[way]] for way in ("with_tier", "without_tier"))
+        )
     console.print(format_comparison(result), highlight=False)
     if args.json:
         shape = {**result, "runs": {"with_tier": with_tier, "without_tier": without_tier}}

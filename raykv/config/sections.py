@@ -86,7 +86,8 @@ class OffloadConfig(_Strict):
         description="Which tier hits are loaded. faster: only where the scheduler predicts the "
         "first token sooner than by recomputing, from each tier's measured load cost and the "
         "model's measured prefill cost (the rest are recomputed and counted as skipped_slower; "
-        "until a tier has a few measured loads, its hits are taken); always: every hit.",
+        "until a tier has a few measured loads, a load that waits for its acks is priced at a "
+        "whole step, the least it can delay its request); always: every hit.",
     )
 
     @field_validator("policy")

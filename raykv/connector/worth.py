@@ -25,13 +25,26 @@ So each tier's cost is measured, from its own recent jobs, and so is the model's
 
 ``choose`` takes, of recomputing, loading what the CPU tier holds, and loading that and what
 only the disk holds, the one whose first token comes soonest, and counts each tier hit it passes
-over as ``skipped_slower``. Before a tier has ``MIN_SAMPLES`` measured jobs (and the model as
-many steps) its hits are taken: those loads are the measurement. A tier whose hits are being
-skipped still has one in ``PROBE_EVERY`` of them loaded, so its estimate follows the machine.
+over as ``skipped_slower``. A tier whose hits are being skipped still has one in
+``PROBE_EVERY`` of them loaded, so its estimate follows the machine.
+
+Before a tier has ``MIN_SAMPLES`` measured jobs, a move from it is priced by a prior: a whole
+step (the median of the recent steps that computed tokens, each timed from its plan to its
+replies; two with async scheduling, whose acks come a step late), the least a load that waits
+for its acks delays its request, and a promotion the same before its load; a CPU-tier load that
+lands in its own step adds its copies to that step, cheap beside a prefill, and is priced at
+nothing. That is a lower bound, so a hit the prior passes over is surely slower than recomputing.
+Taking every hit until four had been measured cost the first ones dearly where prefill is
+cheap: on an H200 (a 135M model, 120-170-token prompts) the requests of the first CPU-tier hits
+had 1.44x the TTFT they had without the tier, a load there delaying its request 40 ms against a
+29 ms step.
+The probes measure a tier the prior passes over. Before the model has ``MIN_SAMPLES`` steps
+(and one step is timed) nothing can be priced, and hits are taken.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -152,7 +165,7 @@ def _plane(points: deque[tuple[float, float, float]]) -> tuple[float, float]:
 class Decision:
     """What ``choose`` decided for one lookup: the candidate taken, and the predicted seconds
     to compute the prompt from there and by recomputing everything after what the GPU holds
-    (None while the tiers it chose between are not measured yet)."""
+    (None while the model is not measured yet: nothing was predicted)."""
 
     end: int
     predicted_s: float | None
@@ -163,13 +176,16 @@ class TierCosts:
     """The measured costs of the tiers and of the model, and the choice they make.
     ``step_tokens``: the most tokens a step computes (``engine.max_num_batched_tokens``)."""
 
-    def __init__(self, step_tokens: int) -> None:
+    def __init__(self, step_tokens: int, load_in_step: bool = False, ack_steps: int = 1) -> None:
         self.step_tokens = step_tokens
+        self.load_in_step = load_in_step  # CPU-tier loads land in their own step
+        self.ack_steps = ack_steps  # steps until a job's acks are seen (2: async scheduling)
         self.cpu = LineFit()  # seconds a CPU-tier load delays its request, by blocks
         self.disk = LineFit()  # seconds a promotion from disk takes, by blocks
         self.shared = LineFit()  # seconds a promotion from the shared store takes, by blocks
         self.prefill = PrefillFit()
         self.step_s = 0.0  # a step's time besides its prefill (moving average)
+        self.durations: deque[float] = deque(maxlen=WINDOW)  # recent busy steps, plan to replies
         self._last_step: float | None = None
         self._ended: float | None = None  # when the last step's replies came in
         self._busy = False  # ... and whether it computed tokens
@@ -191,6 +207,16 @@ class TierCosts:
             rest = max(0.0, period_s - c1 * tokens - c2 * attention)
             self.step_s += (rest - self.step_s) * (0.05 if self._last_step is not None else 1.0)
             self._last_step = period_s
+
+    def observe_duration(self, seconds: float) -> None:
+        """A step that computed tokens took ``seconds`` from its plan to its replies."""
+        self.durations.append(seconds)
+
+    @property
+    def step_period_s(self) -> float:
+        """A step, as the prior counts it: the median of the recent busy ones (a cold first
+        step or one stalled by a dead rank does not move it)."""
+        return statistics.median(self.durations) if self.durations else 0.0
 
     def observe_reports(
         self, tokens: int, attention: float, reports: list[StepReport], load_in_step: bool
@@ -234,8 +260,19 @@ class TierCosts:
     # ---- the choice ------------------------------------------------------------------------
 
     def measured(self, tier: str) -> bool:
-        fit = {"cpu": self.cpu, "disk": self.disk, "shared": self.shared}[tier]
-        return len(fit) >= MIN_SAMPLES and len(self.prefill) >= MIN_SAMPLES
+        return len(self._fit(tier)) >= MIN_SAMPLES
+
+    def _fit(self, tier: str) -> LineFit:
+        return {"cpu": self.cpu, "disk": self.disk, "shared": self.shared}[tier]
+
+    def move_s(self, tier: str, blocks: int) -> float:
+        """Predicted seconds a move of ``blocks`` from ``tier`` delays its request: the tier's
+        fit once measured, the prior before (the module's docstring)."""
+        if self.measured(tier):
+            return self._fit(tier).predict(blocks)
+        if tier == "cpu" and self.load_in_step:
+            return 0.0
+        return self.ack_steps * self.step_period_s
 
     def cost(self, start: int, prompt: int, option: Candidate) -> float:
         """Predicted seconds until ``option`` has computed the prompt's last token."""
@@ -244,25 +281,24 @@ class TierCosts:
         seconds = steps * self.step_s + self.prefill.predict(begin, prompt)
         blocks = option.cpu_blocks + option.disk_blocks + option.shared_blocks
         if blocks:
-            seconds += self.cpu.predict(blocks)
+            seconds += self.move_s("cpu", blocks)
         # promotions from the two tiers run side by side: the slower one is waited for
         seconds += max(
-            self.disk.predict(option.disk_blocks) if option.disk_blocks else 0.0,
-            self.shared.predict(option.shared_blocks) if option.shared_blocks else 0.0,
+            self.move_s("disk", option.disk_blocks) if option.disk_blocks else 0.0,
+            self.move_s("shared", option.shared_blocks) if option.shared_blocks else 0.0,
         )
         return seconds
 
     def choose(self, start: int, prompt: int, options: list[Candidate]) -> Decision:
         """Of recomputing from ``start`` (what the GPU holds) to the prompt's end and the
         ``options`` (each loading further than the one before: the CPU tier's hit, then the
-        disk's beyond it), the soonest first token. Where a tier is not yet measured, the
-        furthest option is taken as it comes."""
+        disk's beyond it), the soonest first token. A tier not yet measured is priced by the
+        prior; before the model is measured, the furthest option is taken as it comes."""
         recompute = self.cost(start, prompt, Candidate(start))
         if not options:
             return Decision(start, recompute, recompute)
-        furthest = options[-1]
-        if not all(self.measured(tier) for o in options for tier in _tiers(o)):
-            return Decision(furthest.end, None, None)
+        if len(self.prefill) < MIN_SAMPLES or not self.durations:
+            return Decision(options[-1].end, None, None)
         best_end, best_s = start, recompute
         priced = [(o, self.cost(start, prompt, o)) for o in options]
         for option, seconds in priced:
@@ -296,17 +332,8 @@ class TierCosts:
             "prefill_s_per_token": c1,
             "prefill_s_per_token_position": c2,
             "step_s_besides_prefill": self.step_s,
+            "step_period_s": self.step_period_s,
         }
-
-
-def _tiers(option: Candidate) -> list[str]:
-    """Every tier an option loads from (each must be measured before it is priced)."""
-    out = ["cpu"]
-    if option.disk_blocks:
-        out.append("disk")
-    if option.shared_blocks:
-        out.append("shared")
-    return out
 
 
 def _tier(option: Candidate) -> str:

@@ -105,7 +105,11 @@ class EngineCore:
                 shared_retry_steps=o.shared.retry_steps,
                 shared_write_back=write_back(cfg),
                 costs=(
-                    TierCosts(cfg.engine.max_num_batched_tokens)
+                    TierCosts(
+                        cfg.engine.max_num_batched_tokens,
+                        load_in_step=cfg.load_in_step(),
+                        ack_steps=2 if cfg.engine.async_scheduling else 1,
+                    )
                     if o.take_hits == "faster"
                     else None
                 ),
@@ -209,7 +213,7 @@ class EngineCore:
                 self.connector.carry_drops(plan.transfers)
             return []
         finished = self._update(sched, plan, reports)
-        self._timed(started, reports)
+        self._timed(started, reports, sched.num_tokens)
         silent = self.scheduler.silent_ranks(plan.step, self.cfg.engine.rank_timeout_steps)
         if silent:
             self.recover(silent)
@@ -237,7 +241,7 @@ class EngineCore:
             self._drop(ahead)
             return []
         finished = self._update(current.sched, current.plan, reports, current.sampling)
-        self._timed(started, reports)
+        self._timed(started, reports, current.sched.num_tokens)
         step = current.plan.step
         silent = self.scheduler.silent_ranks(step, self.cfg.engine.rank_timeout_steps)
         if silent:
@@ -257,9 +261,18 @@ class EngineCore:
     def _send(self, planned: PlannedStep) -> tuple[PlannedStep, StepHandle]:
         return planned, self.workers.submit(planned.plan)
 
-    def _timed(self, started: float, reports: list[StepReport]) -> None:
-        self.totals.step_seconds += time.perf_counter() - started
-        self.totals.ranks_busy_seconds += max((r.busy_s for r in reports), default=0.0)
+    def _timed(self, started: float, reports: list[StepReport], tokens: int) -> None:
+        seconds = time.perf_counter() - started
+        self.totals.step_seconds += seconds
+        if tokens > 0:
+            self.totals.busy_step_seconds += seconds
+            costs = self.connector.costs if self.connector is not None else None
+            if costs is not None:
+                costs.observe_duration(seconds)
+        if reports:
+            busiest = max(reports, key=lambda r: r.busy_s)
+            self.totals.ranks_busy_seconds += busiest.busy_s
+            self.totals.ranks_model_seconds += busiest.model_s
 
     def _schedule(self) -> PlannedStep:
         sched = self.scheduler.schedule(self.totals.steps)

@@ -53,6 +53,8 @@ class EngineStats:
     skipped_slower: dict[str, int] = field(default_factory=dict)
     probes: dict[str, int] = field(default_factory=dict)
     costs: dict[str, float] = field(default_factory=dict)
+    ranks_model_seconds: float = 0.0  # of ranks_busy_seconds, the model's own
+    busy_step_seconds: float = 0.0  # of step_seconds, the steps that computed tokens
 
 
 def snapshot(engine: EngineCore) -> EngineStats:
@@ -70,6 +72,8 @@ def snapshot(engine: EngineCore) -> EngineStats:
         generated_tokens=t.generated_tokens,
         step_seconds=t.step_seconds,
         ranks_busy_seconds=t.ranks_busy_seconds,
+        ranks_model_seconds=t.ranks_model_seconds,
+        busy_step_seconds=t.busy_step_seconds,
         scheduler=replace(engine.scheduler.stats),
         transfer=structs.replace(t.transfer),
         per_rank=[structs.replace(r) for r in t.per_rank],

@@ -76,6 +76,8 @@ class EngineTotals:
     # work in each (its copies and model): the difference is the control plane and scheduler
     step_seconds: float = 0.0
     ranks_busy_seconds: float = 0.0
+    ranks_model_seconds: float = 0.0  # of the busiest rank's work, its model's
+    busy_step_seconds: float = 0.0  # of step_seconds, the steps that computed tokens
     # async scheduling: tokens sampled for requests that had ended (EOS in the step before,
     # unknown when this one was planned) or were aborted while the step ran
     discarded_samples: int = 0

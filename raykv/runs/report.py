@@ -88,8 +88,11 @@ class RunReport:
     itl_s: dict[str, float] | None = None
     throughput: dict[str, float] = field(default_factory=dict)  # tokens per wall second
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # by where they came from
-    # per step, mean seconds: the engine's whole step and the slowest rank's own work in it
-    # (copies and model); outside_share: the rest (scheduling, the control plane) over the step
+    # per step, mean seconds: the engine's whole step; busy_step_s: the same over the steps
+    # that computed tokens (idle ones only poll and ack); the slowest rank's own work in a step
+    # (ranks_busy_s), split into its model's (model_s) and the rest (transfers_s: its block
+    # tables and its moves' submits, polls and checksums, and on CPU ranks their copies);
+    # outside_share: what is not the rank's (scheduling, the control plane) over the step
     step_time: dict[str, float] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)  # each request's first token
     cpu_tier: CpuTierSummary | None = None
@@ -207,8 +210,13 @@ class RunReport:
 def _step_time(stats: EngineStats) -> dict[str, float]:
     steps = max(stats.steps, 1)
     step, busy = stats.step_seconds / steps, stats.ranks_busy_seconds / steps
+    model = stats.ranks_model_seconds / steps
+    busy_steps = max(stats.steps - stats.idle_steps, 1)
     return {
         "step_s": step,
+        "busy_step_s": stats.busy_step_seconds / busy_steps,
         "ranks_busy_s": busy,
+        "model_s": model,
+        "transfers_s": busy - model,
         "outside_share": 1.0 - busy / step if step > 0 else 0.0,
     }

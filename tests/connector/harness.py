@@ -77,6 +77,10 @@ class Runner:
                 f"engine.max_deferred_steps={max_deferred_steps}",
                 f"offload.load_in_step={'true' if load_in_step else 'false'}",
                 "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
+                # every hit loaded: the protocol is what these tests drive, not the choice of
+                # hits (tests/connector/test_worth.py), which on this tiny synthetic model would
+                # recompute them all
+                "offload.take_hits=always",
                 *settings,
             ],
         )

@@ -27,6 +27,7 @@ BASE = [
     "cache.num_gpu_blocks=36",  # small: preemption and reuse
     "parallel.tensor_parallel_size=2",
     "model.num_kv_heads=2",
+    "offload.take_hits=always",  # loads under planning ahead are the point, not the choice
 ]
 
 

@@ -25,6 +25,9 @@ SMALL = [
     "workload.answer_tokens=16",
     "workload.max_tokens=8",
     "parallel.tensor_parallel_size=2",
+    # every hit loaded: the synthetic model recomputes faster than a load lands, and what these
+    # tests check is where KV comes from, not the choice (test_worth, and the test at the end)
+    "offload.take_hits=always",
 ]
 
 
@@ -138,3 +141,26 @@ def test_a_rejected_request_does_not_stop_the_run() -> None:
         report = run_workload(EngineCore(cfg, workers), specs)
     assert report["requests_finished"] == 2
     assert [r["request"] for r in report["rejected"]] == ["huge"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "load_in_step", "ack_steps"),
+    [
+        ([], False, 1),  # copies on a thread: a load waits for its acks
+        (["engine.async_scheduling=true"], False, 2),  # ... which come a step late
+        (["offload.load_in_step=true"], True, 1),  # copies at the step's transfer points
+    ],
+)
+def test_the_crossover_knows_how_a_load_waits_and_times_the_busy_steps(
+    sets: list[str], load_in_step: bool, ack_steps: int
+) -> None:
+    cfg = load_config(None, [*SMALL, "workload.num_requests=8", "offload.take_hits=faster", *sets])
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        engine = EngineCore(cfg, workers, offload=True)
+        costs = engine.connector.costs
+        assert (costs.load_in_step, costs.ack_steps) == (load_in_step, ack_steps)
+        report = run_workload(engine, make_workload(cfg))
+    # the steps that computed tokens were timed for the prior, the idle ones were not
+    busy = report["steps"] - report["idle_steps"]
+    assert 0 < len(costs.durations) <= busy
+    assert report["tier_costs"]["step_period_s"] > 0

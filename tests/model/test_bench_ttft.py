@@ -86,6 +86,11 @@ def test_bench_offload_runs_the_workload_both_ways_and_joins_them_by_request(
         on["ttft_s"]["mean"] / off["ttft_s"]["mean"]
     )
     assert result["warm_up_requests"] == 12  # the whole workload, by default
+    # the step's time split into the rank's model and the rest of its work (its moves)
+    step = on["step_time"]
+    assert step["model_s"] > 0 and step["transfers_s"] >= 0
+    assert step["model_s"] + step["transfers_s"] == pytest.approx(step["ranks_busy_s"])
+    assert result["with_tier"]["step_time"]["model_s"] == step["model_s"]
 
 
 def test_the_offload_bench_warm_up_is_the_workload_on_the_local_engine_unless_asked() -> None:
@@ -120,5 +125,44 @@ def test_bench_offload_repeats_pool_each_way_and_give_each_disk_tier_its_own_sta
     assert {i.rsplit("#", 1)[1] for i in ids} == {"0", "1"}
     ttfts = sorted(r["ttft_s"] for r in on["requests"])
     assert result["with_tier"]["ttft_p90_s"] == pytest.approx(percentile(ttfts, 90))
+    # each repeat's own ratios beside the pooled ones: their scatter is the run-to-run noise
+    spread = result["repeat_ratios"]
+    assert set(spread) == set(result["ratios"])
+    assert all(len(v) == 2 and all(r > 0 for r in v) for v in spread.values())
     # the second repeat's disk tier is a directory of its own: it starts as empty as the first's
     assert any((disk / "repeat-1").iterdir())
+
+
+def test_pooled_repeats_weigh_each_runs_step_time_by_its_steps() -> None:
+    from raykv.bench.offload import pool_runs
+
+    def report(steps: int, step_s: float, model_s: float, busy: float) -> dict:
+        return {
+            "requests": [{"req_id": "r", "ttft_s": step_s}],
+            "throughput": {"generated_tokens_per_s": 1.0, "prompt_tokens_per_s": 1.0},
+            "prefill_tokens": {"computed": 10},
+            "steps": steps,
+            "idle_steps": steps // 2,
+            "step_time": {
+                "step_s": step_s,
+                "busy_step_s": 2 * step_s,
+                "ranks_busy_s": busy,
+                "model_s": model_s,
+                "transfers_s": 0.1,
+                "outside_share": 1 - busy / step_s,
+            },
+            "wall_seconds": steps * step_s,
+            "requests_finished": 1,
+            "cpu_hit_tokens": 0,
+        }
+
+    pooled = pool_runs([report(10, 1.0, 0.5, 0.5), report(30, 2.0, 1.5, 1.8)])["step_time"]
+    # every step counts once: (10 * 1.0 + 30 * 2.0) / 40, not the mean of the two runs' means
+    assert pooled["step_s"] == pytest.approx(1.75)
+    assert pooled["model_s"] == pytest.approx((10 * 0.5 + 30 * 1.5) / 40)
+    assert pooled["transfers_s"] == pytest.approx(0.1)
+    # a busy step's mean over the busy steps (5 and 15 of them)
+    assert pooled["busy_step_s"] == pytest.approx((5 * 2.0 + 15 * 4.0) / 20)
+    # the share outside the ranks from the pooled means, not a mean of the two shares
+    busy = (10 * 0.5 + 30 * 1.8) / 40
+    assert pooled["outside_share"] == pytest.approx(1 - busy / 1.75)
