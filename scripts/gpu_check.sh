@@ -8,11 +8,23 @@
 # and the trace with and without the tiers; where Ray is installed, the per-step fan-out bench.
 # Results go to DIR (first argument, else $OUT, else ./gpu-results); summary.txt has the verdicts.
 # Every step has a time limit of its own, so one that hangs costs its limit, not the lease.
+# STEPS="name ..." runs only the steps named (the names in ALL_STEPS below, each printed with
+# its verdict as it ends), for a short lease; an unknown name stops it before anything runs.
 #
 # Packages the machine lacks (pydantic on the lent H200 image) are installed from .whl/ when it
 # is there: run scripts/fetch_gpu_wheels.sh first and carry .whl along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ALL_STEPS=(gpu-tests transfer-cuda run-cpu run-cuda run-cuda-disk run-cuda-disk-faults checkpoint
+           ttft-cuda-float32 ttft-cuda-bfloat16 transfer-disk offload-conv-half-cuda
+           offload-conv-half-cuda-cpu offload-conv-low-cuda offload-cuda offload-conv-half-cpu
+           profile-cuda-on profile-cuda-off fanout)
+for name in ${STEPS:-}; do
+  if [[ " ${ALL_STEPS[*]} " != *" $name "* ]]; then
+    echo "STEPS: unknown step '$name' (one of: ${ALL_STEPS[*]})" >&2
+    exit 2
+  fi
+done
 DIR="${1:-${OUT:-gpu-results}}"
 mkdir -p "$DIR"
 PY="${PYTHON:-python3}"
@@ -26,9 +38,16 @@ fi
 export PYTHONPATH="$(pwd):${PYTHONPATH:-}"
 RAYKV=("$PY" -m raykv)
 status=0
+selected() {  # selected NAME...: whether STEPS (all when unset) names one of them
+  local name
+  [ -z "${STEPS:-}" ] && return 0
+  for name in "$@"; do [[ " $STEPS " == *" $name "* ]] && return 0; done
+  return 1
+}
 step() {  # step NAME LIMIT_S COMMAND...: output to DIR/NAME.txt, a line of its verdict
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  selected "$name" || return 0
   timeout "$limit" "$@" > "$DIR/$name.txt" 2>&1
   rc=$?
   echo "$name: rc=$rc in $((SECONDS - start)) s$([ $rc -eq 124 ] && echo " (timed out)")"
@@ -47,7 +66,7 @@ PYEOF
 
 step gpu-tests 180 "$PY" -m pytest tests/gpu -q -rP -p no:cacheprovider -o addopts="" \
   --timeout 120
-tail -3 "$DIR/gpu-tests.txt"
+selected gpu-tests && tail -3 "$DIR/gpu-tests.txt"
 
 step transfer-cuda 60 "${RAYKV[@]}" bench transfer --device cuda --page-kib 16,64,256,1024,4096 \
   --blocks 1024 --direction store,load,both --repeat 5 --json "$DIR/transfer-cuda.json"
@@ -69,7 +88,11 @@ step run-cuda-disk-faults 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cud
 
 # TTFT on a real-sized model: a random checkpoint of SmolLM2-135M's shape (its GGUF is more than
 # a device run can carry; the timing depends on the shape, not on the weights' values)
-step checkpoint 120 "$PY" scripts/random_checkpoint.py "$SCRATCH/smol"
+MODEL_STEPS=(ttft-cuda-float32 ttft-cuda-bfloat16 offload-cuda offload-conv-half-cuda
+             offload-conv-half-cuda-cpu offload-conv-low-cuda offload-conv-half-cpu profile-cuda-on
+             profile-cuda-off)
+selected "${MODEL_STEPS[@]}" checkpoint && STEPS="${STEPS:+$STEPS checkpoint}" \
+  step checkpoint 120 "$PY" scripts/random_checkpoint.py "$SCRATCH/smol"
 for dtype in float32 bfloat16; do
   step "ttft-cuda-$dtype" 90 "${RAYKV[@]}" bench ttft --model "$SCRATCH/smol" \
     --set parallel.device=cuda --set model.dtype=$dtype --prompt-tokens 256,1024,2048,4096 \
@@ -84,29 +107,79 @@ step transfer-disk 60 "${RAYKV[@]}" bench transfer --device disk --page-kib 64,2
 # folder, since ../shared stays behind)
 TRACE="${TRACE:-../shared/traces/mooncake_synthetic_trace.jsonl}"
 if [ -f "$TRACE" ]; then
-  step offload-cuda 180 "${RAYKV[@]}" bench offload --engine local --model "$SCRATCH/smol" \
-    --workload "trace:$TRACE" --num-requests 300 --set workload.trace_tokens_per_block=4 \
-    --set workload.max_tokens=4 --set parallel.device=cuda --set model.dtype=bfloat16 \
-    --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB --tiers cpu,disk \
-    --against none --disk-path "$SCRATCH/offload-disk" --json "$DIR/offload-cuda.json"
+  OFFLOAD=(bench offload --engine local --model "$SCRATCH/smol" --workload "trace:$TRACE"
+           --set workload.trace_tokens_per_block=4 --set workload.max_tokens=4
+           --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB --tiers cpu,disk
+           --against none)
+  # issue 30's percentile criterion: the trace replayed as whole conversations, SmolLM2's shape
+  # in float32, at half load (the default arrival rate) and at a low one, each way twice
+  CONVERSATIONS=(--set workload.trace_order=conversations --set model.dtype=float32 --repeat 2)
+  step offload-conv-half-cuda 200 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
+    --num-requests 300 --set parallel.device=cuda --disk-path "$SCRATCH/conv-half" \
+    --json "$DIR/offload-conv-half-cuda.json"
+  # the CPU tier alone against none: whether a cost above is the disk tier's
+  step offload-conv-half-cuda-cpu 150 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
+    --num-requests 300 --set parallel.device=cuda --tiers cpu \
+    --json "$DIR/offload-conv-half-cuda-cpu.json"
+  step offload-conv-low-cuda 150 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
+    --num-requests 100 --set workload.arrival_rate=0.05 --set parallel.device=cuda \
+    --disk-path "$SCRATCH/conv-low" --json "$DIR/offload-conv-low-cuda.json"
+  step offload-cuda 150 "${RAYKV[@]}" "${OFFLOAD[@]}" --num-requests 300 \
+    --set parallel.device=cuda --set model.dtype=bfloat16 \
+    --disk-path "$SCRATCH/offload-disk" --json "$DIR/offload-cuda.json"
+  # the same on the host's CPUs, where the tiers' copies and writes have cores of their own
+  step offload-conv-half-cpu 200 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
+    --num-requests 200 --set parallel.device=cpu --disk-path "$SCRATCH/conv-half-cpu" \
+    --json "$DIR/offload-conv-half-cpu.json"
+  # where a step's time goes with the tiers and without: py-spy (carried in .whl) samples
+  # every thread of one run each way; summary.txt has each thread's samples and the main
+  # thread's busiest frames
+  SPY="$(command -v py-spy || true)"
+  if [ -z "$SPY" ] && compgen -G ".whl/py_spy-*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/raykv-spy .whl/py_spy-*.whl \
+      && SPY=/tmp/raykv-spy/bin/py-spy
+  fi
+  RUN_CONV=(run --engine local --model "$SCRATCH/smol" --workload "trace:$TRACE"
+            --num-requests 300 --set workload.trace_order=conversations
+            --set workload.trace_tokens_per_block=4 --set workload.max_tokens=4
+            --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB
+            --set parallel.device=cuda --set model.dtype=float32)
+  # (--nonblocking: py-spy reads the process without pausing it; a step that times out
+  # loses its profile, so the limits are generous)
+  SPY_RECORD=(record -r 250 --threads --nonblocking -f raw)
+  if [ -n "$SPY" ] && [ -x "$SPY" ]; then
+    step profile-cuda-on 150 "$SPY" "${SPY_RECORD[@]}" -o "$DIR/profile-on.txt" -- \
+      "${RAYKV[@]}" "${RUN_CONV[@]}" --set offload.disk.enabled=true \
+      --set offload.disk.path="$SCRATCH/profile-disk" --json-report "$DIR/profile-on.json"
+    step profile-cuda-off 150 "$SPY" "${SPY_RECORD[@]}" -o "$DIR/profile-off.txt" -- \
+      "${RAYKV[@]}" "${RUN_CONV[@]}" --no-offload --json-report "$DIR/profile-off.json"
+  elif selected profile-cuda-on profile-cuda-off; then
+    echo "profile: not run (no py-spy: scripts/fetch_gpu_wheels.sh fetches it)"
+  fi
 else
-  echo "offload-cuda: not run (no trace at $TRACE)"
+  echo "offload: not run (no trace at $TRACE)"
 fi
 
-if "$PY" -c "import ray" 2>/dev/null; then
+if ! selected fanout; then
+  :
+elif "$PY" -c "import ray" 2>/dev/null; then
   step fanout 120 "${RAYKV[@]}" bench step --engine ray --tp 2,4,8 --model none --repeat 5 \
     --json "$DIR/fanout.json"
 else
   echo "fanout: not run (no ray here)"
 fi
 
-"$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
-import json, sys
+STEPS="${STEPS:-}" "$PY" - "$DIR" <<'PYEOF' 2>&1 | tee "$DIR/summary.txt"
+import json, os, sys
+from collections import Counter
 d = sys.argv[1]
 ok = True
+chosen = os.environ["STEPS"].split()
 
 
 def load(name):
+    if chosen and name not in chosen:
+        return None
     try:
         return json.load(open(f"{d}/{name}.json"))
     except Exception as exc:
@@ -118,7 +191,7 @@ cpu = load("run-cpu")
 for name in ("run-cuda", "run-cuda-disk", "run-cuda-disk-faults"):
     run = load(name)
     if run is None or cpu is None:
-        ok = False
+        ok &= bool(chosen) and name not in chosen
         continue
     same = run["output_digest"] == cpu["output_digest"]
     ok &= same and run["integrity"]["mismatches"] == 0
@@ -138,9 +211,29 @@ for r in (load("transfer-disk") or {}).get("results", []):
 for dtype in ("float32", "bfloat16"):
     for r in (load(f"ttft-cuda-{dtype}") or {}).get("results", []):
         print(f"ttft cuda {dtype} {r}")
-offload = load("offload-cuda")
-if offload is not None:
-    print("offload cuda:", json.dumps(offload.get("comparison", offload))[:2000])
+for name in ("offload-cuda", "offload-conv-half-cuda", "offload-conv-half-cuda-cpu",
+             "offload-conv-low-cuda", "offload-conv-half-cpu"):
+    offload = load(name)
+    if offload is not None:
+        offload.pop("runs", None)
+        print(f"{name}:", json.dumps(offload)[:3000])
+for way in ("on", "off"):
+    if chosen and f"profile-cuda-{way}" not in chosen:
+        continue
+    try:
+        lines = open(f"{d}/profile-{way}.txt").read().splitlines()
+    except OSError:
+        continue
+    threads, frames = Counter(), Counter()
+    for line in lines:
+        stack, count = line.rsplit(" ", 1)
+        parts = stack.split(";")
+        threads[parts[0]] += int(count)
+        if "MainThread" in parts[0]:
+            for frame in set(parts[1:]):
+                frames[frame.split(" (")[0]] += int(count)
+    print(f"profile {way}: samples by thread {dict(threads.most_common(8))}")
+    print(f"profile {way}: main thread's frames {dict(frames.most_common(40))}")
 sys.exit(0 if ok else 1)
 PYEOF
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -1,6 +1,8 @@
 """Writes a randomly initialised Llama checkpoint of SmolLM2-135M's shape (no tokenizer) to a
 directory: a real-sized model for timing on a machine that cannot download one, such as the lent
-GPU machine (``scripts/gpu_check.sh``). Usage: ``random_checkpoint.py DIR [--dtype bfloat16]``."""
+GPU machine (``scripts/gpu_check.sh``). Usage: ``random_checkpoint.py DIR [--dtype bfloat16]
+[--layers N]`` (fewer layers: a model of the same width whose steps take as long on a few CPU cores
+as the full one's take on a GPU)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M))
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": args.layers}))
     model.to(getattr(torch, args.dtype)).save_pretrained(args.directory)
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"wrote {args.directory}: {millions:.0f}M parameters")
