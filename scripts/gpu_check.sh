@@ -107,10 +107,10 @@ step transfer-disk 60 "${RAYKV[@]}" bench transfer --device disk --page-kib 64,2
 # folder, since ../shared stays behind)
 TRACE="${TRACE:-../shared/traces/mooncake_synthetic_trace.jsonl}"
 if [ -f "$TRACE" ]; then
-  OFFLOAD=(bench offload --engine local --model "$SCRATCH/smol" --workload "trace:$TRACE"
-           --set workload.trace_tokens_per_block=4 --set workload.max_tokens=4
-           --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB --tiers cpu,disk
-           --against none)
+  ON_TRACE=(--engine local --model "$SCRATCH/smol" --workload "trace:$TRACE"
+            --set workload.trace_tokens_per_block=4 --set workload.max_tokens=4
+            --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB)
+  OFFLOAD=(bench offload "${ON_TRACE[@]}" --tiers cpu,disk --against none)
   # issue 30's percentile criterion: the trace replayed as whole conversations, SmolLM2's shape
   # in float32, at half load (the default arrival rate) and at a low one, each way twice
   CONVERSATIONS=(--set workload.trace_order=conversations --set model.dtype=float32 --repeat 2)
@@ -139,10 +139,7 @@ if [ -f "$TRACE" ]; then
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/raykv-spy .whl/py_spy-*.whl \
       && SPY=/tmp/raykv-spy/bin/py-spy
   fi
-  RUN_CONV=(run --engine local --model "$SCRATCH/smol" --workload "trace:$TRACE"
-            --num-requests 300 --set workload.trace_order=conversations
-            --set workload.trace_tokens_per_block=4 --set workload.max_tokens=4
-            --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB
+  RUN_CONV=(run "${ON_TRACE[@]}" --num-requests 300 --set workload.trace_order=conversations
             --set parallel.device=cuda --set model.dtype=float32)
   # (--nonblocking: py-spy reads the process without pausing it; a step that times out
   # loses its profile, so the limits are generous)
@@ -160,12 +157,10 @@ else
   echo "offload: not run (no trace at $TRACE)"
 fi
 
-if ! selected fanout; then
-  :
-elif "$PY" -c "import ray" 2>/dev/null; then
+if "$PY" -c "import ray" 2>/dev/null; then
   step fanout 120 "${RAYKV[@]}" bench step --engine ray --tp 2,4,8 --model none --repeat 5 \
     --json "$DIR/fanout.json"
-else
+elif selected fanout; then
   echo "fanout: not run (no ray here)"
 fi
 

@@ -35,7 +35,14 @@ def _way(report: dict[str, Any]) -> dict[str, Any]:
 
 # the parts of a step the comparison shows: where a tier's cost lands, if it has one
 STEP_PARTS = ("busy_step_s", "step_s", "model_s", "transfers_s")
-RATIO_KEYS = ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "generated_tokens_per_s")
+# each ratio, and the field of a way (``_way``) it divides
+RATIOS = {
+    "ttft_mean": "ttft_mean_s",
+    "ttft_p50": "ttft_p50_s",
+    "ttft_p90": "ttft_p90_s",
+    "ttft_p99": "ttft_p99_s",
+    "generated_tokens_per_s": "generated_tokens_per_s",
+}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -141,12 +148,7 @@ def _pooled_step_time(reports: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _ratios(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | None]:
-    return {
-        key: _ratio(on[f"{key}_s"], off[f"{key}_s"])
-        if key.startswith("ttft")
-        else _ratio(on[key], off[key])
-        for key in RATIO_KEYS
-    }
+    return {key: _ratio(on[field], off[field]) for key, field in RATIOS.items()}
 
 
 def repeat_ratios(
@@ -156,7 +158,7 @@ def repeat_ratios(
     scatter is the noise of one pair of runs on this machine, the yardstick for the pooled
     ratios' distance from 1."""
     pairs = [_ratios(_way(on), _way(off)) for on, off in zip(with_runs, without_runs, strict=True)]
-    return {key: [pair[key] for pair in pairs] for key in RATIO_KEYS}
+    return {key: [pair[key] for pair in pairs] for key in RATIOS}
 
 
 def compare_runs(

@@ -110,16 +110,13 @@ def _offload(
                 )
             label = way.replace("_", " ") + (f", repeat {repeat + 1}" if args.repeat > 1 else "")
             runs[way].append(execute_run(load_config(tree), args.engine, args.address, err, label))
-    with_tier, without_tier = (
-        pool_runs([run.as_dict() for run in runs[way]]) for way in ("with_tier", "without_tier")
-    )
+    reports = {way: [run.as_dict() for run in runs[way]] for way in runs}
+    with_tier, without_tier = pool_runs(reports["with_tier"]), pool_runs(reports["without_tier"])
     result = compare_runs(with_tier, without_tier, tiers)
     result["warm_up_requests"] = warm_up
     result["repeats"] = args.repeat
     if args.repeat > 1:
-        result["repeat_ratios"] = repeat_ratios(
-            *([run.as_dict() for run in runs[way]] for way in ("with_tier", "without_tier"))
-        )
+        result["repeat_ratios"] = repeat_ratios(reports["with_tier"], reports["without_tier"])
     console.print(format_comparison(result), highlight=False)
     if args.json:
         shape = {**result, "runs": {"with_tier": with_tier, "without_tier": without_tier}}

@@ -213,7 +213,7 @@ class EngineCore:
                 self.connector.carry_drops(plan.transfers)
             return []
         finished = self._update(sched, plan, reports)
-        self._timed(started, reports, sched.num_tokens)
+        self._timed(started, reports, bool(sched.scheduled))
         silent = self.scheduler.silent_ranks(plan.step, self.cfg.engine.rank_timeout_steps)
         if silent:
             self.recover(silent)
@@ -241,7 +241,7 @@ class EngineCore:
             self._drop(ahead)
             return []
         finished = self._update(current.sched, current.plan, reports, current.sampling)
-        self._timed(started, reports, current.sched.num_tokens)
+        self._timed(started, reports, bool(current.sched.scheduled))
         step = current.plan.step
         silent = self.scheduler.silent_ranks(step, self.cfg.engine.rank_timeout_steps)
         if silent:
@@ -261,10 +261,12 @@ class EngineCore:
     def _send(self, planned: PlannedStep) -> tuple[PlannedStep, StepHandle]:
         return planned, self.workers.submit(planned.plan)
 
-    def _timed(self, started: float, reports: list[StepReport], tokens: int) -> None:
+    def _timed(self, started: float, reports: list[StepReport], busy: bool) -> None:
+        """A step's wall time into the totals; ``busy``: it computed tokens (not one of
+        ``idle_steps``), so the crossover's prior counts it too."""
         seconds = time.perf_counter() - started
         self.totals.step_seconds += seconds
-        if tokens > 0:
+        if busy:
             self.totals.busy_step_seconds += seconds
             costs = self.connector.costs if self.connector is not None else None
             if costs is not None:
