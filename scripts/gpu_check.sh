@@ -10,6 +10,7 @@
 # Every step has a time limit of its own, so one that hangs costs its limit, not the lease.
 # STEPS="name ..." runs only the steps named (the names in ALL_STEPS below, each printed with
 # its verdict as it ends), for a short lease; an unknown name stops it before anything runs.
+# REPEATS=K: pairs of runs of each trace-as-conversations step (2).
 #
 # Packages the machine lacks (pydantic on the lent H200 image) are installed from .whl/ when it
 # is there: run scripts/fetch_gpu_wheels.sh first and carry .whl along.
@@ -17,8 +18,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ALL_STEPS=(gpu-tests transfer-cuda run-cpu run-cuda run-cuda-disk run-cuda-disk-faults checkpoint
            ttft-cuda-float32 ttft-cuda-bfloat16 transfer-disk offload-conv-half-cuda
-           offload-conv-half-cuda-cpu offload-conv-low-cuda offload-cuda offload-conv-half-cpu
-           profile-cuda-on profile-cuda-off fanout)
+           offload-conv-half-cuda-1io offload-conv-half-cuda-cpu offload-conv-low-cuda offload-cuda
+           offload-conv-half-cpu profile-cuda-on profile-cuda-off fanout)
 for name in ${STEPS:-}; do
   if [[ " ${ALL_STEPS[*]} " != *" $name "* ]]; then
     echo "STEPS: unknown step '$name' (one of: ${ALL_STEPS[*]})" >&2
@@ -89,8 +90,8 @@ step run-cuda-disk-faults 60 "${RAYKV[@]}" "${RUN[@]}" --set parallel.device=cud
 # TTFT on a real-sized model: a random checkpoint of SmolLM2-135M's shape (its GGUF is more than
 # a device run can carry; the timing depends on the shape, not on the weights' values)
 MODEL_STEPS=(ttft-cuda-float32 ttft-cuda-bfloat16 offload-cuda offload-conv-half-cuda
-             offload-conv-half-cuda-cpu offload-conv-low-cuda offload-conv-half-cpu profile-cuda-on
-             profile-cuda-off)
+             offload-conv-half-cuda-1io offload-conv-half-cuda-cpu offload-conv-low-cuda
+             offload-conv-half-cpu profile-cuda-on profile-cuda-off)
 selected "${MODEL_STEPS[@]}" checkpoint && STEPS="${STEPS:+$STEPS checkpoint}" \
   step checkpoint 120 "$PY" scripts/random_checkpoint.py "$SCRATCH/smol"
 for dtype in float32 bfloat16; do
@@ -112,11 +113,16 @@ if [ -f "$TRACE" ]; then
             --set offload.cpu_bytes=512MiB --set offload.disk.capacity=4GiB)
   OFFLOAD=(bench offload "${ON_TRACE[@]}" --tiers cpu,disk --against none)
   # issue 30's percentile criterion: the trace replayed as whole conversations, SmolLM2's shape
-  # in float32, at half load (the default arrival rate) and at a low one, each way twice
-  CONVERSATIONS=(--set workload.trace_order=conversations --set model.dtype=float32 --repeat 2)
+  # in float32, at half load (the default arrival rate) and at a low one, each way REPEATS times
+  CONVERSATIONS=(--set workload.trace_order=conversations --set model.dtype=float32
+                 --repeat "${REPEATS:-2}")
   step offload-conv-half-cuda 200 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
     --num-requests 300 --set parallel.device=cuda --disk-path "$SCRATCH/conv-half" \
     --json "$DIR/offload-conv-half-cuda.json"
+  # one disk I/O thread, not four: whether a cost above grows with the threads beside the model
+  step offload-conv-half-cuda-1io 200 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
+    --num-requests 300 --set parallel.device=cuda --set offload.disk.io_threads=1 \
+    --disk-path "$SCRATCH/conv-half-1io" --json "$DIR/offload-conv-half-cuda-1io.json"
   # the CPU tier alone against none: whether a cost above is the disk tier's
   step offload-conv-half-cuda-cpu 150 "${RAYKV[@]}" "${OFFLOAD[@]}" "${CONVERSATIONS[@]}" \
     --num-requests 300 --set parallel.device=cuda --tiers cpu \
@@ -206,7 +212,8 @@ for r in (load("transfer-disk") or {}).get("results", []):
 for dtype in ("float32", "bfloat16"):
     for r in (load(f"ttft-cuda-{dtype}") or {}).get("results", []):
         print(f"ttft cuda {dtype} {r}")
-for name in ("offload-cuda", "offload-conv-half-cuda", "offload-conv-half-cuda-cpu",
+for name in ("offload-cuda", "offload-conv-half-cuda", "offload-conv-half-cuda-1io",
+             "offload-conv-half-cuda-cpu",
              "offload-conv-low-cuda", "offload-conv-half-cpu"):
     offload = load(name)
     if offload is not None:
