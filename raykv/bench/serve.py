@@ -44,6 +44,7 @@ class RequestResult:
     error: str | None = None
     disk_tier_tokens: int = 0
     shared_tier_tokens: int = 0
+    run: int = 0  # which of a way's repeated runs (``--repeat``)
 
 
 @dataclass(slots=True)
@@ -59,6 +60,7 @@ class ServeBenchResult:
     errors: int
     wall_s: float
     replicas_used: int
+    run_ttft_means: list[float] = field(default_factory=list)  # each run's mean TTFT (pooled)
     requests_list: list[RequestResult] = field(default_factory=list, repr=False)
 
     @property
@@ -147,17 +149,69 @@ def summarize(router: str, results: list[RequestResult], wall_s: float) -> Serve
         "shared_tier": sum(r.shared_tier_tokens for r in ok),
     }
     prompt = sum(r.prompt_tokens for r in ok)
+    ttft = percentiles([r.ttft_s for r in ok if r.ttft_s is not None])
     return ServeBenchResult(
         router=router,
-        ttft_s=percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        ttft_s=ttft,
         output_tokens_per_s=sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
         prefill_tokens={**where, "computed": prompt - sum(where.values())},
         requests=len(results),
         errors=len(results) - len(ok),
         wall_s=wall_s,
         replicas_used=len({r.replica for r in ok}),
+        run_ttft_means=[ttft["mean"]],
         requests_list=results,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ServeWay:
+    """One way of serving the workload in a comparison: a router, with the shared tier on, off,
+    or as the config says (None)."""
+
+    router: str
+    shared: bool | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.router}+shared" if self.shared else self.router
+
+
+SHARED_CHOICES: dict[str, tuple[bool | None, ...]] = {
+    "config": (None,),
+    "on": (True,),
+    "off": (False,),
+    "both": (False, True),
+}
+
+
+def serve_ways(routers: Sequence[str], shared: str) -> list[ServeWay]:
+    """Every router, each with the shared tier as ``shared`` says (``SHARED_CHOICES``)."""
+    return [ServeWay(router, on) for router in routers for on in SHARED_CHOICES[shared]]
+
+
+def run_order(ways: Sequence[ServeWay], repeats: int) -> list[ServeWay]:
+    """The runs of a comparison: every way once a repeat, in order on even repeats and in reverse
+    on odd ones, so that no way always runs first or last on a machine whose speed drifts (two
+    runs of the same way moved the mean TTFT by a quarter here)."""
+    order: list[ServeWay] = []
+    for repeat in range(repeats):
+        order.extend(ways if repeat % 2 == 0 else reversed(ways))
+    return order
+
+
+def pool(label: str, runs: Sequence[ServeBenchResult]) -> ServeBenchResult:
+    """Several runs of one way as one: TTFT percentiles over all their requests, output tokens
+    per second of their summed wall time, where the prompt tokens came from as the runs' mean
+    (comparable with one run's and with the workload's bounds; each source rounded on its own),
+    requests, errors and wall time of them all, and each run's own mean TTFT (their scatter is
+    the noise of one run)."""
+    requests = [r for run in runs for r in run.requests_list]
+    pooled = summarize(label, requests, sum(run.wall_s for run in runs))
+    pooled.prefill_tokens = {k: round(v / len(runs)) for k, v in pooled.prefill_tokens.items()}
+    pooled.replicas_used = max(run.replicas_used for run in runs)
+    pooled.run_ttft_means = [run.ttft_s["mean"] for run in runs]
+    return pooled
 
 
 async def _one(client: Any, model: str, spec: RequestSpec) -> RequestResult:
@@ -280,7 +334,8 @@ def bench_router(
 
 
 def format_serve_table(results: Sequence[ServeBenchResult], title: str, affinity: int = 0) -> Any:
-    """A rich table, one row per router, and the ratios against pow2 when it ran."""
+    """A rich table, one row per router (and way), and the ratios against pow2 (with the shared
+    tier as the row has it) when it ran."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -301,9 +356,11 @@ def format_serve_table(results: Sequence[ServeBenchResult], title: str, affinity
         "errors",
     ):
         table.add_column(column, justify="left" if column == "router" else "right")
-    base = next((r for r in results if r.router == "pow2"), None)
+    by_label = {r.router: r for r in results}
     for r in results:
         ratio = ""
+        # against pow2 with the shared tier as this row has it
+        base = by_label.get("pow2+shared" if r.router.endswith("+shared") else "pow2")
         if base is not None and base.cached_tokens > 0:
             ratio = f"{r.cached_tokens / base.cached_tokens:.2f}x"
         t = r.ttft_s

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -31,6 +31,9 @@ from raykv.cli.common import (
 )
 from raykv.cli.run import execute_run, prepared_run
 from raykv.config import ConfigError, RaykvConfig, load_config
+
+if TYPE_CHECKING:
+    from raykv.bench.serve import ServeBenchResult, ServeWay
 
 
 def tier_list(text: str) -> list[str]:
@@ -254,15 +257,32 @@ def _ttft(
     return 0
 
 
+def _shared_config(args: argparse.Namespace, shared: bool | None) -> RaykvConfig:
+    """The run's config with the shared tier on or off (None: as --config and --set say)."""
+    if shared is None:
+        return load_real_model_config(args)
+    sets = [*(args.set or []), f"offload.shared.enabled={str(shared).lower()}"]
+    if shared:  # the shared tier sits below the CPU tier: without offloading it would not run
+        sets.append("offload.enabled=true")
+    return load_real_model_config(argparse.Namespace(**{**vars(args), "set": sets}))
+
+
 def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
-    from raykv.bench.serve import bench_router, format_serve_table, reuse_bounds
+    from raykv.bench.serve import (
+        bench_router,
+        format_serve_table,
+        pool,
+        reuse_bounds,
+        run_order,
+        serve_ways,
+    )
     from raykv.cluster.runtime import connect
     from raykv.runs.terminal import progress_bar
     from raykv.serve.app import ROUTERS, kv_layout, ray_resources, served_config
     from raykv.workload.requests import make_workload
 
     check_output("--json", args.json)
-    routers = [r.strip() for r in args.router.split(",") if r.strip()]
+    routers = list(dict.fromkeys(r.strip() for r in args.router.split(",") if r.strip()))
     for router in routers:
         if router not in ROUTERS:
             raise ConfigError(f"--router {router!r}: expected some of {', '.join(ROUTERS)}")
@@ -270,7 +290,9 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     if kind == "trace" and not Path(trace).is_file():  # before a model loads, not after
         raise ConfigError(f"--workload {args.workload}: no trace file at {trace!r}")
     args.set = [*(args.set or []), *workload_overrides(args.workload, args.num_requests)]
-    cfg = load_real_model_config(args)
+    ways = serve_ways(routers, args.shared)
+    configs = {shared: _shared_config(args, shared) for shared in {w.shared for w in ways}}
+    cfg = configs[ways[0].shared]
     check_device(cfg, "ray", args.address)
     served, _ = served_config(cfg)
     specs = make_workload(served)
@@ -280,22 +302,28 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     ray_handle = connect(args.address, num_cpus=cpus, num_gpus=gpus)
     # after Ray's own handlers: the finally blocks then take the replicas and shard files down
     interrupt_on_sigterm()
-    results = []
+    runs: dict[ServeWay, list[ServeBenchResult]] = {way: [] for way in ways}
     try:
-        for router in routers:
-            with progress_bar(err, len(specs), f"{router}: {len(specs)} requests") as advance:
+        for i, way in enumerate(run_order(ways, args.repeat)):
+            tag = way.label
+            if args.repeat > 1:
+                tag += f" (run {i // len(ways) + 1} of {args.repeat})"
+            with progress_bar(err, len(specs), f"{tag}: {len(specs)} requests") as advance:
                 result = bench_router(
-                    cfg,
-                    router,
+                    configs[way.shared],
+                    way.router,
                     args.replicas,
                     specs,
                     args.concurrency,
                     args.port,
                     on_done=lambda _: advance(1),
                 )
-            results.append(result)
+            result.router = way.label
+            for request in result.requests_list:  # which run, in --per-request's rows
+                request.run = len(runs[way])
+            runs[way].append(result)
             err.print(
-                f"{router}: TTFT mean {result.ttft_s['mean']:.3f} s, "
+                f"{tag}: TTFT mean {result.ttft_s['mean']:.3f} s, "
                 f"{result.cached_tokens:,} prompt tokens cached, {result.errors} errors",
                 highlight=False,
             )
@@ -308,11 +336,17 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
                 )
     finally:
         ray_handle.shutdown()
+    results = [pool(way.label, runs[way]) if args.repeat > 1 else runs[way][0] for way in ways]
     title = (
         f"raykv bench serve: {cfg.model.path}, {args.replicas} replicas, {args.workload} "
-        f"({len(specs)} requests, concurrency {args.concurrency})"
+        f"({len(specs)} requests, concurrency {args.concurrency}"
+        f"{f', {args.repeat} runs each, pooled' if args.repeat > 1 else ''})"
     )
     console.print(format_serve_table(results, title, bounds.affinity))
+    if args.repeat > 1:
+        for r in results:
+            means = ", ".join(f"{m:.3f}" for m in r.run_ttft_means)
+            console.print(f"{r.router}: each run's TTFT mean {means} s", highlight=False)
     console.print(
         f"what the workload allows (unbounded caches, in its order): {bounds.affinity:,} prompt "
         f"tokens reused with each request where most of its prompt is, {bounds.random:,} with "
@@ -326,6 +360,8 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
             "workload": args.workload,
             "num_requests": len(specs),
             "concurrency": args.concurrency,
+            "repeat": args.repeat,
+            "shared": args.shared,
             "reuse_bounds": {"affinity": bounds.affinity, "random": bounds.random},
             "results": [r.as_dict(with_requests=args.per_request) for r in results],
         }
@@ -490,6 +526,20 @@ def register(bench: Any) -> None:
     )
     bs.add_argument("--num-requests", type=positive_int, help="workload.num_requests")
     bs.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight")
+    bs.add_argument(
+        "--shared",
+        choices=["config", "on", "off", "both"],
+        default="config",
+        help="the shared tier (offload.shared.enabled) for every router: as the config says, "
+        "on, off, or both (each router once without it and once with it: ROUTER+shared)",
+    )
+    bs.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="run each router (and way) this many times, taking turns at going first; the "
+        "percentiles are over the requests of all of them, each run's mean is printed too",
+    )
     bs.add_argument("--port", type=int, default=8000, help="where the server listens")
     bs.add_argument(
         "--address", help="the Ray cluster to join; default: RAY_ADDRESS, else an embedded Ray"

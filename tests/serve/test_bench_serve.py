@@ -10,7 +10,19 @@ import pytest
 
 pytest.importorskip("openai")
 
-from raykv.bench.serve import bench_router, dependencies, reuse_bounds
+from raykv.bench.serve import (
+    RequestResult,
+    ServeBenchResult,
+    bench_router,
+    dependencies,
+    format_serve_table,
+    percentiles,
+    pool,
+    reuse_bounds,
+    run_order,
+    serve_ways,
+    summarize,
+)
 from raykv.config import load_config
 from raykv.serve.app import kv_layout
 from raykv.serve.kv_index import KVLayout
@@ -28,6 +40,43 @@ def test_a_turn_waits_for_the_turn_it_extends() -> None:
         RequestSpec("a3", (1, 2, 3, 4, 5, 6), 1, 0),
     ]
     assert dependencies(specs) == [None, None, 0, None, 2]
+
+
+def test_a_comparison_takes_turns_and_pools_each_way_over_its_runs() -> None:
+    ways = serve_ways(["kv", "pow2"], "both")
+    assert [w.label for w in ways] == ["kv", "kv+shared", "pow2", "pow2+shared"]
+    assert [w.label for w in serve_ways(["kv"], "config")] == ["kv"]
+    order = [w.label for w in run_order(ways, 3)]
+    # every way three times; the second repeat runs them backwards, so none is always first
+    assert order[:4] == order[8:] == ["kv", "kv+shared", "pow2", "pow2+shared"]
+    assert order[4:8] == ["pow2+shared", "pow2", "kv+shared", "kv"]
+
+    def run(ttfts: list[float], cached: int, wall: float) -> ServeBenchResult:
+        rows = [
+            RequestResult(f"r{i}", t, 4, 100, cached, 0, f"replica-{i % 2}")
+            for i, t in enumerate(ttfts)
+        ]
+        return summarize("kv", rows, wall)
+
+    first, second = run([0.1, 0.2, 0.3], 40, 2.0), run([0.5, 0.9], 10, 3.0)
+    pooled = pool("kv", [first, second])
+    assert pooled.ttft_s == percentiles([0.1, 0.2, 0.3, 0.5, 0.9])
+    assert pooled.run_ttft_means == [first.ttft_s["mean"], second.ttft_s["mean"]]
+    assert pooled.run_ttft_means[0] != pooled.run_ttft_means[1]
+    # prompt tokens per run: the mean of 3 x 40 and 2 x 10 GPU-cache tokens, of 500 and 500
+    assert pooled.prefill_tokens["gpu_cache"] == (120 + 20) / 2
+    assert pooled.prefill_tokens["computed"] == (300 - 120 + 200 - 20) / 2
+    assert (pooled.requests, pooled.errors, pooled.replicas_used) == (5, 0, 2)
+    assert pooled.output_tokens_per_s == 5 * 4 / 5.0
+
+    # each row's cached tokens read against pow2 with the shared tier as the row has it
+    rows = {label: run([0.1], cached, 1.0) for label, cached in
+            [("kv", 60), ("kv+shared", 90), ("pow2", 30), ("pow2+shared", 90)]}  # fmt: skip
+    for label, row in rows.items():
+        row.router = label
+    table = format_serve_table(list(rows.values()), "t")
+    against_pow2 = next(c for c in table.columns if c.header == "cached vs pow2")
+    assert list(against_pow2.cells) == ["2.00x", "1.00x", "1.00x", "1.00x"]
 
 
 def _conversations(turns: int, per_turn: int = 32) -> list[RequestSpec]:
