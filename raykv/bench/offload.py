@@ -35,13 +35,13 @@ def _way(report: dict[str, Any]) -> dict[str, Any]:
 
 # the parts of a step the comparison shows: where a tier's cost lands, if it has one
 STEP_PARTS = ("busy_step_s", "step_s", "model_s", "transfers_s")
-# each ratio, and the field of a way (``_way``) it divides
+# each ratio: the field of a way (``_way``) it divides, and its row in the table (name, unit)
 RATIOS = {
-    "ttft_mean": "ttft_mean_s",
-    "ttft_p50": "ttft_p50_s",
-    "ttft_p90": "ttft_p90_s",
-    "ttft_p99": "ttft_p99_s",
-    "generated_tokens_per_s": "generated_tokens_per_s",
+    "ttft_mean": ("ttft_mean_s", "TTFT mean", "s"),
+    "ttft_p50": ("ttft_p50_s", "TTFT p50", "s"),
+    "ttft_p90": ("ttft_p90_s", "TTFT p90", "s"),
+    "ttft_p99": ("ttft_p99_s", "TTFT p99", "s"),
+    "generated_tokens_per_s": ("generated_tokens_per_s", "generated tokens/s", ""),
 }
 
 
@@ -148,7 +148,7 @@ def _pooled_step_time(reports: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _ratios(on: dict[str, Any], off: dict[str, Any]) -> dict[str, float | None]:
-    return {key: _ratio(on[field], off[field]) for key, field in RATIOS.items()}
+    return {key: _ratio(on[field], off[field]) for key, (field, _, _) in RATIOS.items()}
 
 
 def repeat_ratios(
@@ -200,13 +200,6 @@ def _count(steps: float, idle: float | None) -> str:
 
 def format_comparison(result: dict[str, Any]) -> str:
     on, off, ratio = result["with_tier"], result["without_tier"], result["ratios"]
-    rows = [
-        ("TTFT mean", "ttft_mean_s", "ttft_mean", "s"),
-        ("TTFT p50", "ttft_p50_s", "ttft_p50", "s"),
-        ("TTFT p90", "ttft_p90_s", "ttft_p90", "s"),
-        ("TTFT p99", "ttft_p99_s", "ttft_p99", "s"),
-        ("generated tokens/s", "generated_tokens_per_s", "generated_tokens_per_s", ""),
-    ]
     spread = result.get("repeat_ratios")
     lines = [
         f"raykv bench offload: the same workload with tiers {'+'.join(result['tiers'])} "
@@ -215,7 +208,7 @@ def format_comparison(result: dict[str, Any]) -> str:
         f"{'':<22}{'with tier':>14}{'without':>14}{'with/without':>14}"
         + (f"{'each repeat':>24}" if spread else ""),
     ]
-    for name, key, ratio_key, unit in rows:
+    for ratio_key, (key, name, unit) in RATIOS.items():
         lines.append(
             f"{name:<22}{_cell(on[key], unit):>14}{_cell(off[key], unit):>14}"
             f"{_cell(ratio[ratio_key]):>14}"

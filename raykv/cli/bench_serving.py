@@ -336,7 +336,7 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
                 )
     finally:
         ray_handle.shutdown()
-    results = [pool(way.label, runs[way]) if args.repeat > 1 else runs[way][0] for way in ways]
+    results = [pool(way.label, runs[way]) for way in ways]  # one run pools as itself
     title = (
         f"raykv bench serve: {cfg.model.path}, {args.replicas} replicas, {args.workload} "
         f"({len(specs)} requests, concurrency {args.concurrency}"
