@@ -850,11 +850,10 @@ def test_issue28_6_no_tokenizer_says_the_tokenizer_files_are_missing(tmp_path, c
 @pytest.mark.parametrize(
     "file,text,culprit",
     [
-        # transformers checks every field of config.json (this one raykv does not read)
-        ("config.json", json.dumps({**LLAMA_CONFIG, "hidden_act": 5}), "'hidden_act'"),
+        ("tokenizer.json", "{nope", "Expecting property name"),
         ("tokenizer_config.json", "{nope", "tokenizer_config.json"),
     ],
-    ids=["config field transformers refuses", "tokenizer config not json"],
+    ids=["tokenizer not json", "tokenizer config not json"],
 )
 def test_issue28_6_a_tokenizer_that_cannot_load_says_why(
     tmp_path, capsys, chat_tokenizer_files, file, text, culprit
@@ -865,6 +864,19 @@ def test_issue28_6_a_tokenizer_that_cannot_load_says_why(
     assert main(argv) == 2
     line = _the_error_line(capsys)
     assert f"{model}: its tokenizer" in line and "cannot be loaded" in line and culprit in line
+
+
+def test_a_checkpoint_without_a_tensor_the_model_needs_names_it(
+    tmp_path, capsys, chat_tokenizer_files
+) -> None:
+    """Its config and tokenizer are whole (a config field raykv does not read is no fault:
+    the tokenizer is built from its own files), its weights lack the embedding."""
+    model = _chat_model_dir(tmp_path, chat_tokenizer_files)
+    (model / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "hidden_act": 5}))
+    argv = ["generate", "--model", str(model), "--prompt", "w3", "--max-tokens", "2"]
+    assert main(argv) == 2
+    line = _the_error_line(capsys)
+    assert f"{model}: the checkpoint has no tensor 'model.embed_tokens.weight'" in line
 
 
 def test_issue28_6_a_good_directory_still_configures(tmp_path, chat_tokenizer_files) -> None:

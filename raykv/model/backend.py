@@ -12,7 +12,7 @@ import torch
 from raykv.core.step import SAMPLE_FAILED, ModelEntry, ModelOutput, SamplingSpec, TokenLogprobs
 from raykv.model.decoder import AllReduce, Decoder, SequenceChunk
 from raykv.model.sampling import SamplingParams, sample_token
-from raykv.model.spec import ModelSpec
+from raykv.model.spec import ModelSpec, UnsupportedModel
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,19 @@ class LlmModel:
         """``cache_dir``: where a GGUF file's dequantized weights are kept (None: nowhere)."""
         spec, weights = load_weights(path, cache_dir)
         self.spec = spec
-        self.decoder = Decoder(
-            spec,
-            weights,
-            block_size,
-            _DTYPES[dtype],
-            device,
-            rank=rank,
-            tp_size=tp_size,
-            all_reduce=all_reduce,
-        )
+        try:
+            self.decoder = Decoder(
+                spec,
+                weights,
+                block_size,
+                _DTYPES[dtype],
+                device,
+                rank=rank,
+                tp_size=tp_size,
+                all_reduce=all_reduce,
+            )
+        except UnsupportedModel as exc:  # a tensor missing: name the checkpoint it is missing from
+            raise UnsupportedModel(f"{path}: {exc}") from None
 
     def step(self, kv: torch.Tensor, batch: list[ModelEntry]) -> ModelOutput:
         """Compute the batch; the sampled token of each sampling entry (0 for the others) and,

@@ -10,11 +10,13 @@ sliding window), so the pages the ranks allocate are the pages the model reads a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import numbers
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,22 @@ from raykv.model.spec import KVPlacement, ModelSpec, UnsupportedModel, eos_token
 log = logging.getLogger(__name__)
 
 _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file to name its cache entry
+
+
+def gguf_identity(path: Path) -> str:
+    """A name for the GGUF file ``path`` as it is now: from the file's place, size, modification
+    time and its first and last MiB (a rewrite within one clock tick still changes the header
+    or the last tensors), so what is cached of a changed file is made again; reading the whole
+    file would cost seconds per start for a large model."""
+    stat = path.stat()
+    identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    with path.open("rb") as file:
+        identity.update(file.read(_SAMPLE))
+        file.seek(max(0, stat.st_size - _SAMPLE))
+        identity.update(file.read(_SAMPLE))
+    return identity.hexdigest()[:16]
 
 
 def resolve(path: str) -> Path:
@@ -48,20 +66,48 @@ def config_file(path: Path) -> Path:
     return path / "config.json" if path.is_dir() else path
 
 
-def hf_config(path: Path) -> dict[str, Any]:
-    """``config.json``'s contents, or the same keys read from a GGUF file's metadata."""
+def hf_config(path: Path, cache_dir: str | Path | None = None) -> dict[str, Any]:
+    """``config.json``'s contents, or the same keys read from a GGUF file's metadata (kept in
+    ``cache_dir``, where given, for the next start)."""
     if path.is_dir():
         config = config_file(path)
         if not config.is_file():
             raise UnsupportedModel(f"{path}: no config.json")
         return read_json_object(config)
-    return gguf_config(read_gguf(path), path)
+    return cached_gguf_config(path, cache_dir)
 
 
-def read_spec(path: Path) -> ModelSpec:
+def read_spec(path: Path, cache_dir: str | Path | None = None) -> ModelSpec:
     """The model a checkpoint (a directory or a GGUF file) describes; every error names the
     file at fault and, where one is, the field."""
-    return ModelSpec.from_hf_config(hf_config(path), config_file(path))
+    return ModelSpec.from_hf_config(hf_config(path, cache_dir), config_file(path))
+
+
+def cached_gguf_config(path: Path, cache_dir: str | Path | None) -> dict[str, Any]:
+    """``gguf_config`` of the GGUF file ``path``, kept in ``cache_dir`` under the file's
+    identity (``gguf_identity``: a file changed or cut short is read again). Reading it means
+    parsing the whole metadata, the vocabulary's every string with it: 10 s for a 49k-token
+    one, at every start of every command, where the kept copy is a small JSON file."""
+    if cache_dir is None:
+        return gguf_config(read_gguf(path), path)
+    target = Path(cache_dir) / "configs" / f"{path.stem}-{gguf_identity(path)}.json"
+    try:
+        kept = json.loads(target.read_text(encoding="utf-8"))
+        if isinstance(kept, dict):
+            return kept
+    except (OSError, ValueError):
+        pass  # not kept yet, or damaged: read the file again
+    config = gguf_config(read_gguf(path), path)
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(config), encoding="utf-8")
+        os.replace(partial, target)  # whole or absent
+    except OSError as exc:
+        log.warning("cannot keep the GGUF file's config in %s (%s)", target.parent, exc)
+        with contextlib.suppress(OSError):
+            partial.unlink()
+    return config
 
 
 def read_json_object(file: Path) -> dict[str, Any]:
@@ -184,7 +230,7 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
     if cfg.model.path is None:
         raise ValueError("configure needs model.path")
     path = resolve(cfg.model.path)
-    spec = read_spec(path)
+    spec = read_spec(path, cfg.model.cache_dir)
     if path.is_dir():
         check_safetensors(path)  # a GGUF file's tensors were found whole by read_spec
     spec.check_tensor_parallel(cfg.parallel.tensor_parallel_size)

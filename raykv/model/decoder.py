@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from raykv.core.arith import cdiv
 from raykv.model.linear import Linear
 from raykv.model.rope import apply_rotary, inverse_frequencies, rotary
-from raykv.model.spec import KVPlacement, ModelSpec
+from raykv.model.spec import KVPlacement, ModelSpec, UnsupportedModel
 
 
 @dataclass(slots=True)
@@ -116,7 +116,7 @@ class Decoder:
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
-                raise KeyError(f"checkpoint has no tensor {name!r}")
+                raise UnsupportedModel(f"the checkpoint has no tensor {name!r}")
             tensor = weights[name]
             module, _, kind = name.rpartition(".")
             for suffix, (dim, part) in shards.items():

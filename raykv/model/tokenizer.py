@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from raykv.model.checkpoint import gguf_identity
 from raykv.model.spec import UnsupportedModel
-from raykv.model.weights import gguf_identity
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,6 @@ class Tokenizer:
     converted, in transformers' own format; None converts it on every start."""
 
     def __init__(self, path: str | Path, cache_dir: str | Path | None = None) -> None:
-        from transformers import AutoTokenizer
-
         file = Path(path)
         if file.is_file() and file.suffix == ".gguf":
             self._tok = _gguf_tokenizer(file, cache_dir)
@@ -36,7 +34,7 @@ class Tokenizer:
             if not present:  # transformers would guess a class from config.json
                 raise UnsupportedModel(missing_tokenizer(file))
             try:
-                self._tok = AutoTokenizer.from_pretrained(str(file))
+                self._tok = _directory_tokenizer(file)
             except Exception as exc:  # its own classes too: it checks all of config.json
                 raise UnsupportedModel(
                     f"{file}: its tokenizer ({', '.join(present)}) cannot be loaded: "
@@ -260,6 +258,30 @@ def _one_line(exc: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+# the class names of a tokenizer that is its tokenizer.json and nothing else: built from that
+# file by transformers' generic class, without the model registry AutoTokenizer imports and reads
+# first (seconds of every start of every process that loads a tokenizer: a served replica, its
+# ingress); a model's own class may change the pipeline, so any other name goes through it
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _directory_tokenizer(directory: Path) -> Any:
+    """transformers' tokenizer of a Hugging Face directory: its generic class where the
+    directory's tokenizer_config.json names that class and tokenizer.json is there, otherwise
+    ``AutoTokenizer``'s choice."""
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in _GENERIC_CLASSES and (directory / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
 def _gguf_tokenizer(file: Path, cache_dir: str | Path | None) -> Any:
     from transformers import AutoTokenizer
 
@@ -267,7 +289,7 @@ def _gguf_tokenizer(file: Path, cache_dir: str | Path | None) -> Any:
         return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     target = Path(cache_dir) / "tokenizers" / f"{file.stem}-{gguf_identity(file)}"
     if target.is_dir():
-        return AutoTokenizer.from_pretrained(str(target))
+        return _directory_tokenizer(target)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     try:

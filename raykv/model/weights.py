@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -20,17 +19,15 @@ from typing import Any
 from safetensors.torch import save_file
 
 from raykv.model.checkpoint import (
-    gguf_config,
+    cached_gguf_config,
+    gguf_identity,
     open_safetensors,
-    read_gguf,
     read_spec,
     safetensors_files,
 )
 from raykv.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-_SAMPLE = 1 << 20  # bytes read from each end of a GGUF file to name its cache entry
 
 
 class SafetensorsWeights(Mapping[str, Any]):
@@ -58,20 +55,6 @@ def load_hf_directory(path: str | Path) -> tuple[ModelSpec, Mapping[str, Any]]:
     """The model's description and its tensors (lazy) from a Hugging Face directory."""
     root = Path(path)
     return read_spec(root), SafetensorsWeights(safetensors_files(root))
-
-
-def gguf_identity(path: Path) -> str:
-    """A name for the GGUF file ``path`` as it is now: from the file's place, size, modification
-    time and its first and last MiB (a rewrite within one clock tick still changes the header
-    or the last tensors), so what is cached of a changed file is made again; reading the whole
-    file would cost seconds per start for a large model."""
-    stat = path.stat()
-    identity = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    with path.open("rb") as file:
-        identity.update(file.read(_SAMPLE))
-        file.seek(max(0, stat.st_size - _SAMPLE))
-        identity.update(file.read(_SAMPLE))
-    return identity.hexdigest()[:16]
 
 
 def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
@@ -119,7 +102,7 @@ def load_gguf_weights(
     # whole vocabulary (seconds per rank for a 49k-token one)
     config = _cached_config(target)
     if config is None:  # a cache entry made before configs were kept in it
-        config = gguf_config(read_gguf(path), path)
+        config = cached_gguf_config(path, cache_dir)
     return ModelSpec.from_hf_config(config, path), SafetensorsWeights([target])
 
 

@@ -238,6 +238,35 @@ def test_the_weights_cache_is_made_once_and_follows_the_file(
         assert torch.equal(cached[name][:], tensor), name
 
 
+def test_a_gguf_files_config_is_read_once_and_follows_the_file(
+    tmp_path: Path, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``configure`` (every command's start) keeps the config it read from the file's metadata;
+    the next start reads the kept copy, until the file changes."""
+    from raykv.config import load_config
+    from raykv.model.checkpoint import configure
+
+    path, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    write_gguf(path, model, Q.F32)
+    cfg = load_config(None, [f"model.path={path}", f"model.weights_cache_dir={cache}"])
+    _, spec, _ = configure(cfg)
+    assert spec.num_layers == model.config.num_hidden_layers
+    with monkeypatch.context() as m:
+
+        def refuse(*args: object) -> None:
+            raise AssertionError("the file's metadata was read again")
+
+        m.setattr(gguf, "GGUFReader", refuse)
+        _, again, _ = configure(cfg)
+        assert again == spec
+    other = hf_llama(seed=5)
+    other.config.num_hidden_layers = 1  # what the changed file says, from its own metadata
+    other.model.layers = other.model.layers[:1]
+    write_gguf(path, other, Q.F32)
+    _, changed, _ = configure(cfg)
+    assert changed.num_layers == 1
+
+
 def test_a_cache_entry_without_its_config_reads_the_config_from_the_file(
     tmp_path: Path, model: torch.nn.Module
 ) -> None:

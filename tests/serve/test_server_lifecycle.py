@@ -36,7 +36,9 @@ def test_stopping_the_server_leaves_no_rank_process_and_no_shard_file(
     server = Server(cfg, ServeOptions(port=PORT)).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        out = client.completions.create(model=tiny_chat_model.name, prompt="Hi", max_tokens=3)
+        out = client.completions.create(
+            model=tiny_chat_model.name, prompt="Hi", max_tokens=3, temperature=0
+        )
         assert out.usage.completion_tokens == 3
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME)
         pids = handle.rank_processes.remote().result(timeout_s=60)
