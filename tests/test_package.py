@@ -16,6 +16,15 @@ def test_import_raykv_imports_neither_ray_nor_torch() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
+def test_the_processes_that_hold_no_kv_import_no_torch() -> None:
+    """The scheduler actor's process, a served replica and its ingress load no torch (seconds of
+    every start, on every replica): torch is the ranks' (their tensors) and the model's."""
+    modules = ["raykv.cluster.engine_actor", "raykv.engine.core", "raykv.serve.replica"]
+    modules += ["raykv.serve.ingress", "raykv.model.tokenizer"]
+    code = f"import sys, {', '.join(modules)}; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
 def test_every_exported_name_resolves() -> None:
     from raykv.cluster.client import RaykvClient
     from raykv.config import load_config

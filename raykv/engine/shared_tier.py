@@ -6,20 +6,27 @@ engines and the scheduler's index of the store.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raykv.config import ConfigError, RaykvConfig
 from raykv.config.shared import EMBEDDED
 from raykv.core.kv_events import MEDIUM_SHARED, EventLog
 from raykv.engine.tier_namespace import namespace
 from raykv.offload.directory import Directory
-from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.disk_files import ChunkFormat
-from raykv.transfer.layout import KVLayout
 from raykv.transfer.segment_process import HeldSegment
-from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
 from raykv.transfer.shared_master import EmbeddedMaster
-from raykv.transfer.shared_store import SharedStoreError, StoreEndpoint, StoreIndex
+from raykv.transfer.shared_store import (
+    SharedStoreError,
+    SharedUnavailable,
+    StoreEndpoint,
+    StoreIndex,
+)
+
+if TYPE_CHECKING:  # torch's: the scheduler's process (plain Python) never imports it
+    from raykv.transfer.checksums import RowChecksums
+    from raykv.transfer.layout import KVLayout
+    from raykv.transfer.shared import SharedTransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +109,8 @@ def shared_engine(
     one starts without the store where it cannot join it (the store may be what failed)."""
     if not shared_enabled(cfg) or endpoint is None:
         return None
+    from raykv.transfer.shared import SharedTransferEngine  # torch's: the rank's process only
+
     return SharedTransferEngine(
         endpoint, namespace(cfg), rank, pool, layout, sums=sums, required=incarnation == 0
     )
