@@ -22,12 +22,12 @@ def run(*argv: str) -> str:
 
 
 def test_fuzz_short() -> None:
-    out = run(str(SCRIPTS / "fuzz.py"), "--steps", "3000", "--seed", "3", "--quiet")
+    out = run(str(SCRIPTS / "fuzz.py"), "--steps", "2000", "--seed", "3", "--quiet")
     assert "0 violations" in out and out.startswith("ok:")
 
 
 def test_fuzz_short_with_every_step_planned_ahead() -> None:
-    argv = ["--steps", "1500", "--seed", "5", "--quiet", "--async-scheduling", "on"]
+    argv = ["--steps", "1000", "--seed", "5", "--quiet", "--async-scheduling", "on"]
     out = run(str(SCRIPTS / "fuzz.py"), *argv)
     assert "0 violations" in out and out.startswith("ok:")
 
