@@ -134,8 +134,9 @@ class ModelConfig(_Strict):
             "RAYKV_WEIGHTS_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raykv")
         ),
         description="Where a GGUF checkpoint's dequantized weights (safetensors, with its "
-        "config) and its converted tokenizer are kept, so that a second start skips the "
-        "dequantization and the conversion ('' turns the cache off).",
+        "config), its config and its converted tokenizer are kept, so that a second start "
+        "skips the dequantization, the metadata's parsing and the conversion ('' turns the "
+        "cache off).",
     )
 
     @property

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _SAMPLE = 1 << 20  # bytes read from each end of a GGUF file to name its cache entry
+# in the name of a kept config: a raykv that reads more of the metadata reads the file again
+_KEPT_CONFIG_VERSION = 1
 
 
 def gguf_identity(path: Path) -> str:
@@ -90,7 +92,8 @@ def cached_gguf_config(path: Path, cache_dir: str | Path | None) -> dict[str, An
     one, at every start of every command, where the kept copy is a small JSON file."""
     if cache_dir is None:
         return gguf_config(read_gguf(path), path)
-    target = Path(cache_dir) / "configs" / f"{path.stem}-{gguf_identity(path)}.json"
+    name = f"{path.stem}-{gguf_identity(path)}-v{_KEPT_CONFIG_VERSION}.json"
+    target = Path(cache_dir) / "configs" / name
     try:
         kept = json.loads(target.read_text(encoding="utf-8"))
         if isinstance(kept, dict):

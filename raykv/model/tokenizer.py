@@ -35,7 +35,7 @@ class Tokenizer:
                 raise UnsupportedModel(missing_tokenizer(file))
             try:
                 self._tok = _directory_tokenizer(file)
-            except Exception as exc:  # its own classes too: it checks all of config.json
+            except Exception as exc:  # transformers' own, of every kind and class
                 raise UnsupportedModel(
                     f"{file}: its tokenizer ({', '.join(present)}) cannot be loaded: "
                     f"{_one_line(exc)}"
