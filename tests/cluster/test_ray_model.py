@@ -99,15 +99,14 @@ def test_smollm2_at_tp3_on_ray_answers_as_transformers_and_reloads_from_the_cpu_
     question = [{"role": "user", "content": "What is the capital of France?"}]
     filler = [{"role": "user", "content": "Count slowly from one to forty. " * 22}]
     prompts = [Prompt(messages=question), Prompt(messages=filler), Prompt(messages=question)]
-    answer = 8  # tokens: "The capital of France is Paris." is seven
-    cfg = prepare(load_config(None, overrides), prompts, answer).cfg
+    cfg = prepare(load_config(None, overrides), prompts, 12).cfg
     with RaykvClient.start(cfg) as client:
-        outputs = client.generate(prompts, answer, sequential=True, sampling=SamplingSpec())
+        outputs = client.generate(prompts, 12, sequential=True, sampling=SamplingSpec())
         report = client.report()
     tokenizer, theirs = smollm2_hf_tokenizer, smollm2_hf_model
     ids = outputs[0].prompt_token_ids
     with torch.no_grad():
-        want = theirs.generate(torch.tensor([ids]), max_new_tokens=answer, do_sample=False)
+        want = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert outputs[0].token_ids == want[0, len(ids) :].tolist()
     assert tokenizer.decode(outputs[0].token_ids).startswith("The capital of France is Paris.")
     assert outputs[2].token_ids == outputs[0].token_ids  # asked again: the same answer
