@@ -523,12 +523,18 @@ LLAMA_CONFIG = {
 }
 
 
-def _write_weights(path: Path) -> Path:
-    """A small valid safetensors file (configure reads its header, never its tensors)."""
+def _write_weights(path: Path, without: str | None = None) -> Path:
+    """A valid safetensors file with every tensor ``LLAMA_CONFIG``'s model reads (but
+    ``without``), each a one-element stand-in: configure reads the names in its header, and
+    no test here runs the model."""
     import numpy as np
     from safetensors.numpy import save_file
 
-    save_file({"model.norm.weight": np.ones(64, dtype=np.float32)}, str(path))
+    from raykv.model.spec import ModelSpec
+
+    names = ModelSpec.from_hf_config(LLAMA_CONFIG).required_tensors()
+    tensors = {name: np.ones(1, dtype=np.float32) for name in names if name != without}
+    save_file(tensors, str(path))
     return path
 
 
@@ -866,14 +872,21 @@ def test_issue28_6_a_tokenizer_that_cannot_load_says_why(
     assert f"{model}: its tokenizer" in line and "cannot be loaded" in line and culprit in line
 
 
+@pytest.mark.parametrize("engine", ["local", "ray"])
 def test_a_checkpoint_without_a_tensor_the_model_needs_names_it(
-    tmp_path, capsys, chat_tokenizer_files
+    tmp_path, capsys, chat_tokenizer_files, request, engine: str
 ) -> None:
     """Its config and tokenizer are whole (a config field raykv does not read is no fault:
-    the tokenizer is built from its own files), its weights lack the embedding."""
+    the tokenizer is built from its own files), its weights lack the embedding: refused before
+    any rank loads them (a rank actor's failure would reach the user as Ray's traceback)."""
+    if engine == "ray":
+        request.getfixturevalue("ray_session")
+        capsys.readouterr()  # what starting the session's Ray printed
     model = _chat_model_dir(tmp_path, chat_tokenizer_files)
     (model / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "hidden_act": 5}))
-    argv = ["generate", "--model", str(model), "--prompt", "w3", "--max-tokens", "2"]
+    _write_weights(model / "model.safetensors", without="model.embed_tokens.weight")
+    argv = ["generate", "--engine", engine, "--model", str(model), "--prompt", "w3"]
+    argv += ["--max-tokens", "2"]
     assert main(argv) == 2
     line = _the_error_line(capsys)
     assert f"{model}: the checkpoint has no tensor 'model.embed_tokens.weight'" in line

@@ -17,6 +17,7 @@ import logging
 import math
 import numbers
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 _GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _SAMPLE = 1 << 20  # bytes read from each end of a GGUF file to name its cache entry
-# in the name of a kept config: a raykv that reads more of the metadata reads the file again
-_KEPT_CONFIG_VERSION = 1
+# in the name of a kept config (and beside the config in a weights-cache entry): a raykv that
+# reads more of the metadata reads the file again
+KEPT_CONFIG_VERSION = 1
 
 
 def gguf_identity(path: Path) -> str:
@@ -89,27 +91,37 @@ def cached_gguf_config(path: Path, cache_dir: str | Path | None) -> dict[str, An
     """``gguf_config`` of the GGUF file ``path``, kept in ``cache_dir`` under the file's
     identity (``gguf_identity``: a file changed or cut short is read again). Reading it means
     parsing the whole metadata, the vocabulary's every string with it: 10 s for a 49k-token
-    one, at every start of every command, where the kept copy is a small JSON file."""
+    one, at every start of every command, where the kept copy is a small JSON file. A kept copy
+    that no longer describes a model is dropped and the file read again."""
     if cache_dir is None:
         return gguf_config(read_gguf(path), path)
-    name = f"{path.stem}-{gguf_identity(path)}-v{_KEPT_CONFIG_VERSION}.json"
+    name = f"{path.stem}-{gguf_identity(path)}-v{KEPT_CONFIG_VERSION}.json"
     target = Path(cache_dir) / "configs" / name
     try:
         kept = json.loads(target.read_text(encoding="utf-8"))
-        if isinstance(kept, dict):
-            return kept
-    except (OSError, ValueError):
-        pass  # not kept yet, or damaged: read the file again
+        ModelSpec.from_hf_config(kept, target)
+        return kept
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError, AttributeError):  # damaged, or edited by hand
+        with contextlib.suppress(OSError):
+            target.unlink()
     config = gguf_config(read_gguf(path), path)
-    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(config), encoding="utf-8")
-        os.replace(partial, target)  # whole or absent
+        # a name no other writer has (two nodes sharing the cache may share a pid), replaced
+        # whole onto the target
+        fd, partial = tempfile.mkstemp(prefix=f".{name}.", dir=target.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(config, out)
+            os.replace(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
     except OSError as exc:
         log.warning("cannot keep the GGUF file's config in %s (%s)", target.parent, exc)
-        with contextlib.suppress(OSError):
-            partial.unlink()
     return config
 
 
@@ -234,8 +246,6 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
         raise ValueError("configure needs model.path")
     path = resolve(cfg.model.path)
     spec = read_spec(path, cfg.model.cache_dir)
-    if path.is_dir():
-        check_safetensors(path)  # a GGUF file's tensors were found whole by read_spec
     spec.check_tensor_parallel(cfg.parallel.tensor_parallel_size)
     placement, kinds = KVPlacement.for_windows(spec.windows)
     groups = [
@@ -256,6 +266,8 @@ def configure(cfg: RaykvConfig) -> tuple[RaykvConfig, ModelSpec, Path]:
         }
     )
     cache = cfg.cache.model_copy(update={"groups": groups})
+    if path.is_dir():  # after its config files: each names its own fault first
+        check_safetensors(path, spec)  # a GGUF file's tensors were found whole by read_spec
     return cfg.model_copy(update={"model": model, "cache": cache}), spec, path
 
 
@@ -310,12 +322,16 @@ def open_safetensors(file: Path, framework: str = "numpy") -> Any:
         ) from None
 
 
-def check_safetensors(directory: Path) -> None:
-    """Refuse a directory without weights, or with a weight file that is not whole, before
-    any rank loads it: each file's header is read, no tensor."""
+def check_safetensors(directory: Path, spec: ModelSpec) -> None:
+    """Refuse a directory without weights, with a weight file that is not whole, or without a
+    tensor the model reads, before any rank loads it: each file's header is read, no tensor."""
+    present: set[str] = set()
     for file in safetensors_files(directory):
-        with open_safetensors(file):
-            pass
+        with open_safetensors(file) as weights:
+            present.update(weights.keys())
+    for name in spec.required_tensors():
+        if name not in present:
+            raise UnsupportedModel(f"{directory}: the checkpoint has no tensor {name!r}")
 
 
 def with_stop_tokens(cfg: RaykvConfig, token_ids: Iterable[int | None]) -> RaykvConfig:

@@ -64,6 +64,25 @@ class ModelSpec:
                     f"{count} {what}"
                 )
 
+    def required_tensors(self) -> list[str]:
+        """The names of the tensors the decoder reads from a checkpoint of this model (Hugging
+        Face's names; a GGUF file's are mapped to them), in the order it reads them."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.tie_embeddings:
+            names.append("lm_head.weight")
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+            if self.qk_norm:
+                names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+            projections = ("q_proj", "k_proj", "v_proj")
+            names += [f"{p}self_attn.{n}.weight" for n in projections]
+            if self.qkv_bias:
+                names += [f"{p}self_attn.{n}.bias" for n in projections]
+            names += [f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj")]
+            names += [f"{p}self_attn.o_proj.weight", f"{p}mlp.down_proj.weight"]
+        return names
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], source: object = None) -> ModelSpec:
         """Read a Hugging Face ``config.json`` (already parsed). Every field it uses is checked

@@ -261,19 +261,29 @@ def _one_line(exc: BaseException) -> str:
 # the class names of a tokenizer that is its tokenizer.json and nothing else: built from that
 # file by transformers' generic class, without the model registry AutoTokenizer imports and reads
 # first (seconds of every start of every process that loads a tokenizer: a served replica, its
-# ingress); a model's own class may change the pipeline, so any other name goes through it
+# ingress)
 _GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+# the model types whose generic tokenizer AutoTokenizer also builds as named (no config.json: a
+# GGUF file's converted tokenizer). Others it may build with a class of the model's own that
+# rewrites the pipeline (Qwen2's does, whatever the file names), so they go through it
+_GENERIC_MODEL_TYPES = frozenset({None, "llama", "mistral", "qwen3"})
 
 
 def _directory_tokenizer(directory: Path) -> Any:
-    """transformers' tokenizer of a Hugging Face directory: its generic class where the
-    directory's tokenizer_config.json names that class and tokenizer.json is there, otherwise
-    ``AutoTokenizer``'s choice."""
-    try:
-        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        named = None
-    if named in _GENERIC_CLASSES and (directory / "tokenizer.json").is_file():
+    """transformers' tokenizer of a Hugging Face directory: built by its generic class where
+    that is what ``AutoTokenizer`` would build (the file names that class, the model type keeps
+    it, no code or Mistral vocabulary of its own), otherwise ``AutoTokenizer``'s choice."""
+    named = _json_field(directory / "tokenizer_config.json", "tokenizer_class")
+    model_type = _json_field(directory / "config.json", "model_type")
+    generic = (
+        isinstance(named, str)
+        and named in _GENERIC_CLASSES
+        and model_type in _GENERIC_MODEL_TYPES
+        and (directory / "tokenizer.json").is_file()
+        and not (directory / "tekken.json").exists()
+        and _json_field(directory / "tokenizer_config.json", "auto_map") is None
+    )
+    if generic:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
@@ -282,15 +292,27 @@ def _directory_tokenizer(directory: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+def _json_field(file: Path, key: str) -> Any:
+    """``key`` of the JSON object in ``file``; None where the file, the object or the key is
+    missing or unreadable (transformers then says what is wrong with the file)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value.get(key) if isinstance(value, dict) else None
+
+
 def _gguf_tokenizer(file: Path, cache_dir: str | Path | None) -> Any:
+    target = None
+    if cache_dir:
+        target = Path(cache_dir) / "tokenizers" / f"{file.stem}-{gguf_identity(file)}"
+        if target.is_dir():
+            return _directory_tokenizer(target)
     from transformers import AutoTokenizer
 
-    if not cache_dir:
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    target = Path(cache_dir) / "tokenizers" / f"{file.stem}-{gguf_identity(file)}"
-    if target.is_dir():
-        return _directory_tokenizer(target)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    if target is None:
+        return tokenizer
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
     try:
         tokenizer.save_pretrained(str(partial))

@@ -19,6 +19,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from raykv.model.checkpoint import (
+    KEPT_CONFIG_VERSION,
     cached_gguf_config,
     gguf_identity,
     open_safetensors,
@@ -64,9 +65,13 @@ def cached_gguf_path(path: Path, cache_dir: str | Path) -> Path:
 
 
 def _cached_config(target: Path) -> dict[str, Any] | None:
+    """The config kept in a weights-cache entry, or None where it has none of this raykv's
+    (``KEPT_CONFIG_VERSION``): the driver and the ranks read the same version of it."""
     with open_safetensors(target) as file:
         metadata = file.metadata() or {}
-    return json.loads(metadata["config"]) if "config" in metadata else None
+    if "config" not in metadata or metadata.get("config_version") != str(KEPT_CONFIG_VERSION):
+        return None
+    return json.loads(metadata["config"])
 
 
 def load_gguf_weights(
@@ -88,7 +93,11 @@ def load_gguf_weights(
             if not target.is_file():
                 spec, weights, config = load_gguf(path)
                 partial = target.with_suffix(f".partial-{os.getpid()}")
-                metadata = {"source": str(path), "config": json.dumps(config)}
+                metadata = {
+                    "source": str(path),
+                    "config": json.dumps(config),
+                    "config_version": str(KEPT_CONFIG_VERSION),
+                }
                 save_file(dict(weights), str(partial), metadata=metadata)
                 os.replace(partial, target)  # whole or absent, never half written
                 return spec, weights
@@ -101,7 +110,7 @@ def load_gguf_weights(
     # the config kept beside the tensors: reading it from the GGUF file again means parsing its
     # whole vocabulary (seconds per rank for a 49k-token one)
     config = _cached_config(target)
-    if config is None:  # a cache entry made before configs were kept in it
+    if config is None:  # an entry made before configs (or this version of them) were kept in it
         config = cached_gguf_config(path, cache_dir)
     return ModelSpec.from_hf_config(config, path), SafetensorsWeights([target])
 

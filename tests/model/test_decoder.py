@@ -112,6 +112,29 @@ def test_token_by_token_decoding_matches_transformers(tmp_path: Path, name: str)
     assert (ours - theirs).abs().max().item() < TOLERANCE
 
 
+class _Reads(dict):
+    """The checkpoint's tensors, noting the name of each one read."""
+
+    def __init__(self, weights) -> None:
+        super().__init__(weights)
+        self.read: list[str] = []
+
+    def __getitem__(self, name: str):
+        self.read.append(name)
+        return super().__getitem__(name)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_tensors_a_spec_requires_are_those_the_decoder_reads(tmp_path: Path, name: str) -> None:
+    """``ModelSpec.required_tensors`` is what a checkpoint is checked for before any rank
+    loads it: it must name every tensor the decoder reads, and nothing it does not."""
+    path, _ = checkpoint(tmp_path, name)
+    spec, weights = load_hf_directory(path)
+    reads = _Reads(weights)
+    Decoder(spec, reads, BLOCK)
+    assert reads.read == spec.required_tensors()
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_chunked_prefill_and_a_batch_of_requests_match_transformers(
     tmp_path: Path, name: str
