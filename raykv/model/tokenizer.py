@@ -273,15 +273,16 @@ def _directory_tokenizer(directory: Path) -> Any:
     """transformers' tokenizer of a Hugging Face directory: built by its generic class where
     that is what ``AutoTokenizer`` would build (the file names that class, the model type keeps
     it, no code or Mistral vocabulary of its own), otherwise ``AutoTokenizer``'s choice."""
-    named = _json_field(directory / "tokenizer_config.json", "tokenizer_class")
-    model_type = _json_field(directory / "config.json", "model_type")
+    settings = _json_object(directory / "tokenizer_config.json")
+    named = settings.get("tokenizer_class")
+    model_type = _json_object(directory / "config.json").get("model_type")
     generic = (
         isinstance(named, str)
         and named in _GENERIC_CLASSES
         and model_type in _GENERIC_MODEL_TYPES
         and (directory / "tokenizer.json").is_file()
         and not (directory / "tekken.json").exists()
-        and _json_field(directory / "tokenizer_config.json", "auto_map") is None
+        and settings.get("auto_map") is None
     )
     if generic:
         from transformers import PreTrainedTokenizerFast
@@ -292,14 +293,14 @@ def _directory_tokenizer(directory: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def _json_field(file: Path, key: str) -> Any:
-    """``key`` of the JSON object in ``file``; None where the file, the object or the key is
-    missing or unreadable (transformers then says what is wrong with the file)."""
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in ``file``; empty where the file is missing, unreadable or holds
+    something else (transformers then says what is wrong with it)."""
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    return value.get(key) if isinstance(value, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _gguf_tokenizer(file: Path, cache_dir: str | Path | None) -> Any:
