@@ -27,6 +27,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # any config reads its default)
 _WEIGHTS_CACHE = tempfile.mkdtemp(prefix="raykv-test-weights-")
 os.environ["RAYKV_WEIGHTS_CACHE"] = _WEIGHTS_CACHE
+# the cluster's secret that seals the shared tier's parts, for the engines that join the
+# session's master (an external one to them); every process this session starts inherits it
+os.environ["RAYKV_SHARED_SECRET"] = os.urandom(24).hex()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

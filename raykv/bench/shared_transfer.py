@@ -26,6 +26,7 @@ import numpy as np
 from raykv.bench.transfer import best_pair
 from raykv.core.keys import make_key
 from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.seal import new_secret
 from raykv.transfer.segment_process import HeldSegment
 from raykv.transfer.shared_master import EmbeddedMaster
 from raykv.transfer.shared_store import SharedChunks, SharedStoreError, StoreEndpoint
@@ -54,7 +55,12 @@ def _bench_page(
     slots = list(range(chunks))
     nbytes = chunks * fmt.data_bytes
     store = SharedChunks(
-        StoreEndpoint(master), f"raykv-bench-{kib}", 0, fmt, pool.ctypes.data, chunks
+        StoreEndpoint(master, secret=new_secret()),
+        f"raykv-bench-{kib}",
+        0,
+        fmt,
+        pool.ctypes.data,
+        chunks,
     )
 
     def put() -> None:

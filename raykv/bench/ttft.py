@@ -146,16 +146,20 @@ def with_disk_tier(cfg: RaykvConfig, path: str, lengths: list[int], repeat: int)
     return load_config(tree)  # checked: a path that cannot hold files is refused by name
 
 
-def with_shared_tier(cfg: RaykvConfig, master: str, lengths: list[int], repeat: int) -> RaykvConfig:
-    """``cfg`` with a shared tier on the store at ``master``, its segment large enough for every
-    prompt the bench sends."""
+def with_shared_tier(
+    cfg: RaykvConfig, master: str, secret_file: str, lengths: list[int], repeat: int
+) -> RaykvConfig:
+    """``cfg`` with a shared tier on the store at ``master`` (its parts sealed with the secret
+    in ``secret_file``), its segment large enough for every prompt the bench sends."""
     from raykv.engine.shared_tier import object_bytes
 
     tokens_per_chunk = cfg.cache.block_size * cfg.offload.blocks_per_chunk
     chunks = sum(-(-n // tokens_per_chunk) for n in lengths) * (repeat + 1) + 16
     segment = chunks * object_bytes(cfg) * len(cfg.cache.groups) * 2 + (64 << 20)
     tree = cfg.model_dump(mode="json")
-    tree["offload"]["shared"].update(enabled=True, master=master, segment=segment)
+    tree["offload"]["shared"].update(
+        enabled=True, master=master, segment=segment, secret_file=secret_file
+    )
     return load_config(tree)
 
 

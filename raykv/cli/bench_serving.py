@@ -165,13 +165,21 @@ def _shared_ttft_config(
     if args.engine != "local":
         Console(stderr=True).print("shared_tier_s: with --engine local only so far (skipped)")
         return None
-    address = _bench_master("shared_tier_s", cleanup)
-    return None if address is None else with_shared_tier(cfg, address, lengths, args.repeat)
+    joined = _bench_master("shared_tier_s", cleanup)
+    if joined is None:
+        return None
+    address, secret_file = joined
+    return with_shared_tier(cfg, address, secret_file, lengths, args.repeat)
 
 
-def _bench_master(what: str, cleanup: ExitStack) -> str | None:
-    """A Mooncake master of the bench's own, stopped with ``cleanup``: its address, or None
+def _bench_master(what: str, cleanup: ExitStack) -> tuple[str, str] | None:
+    """A Mooncake master of the bench's own and a cluster secret for it (in a file only this
+    user reads), both gone with ``cleanup``: its address and the secret's file, or None
     (``what`` said skipped on stderr, with why) where the store cannot start here."""
+    import os
+    import tempfile
+
+    from raykv.transfer.seal import new_secret
     from raykv.transfer.shared_master import EmbeddedMaster
     from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
 
@@ -187,7 +195,11 @@ def _bench_master(what: str, cleanup: ExitStack) -> str | None:
         err.print(f"{what}: skipped ({exc})")
         return None
     cleanup.callback(master.stop)
-    return address
+    fd, secret_file = tempfile.mkstemp(prefix="raykv-bench-secret-")  # 0600
+    with os.fdopen(fd, "w") as fh:
+        fh.write(new_secret().hex())
+    cleanup.callback(os.unlink, secret_file)
+    return address, secret_file
 
 
 def _ttft(
@@ -392,9 +404,9 @@ def _cmd_bench_route_weights(args: argparse.Namespace, console: Console) -> int:
                 cleanup.callback(shutil.rmtree, where, True)
             cfg = with_disk_tier(cfg, where, lengths, args.repeat)
         if not args.no_shared:
-            address = _bench_master("shared_hit_cost", cleanup)
-            if address is not None:
-                cfg = with_shared_tier(cfg, address, lengths, args.repeat)
+            joined = _bench_master("shared_hit_cost", cleanup)
+            if joined is not None:
+                cfg = with_shared_tier(cfg, *joined, lengths, args.repeat)
         return _route_weights(args, console, cfg)
 
 

@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raykv.cluster.runtime import NAMESPACE
 from raykv.config import RaykvConfig
-from raykv.config.shared import EMBEDDED
+from raykv.config.shared import EMBEDDED, cluster_secret
 from raykv.engine.tier_namespace import namespace
 from raykv.transfer.shared_store import (
     SharedStoreError,
@@ -54,13 +54,17 @@ WATCH_S = 1.0  # how often the master's actor looks at its process, a store acto
 
 class SharedMaster:
     """An embedded ``mooncake_master`` for the cluster, on this actor's node (it dies with the
-    actor's process). One that dies is started again on the same port within ``WATCH_S``, a
-    new ``generation`` (it knows no object the old one held: reads of those fail and are
-    recomputed, and the store actors mount their segments on it again)."""
+    actor's process), and the secret that seals its parts (made here, for as long as the actor
+    lives: only the processes of this Ray cluster ask it). One that dies is started again on
+    the same port within ``WATCH_S``, a new ``generation`` (it knows no object the old one
+    held: reads of those fail and are recomputed, and the store actors mount their segments on
+    it again)."""
 
     def __init__(self) -> None:
+        from raykv.transfer.seal import new_secret
         from raykv.transfer.shared_master import EmbeddedMaster
 
+        self._secret = new_secret()
         self.master = EmbeddedMaster(host=ray.util.get_node_ip_address())
         self.master.start()
         self._generation = 0
@@ -85,6 +89,10 @@ class SharedMaster:
 
     def address(self) -> str:
         return self.master.address
+
+    def joining(self) -> tuple[str, bytes]:
+        """Where clients join, and the secret that seals the parts."""
+        return self.master.address, self._secret
 
     def generation(self) -> int:
         """How many times it was started again."""
@@ -176,15 +184,16 @@ def _named(cls: type, name: str, **options: Any) -> Any:
     )
 
 
-def master_address(cfg: RaykvConfig) -> str:
-    """``offload.shared.master``, or the embedded master's address (started where none runs)."""
+def master_address(cfg: RaykvConfig) -> tuple[str, bytes]:
+    """``offload.shared.master`` and the cluster's secret as this process has it, or the
+    embedded master's address and secret (started where none runs)."""
     configured = cfg.offload.shared.master
     if configured != EMBEDDED:
-        return configured
+        return configured, cluster_secret(cfg.offload.shared)
     # "DEFAULT": outside any placement group, so that it never goes with the replica (or run)
     # that happened to make it
     master = _named(SharedMaster, MASTER_NAME, scheduling_strategy="DEFAULT").remote()
-    return ray.get(master.address.remote(), timeout=JOIN_TIMEOUT_S)
+    return ray.get(master.joining.remote(), timeout=JOIN_TIMEOUT_S)
 
 
 def node_store(cfg: RaykvConfig, endpoint: StoreEndpoint, node_id: str) -> Any:
@@ -228,7 +237,8 @@ def join_shared_store(cfg: RaykvConfig, with_segment: bool = True) -> StoreEndpo
         return None
     s = cfg.offload.shared
     try:
-        endpoint = StoreEndpoint.of(s, master_address(cfg), ray.util.get_node_ip_address())
+        address, secret = master_address(cfg)
+        endpoint = StoreEndpoint.of(s, address, secret, ray.util.get_node_ip_address())
         if with_segment and s.mount:
             node_store(cfg, endpoint, ray.get_runtime_context().get_node_id())
     except (SharedStoreError, ray.exceptions.RayError) as exc:

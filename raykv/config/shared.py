@@ -3,13 +3,21 @@ its master is, how much DRAM this node gives the pool, and how chunks reach it."
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from raykv.config.base import ByteSize, _Strict
+from raykv.config.base import ByteSize, ConfigError, _Strict
+
+log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
+SECRET_ENV = "RAYKV_SHARED_SECRET"  # the cluster's secret, where no secret_file names one
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 4096
 
 
 def check_address(value: str) -> str:
@@ -65,6 +73,8 @@ class SharedTierConfig(_Strict):
     timeout_s: float = Field(
         default=5.0,
         gt=0,
+        le=600,
+        allow_inf_nan=False,
         description="Seconds an engine waits for the master to answer when it joins the store "
         "(a master nothing answers for is refused by name; Mooncake's own calls then fail "
         "after its timeouts, seconds each, and the tier pauses).",
@@ -76,7 +86,90 @@ class SharedTierConfig(_Strict):
         "master unreachable), before it is tried again.",
     )
 
+    secret_file: str | None = Field(
+        default=None,
+        description="A file holding the cluster's secret (at least 16 bytes, on every node of "
+        "ranks, readable by raykv's processes only). Every part put into the store is sealed "
+        "with it, and a part whose seal does not check is never loaded: only holders of the "
+        "secret write parts that load. Needed with a master at host:port unless the "
+        f"environment variable {SECRET_ENV} holds the secret in every raykv process; an "
+        "embedded master makes a secret of its own for the run.",
+    )
+
     @field_validator("master")
     @classmethod
     def _master(cls, value: str) -> str:
         return check_address(value)
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret_file(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = absolute_path(value)
+        read_secret(path)  # readable here, and a secret
+        return path
+
+    @model_validator(mode="after")
+    def _secret_given(self) -> SharedTierConfig:
+        if (
+            self.enabled
+            and self.master != EMBEDDED
+            and self.secret_file is None
+            and not os.environ.get(SECRET_ENV)
+        ):
+            raise ValueError(
+                "secret_file: a master at host:port needs the cluster's secret: name a file "
+                f"holding it, or set {SECRET_ENV} in every raykv process"
+            )
+        return self
+
+
+def absolute_path(value: str) -> str:
+    """``value`` with ``~`` expanded, made absolute; ``ValueError`` where ``~user`` names
+    nobody (expanduser leaves it as it is: a directory of that name in the working
+    directory)."""
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise ValueError(f"{value!r}: no such user's home directory")
+    return os.path.abspath(expanded)
+
+
+def read_secret(path: str) -> bytes:
+    """The secret in the file at ``path`` (trailing whitespace dropped); ``ValueError`` saying
+    why it cannot be one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{path!r}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path!r} is not a regular file")
+        if info.st_size > MAX_SECRET_BYTES:
+            raise ValueError(f"{path!r} holds {info.st_size} bytes, a secret at most 4096")
+        secret = os.read(fd, MAX_SECRET_BYTES).rstrip()
+    finally:
+        os.close(fd)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path!r} holds {len(secret)} bytes, a secret at least 16")
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("the shared tier's secret file %s can be read by others (chmod 600)", path)
+    return secret
+
+
+def cluster_secret(shared: SharedTierConfig) -> bytes:
+    """The cluster's secret as this process has it: ``offload.shared.secret_file``, else the
+    environment variable; ``ConfigError`` naming the key where neither gives one."""
+    if shared.secret_file is not None:
+        try:
+            return read_secret(shared.secret_file)
+        except ValueError as exc:
+            raise ConfigError(f"offload.shared.secret_file: {exc}") from None
+    secret = os.environ.get(SECRET_ENV, "").encode().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"offload.shared.secret_file: not set, and {SECRET_ENV} holds no secret of 16 bytes "
+            "or more in this process"
+        )
+    return secret

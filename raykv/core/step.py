@@ -316,6 +316,8 @@ class TransferStats(msgspec.Struct, array_like=True):
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0
     disk_corrupt: int = 0  # chunk files that failed their checks (torn, changed, missing)
+    # names of chunks that were no regular file (a FIFO, a link, a directory): taken away
+    disk_special: int = 0
     # the shared tier (Mooncake Store), per direction: publishes out, promotions in
     shared_write_chunks: int = 0
     shared_write_bytes: int = 0

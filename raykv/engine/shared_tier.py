@@ -9,11 +9,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from raykv.config import ConfigError, RaykvConfig
-from raykv.config.shared import EMBEDDED
+from raykv.config.shared import EMBEDDED, cluster_secret
 from raykv.core.kv_events import MEDIUM_SHARED, EventLog
-from raykv.engine.tier_namespace import namespace
+from raykv.engine.tier_namespace import chunk_identity, namespace
 from raykv.offload.directory import Directory
 from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.seal import new_secret
 from raykv.transfer.segment_process import HeldSegment
 from raykv.transfer.shared_master import EmbeddedMaster
 from raykv.transfer.shared_store import (
@@ -48,17 +49,18 @@ def object_bytes(cfg: RaykvConfig) -> int:
 
 
 class SharedRuntime:
-    """The store an engine in one process uses: its master (started where ``embedded``), a
-    segment of a child process's DRAM for the pool, and the scheduler's index of the store.
-    ``endpoint``: where the ranks join."""
+    """The store an engine in one process uses: its master (started where ``embedded``, with a
+    secret of its own for the run), a segment of a child process's DRAM for the pool, and the
+    scheduler's index of the store. ``endpoint``: where the ranks join."""
 
     def __init__(self, cfg: RaykvConfig) -> None:
         s = cfg.offload.shared
         self.master = EmbeddedMaster() if s.master == EMBEDDED else None
         self.holder: HeldSegment | None = None
+        secret = new_secret() if self.master is not None else cluster_secret(s)
         try:
             address = self.master.start() if self.master is not None else s.master
-            self.endpoint = StoreEndpoint.of(s, address)
+            self.endpoint = StoreEndpoint.of(s, address, secret)
             if s.mount:
                 self.holder = HeldSegment(self.endpoint, s.segment)
                 self.holder.start()
@@ -112,7 +114,14 @@ def shared_engine(
     from raykv.transfer.shared import SharedTransferEngine  # torch's: the rank's process only
 
     return SharedTransferEngine(
-        endpoint, namespace(cfg), rank, pool, layout, sums=sums, required=incarnation == 0
+        endpoint,
+        namespace(cfg),
+        rank,
+        pool,
+        layout,
+        sums=sums,
+        required=incarnation == 0,
+        identity=chunk_identity(cfg, rank),
     )
 
 

@@ -16,11 +16,17 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from functools import lru_cache
 from typing import Any
 
-from raykv.config import RaykvConfig
-from raykv.transfer.disk_files import FORMAT_VERSION
+from raykv.config import ConfigError, RaykvConfig
+from raykv.transfer.disk_files import (
+    FORMAT_VERSION,
+    NAMESPACE_BYTES,
+    ChunkIdentity,
+    make_private_dirs,
+)
 
 
 def namespace_parts(cfg: RaykvConfig) -> dict[str, Any]:
@@ -50,14 +56,29 @@ def namespace_parts(cfg: RaykvConfig) -> dict[str, Any]:
     }
 
 
+def _digest(parts: dict[str, Any]) -> bytes:
+    return hashlib.blake2b(
+        json.dumps(parts, sort_keys=True).encode(), digest_size=NAMESPACE_BYTES
+    ).digest()
+
+
+def namespace_digest(cfg: RaykvConfig) -> bytes:
+    """The digest of ``namespace_parts``: what every chunk's header carries."""
+    return _digest(namespace_parts(cfg))
+
+
 def namespace(cfg: RaykvConfig) -> str:
-    """The namespace's directory name: a readable label and a digest of ``namespace_parts``."""
+    """The namespace's directory name: a readable label and (the start of) its digest."""
     parts = namespace_parts(cfg)
-    digest = hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=10)
     model = parts["model"].get("checkpoint", "synthetic")
     label = re.sub(r"[^A-Za-z0-9._-]+", "-", str(model))[:48]
     tp = parts["tensor_parallel_size"]
-    return f"{label}-{parts['dtype']}-tp{tp}-{digest.hexdigest()}"
+    return f"{label}-{parts['dtype']}-tp{tp}-{_digest(parts)[:10].hex()}"
+
+
+def chunk_identity(cfg: RaykvConfig, rank: int) -> ChunkIdentity:
+    """What ``rank``'s part of every chunk of this run is (its headers say it on every tier)."""
+    return ChunkIdentity(namespace_digest(cfg), rank, cfg.parallel.tensor_parallel_size)
 
 
 def disk_rank_root(cfg: RaykvConfig, rank: int) -> str:
@@ -69,14 +90,22 @@ def disk_rank_root(cfg: RaykvConfig, rank: int) -> str:
 
 
 def describe(cfg: RaykvConfig) -> None:
-    """Write ``namespace.json`` beside the ranks' directories (what the name stands for)."""
+    """Write ``namespace.json`` beside the ranks' directories (what the name stands for), the
+    directories made this user's only; ``ConfigError`` naming ``offload.disk.path`` where they
+    cannot be made."""
     root = os.path.dirname(disk_rank_root(cfg, 0))
-    os.makedirs(root, exist_ok=True)
     target = os.path.join(root, "namespace.json")
-    tmp = f"{target}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(namespace_parts(cfg), fh, indent=2, sort_keys=True)
-    os.replace(tmp, target)
+    try:
+        make_private_dirs(root)
+        fd, tmp = tempfile.mkstemp(prefix=".namespace.", suffix=".tmp", dir=root)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(namespace_parts(cfg), fh, indent=2, sort_keys=True)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise ConfigError(
+            f"offload.disk.path: cannot use {cfg.offload.disk.path!r}: "
+            f"{exc.strerror or exc} ({exc.filename or root})"
+        ) from None
 
 
 @lru_cache(maxsize=8)

@@ -21,7 +21,7 @@ from raykv.engine.disk_tier import disk_slots
 from raykv.engine.rank_runner import ModelBackend, RankRunner
 from raykv.engine.ranks import RankFailed, StepHandle, run_now
 from raykv.engine.shared_tier import SharedRuntime, shared_enabled, shared_engine
-from raykv.engine.tier_namespace import describe, disk_rank_root
+from raykv.engine.tier_namespace import chunk_identity, describe, disk_rank_root
 from raykv.faults import (
     FaultyBackend,
     FaultyRank,
@@ -118,6 +118,7 @@ def disk_engine(
         max_free_files=max(64, disk_slots(cfg) // 16),
         # a rank replacing a dead one takes its directory once its process has exited
         claim_wait_s=PREDECESSOR_EXIT_S if incarnation else 0.0,
+        identity=chunk_identity(cfg, rank),
     )
 
 

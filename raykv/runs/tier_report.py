@@ -5,9 +5,10 @@
 (``skipped_slower``) and loaded anyway to keep measuring (``probes``), capacity and use.
 ``disk``: the same for the disk tier, its bytes and GB/s those of the I/O threads (reads are
 promotions into the CPU tier, writes demotions out of it), the chunks moved and the moves that
-failed, files found corrupt, the times the disk was full, what a warm start found, and whether
-the I/O ran with ``O_DIRECT``. ``later_than_recompute``: requests whose hit from that tier gave
-a first token later than the scheduler predicted recomputing would have.
+failed, files found corrupt, names of chunks that were no regular file, the times the disk was full,
+what a warm start found, and whether the I/O ran with ``O_DIRECT``. ``later_than_recompute``:
+requests whose hit from that tier gave a first token later than the scheduler predicted recomputing
+would have.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def tier_report(
         "demoted_chunks": m.demoted,
         "demotions_failed": m.demotions_failed,
         "corrupt": m.corrupt,
+        # names of chunks that were no regular file (a FIFO, a link, a directory), taken away
+        "special_files": t.disk_special,
         "full_events": m.full_events,
         "unavailable_events": m.unavailable_events,
         "evictions": k.evictions,

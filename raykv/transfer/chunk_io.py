@@ -8,14 +8,21 @@ header and every page's checksum before the bytes count, deletes a file that fai
 ``SourceCorrupt``; a demotion whose CPU bytes no longer match the checksums their store recorded
 raises it too and writes nothing. ``DiskFull`` is a write that found no room. The disk engine
 (``transfer/disk.py``) runs these on its I/O threads.
+
+Only regular files are ever read or written over: every open refuses a link (``O_NOFOLLOW``)
+and never waits for a peer (``O_NONBLOCK``: a FIFO put in a file's place would otherwise hold
+an I/O thread in ``open`` for good), then ``fstat`` must say a regular file. Anything else
+under a chunk's name is never served, and is taken away (``RankDirectory.remove``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
+import stat
 import threading
 
 import torch
@@ -31,6 +38,38 @@ class SourceCorrupt(Exception):
 
 class DiskFull(Exception):
     """The disk had no room for a chunk's file."""
+
+
+# never through a link, never waiting for a FIFO's other end
+SAFE_OPEN = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+def open_regular(path: str, flags: int) -> int:
+    """A descriptor of the regular file at ``path`` (opened with ``flags`` and the safe ones);
+    ``ChunkFileError`` where something else is there (a link, a FIFO, a device, a directory,
+    a socket); ``FileNotFoundError`` where nothing is. ``O_DIRECT`` in ``flags`` is set once
+    the file is known to be regular (a FIFO opened with it fails with a bare EINVAL)."""
+    direct = flags & getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, (flags & ~direct) | SAFE_OPEN)
+    except OSError as exc:
+        # a link (ELOOP), a FIFO nobody reads (ENXIO), a directory (EISDIR), a socket
+        # (ENXIO/EOPNOTSUPP), a device that refuses
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP):
+            raise ChunkFileError(f"not a regular file ({exc.strerror})") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ChunkFileError(f"not a regular file (mode {stat.filemode(mode)})")
+    # blocking I/O for the reads and writes of a regular file, O_DIRECT where asked
+    try:
+        status = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (status & ~os.O_NONBLOCK) | direct)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 class ChunkIO:
@@ -94,12 +133,21 @@ class ChunkIO:
         # either way renamed into place only once complete
         tmp = self.files.take_free()
         try:
+            fd = -1
             if tmp is not None:
                 self.files.subdirectory(key)  # the rename's destination
-                fd = os.open(tmp, os.O_WRONLY | self._open_flags)
-            else:
+                try:
+                    fd = open_regular(tmp, os.O_WRONLY | self._open_flags)
+                except (ChunkFileError, FileNotFoundError):
+                    self.files.discard(tmp)  # replaced behind raykv's back: not written over
+                    tmp = None
+            if tmp is None:
                 tmp = self.files.temporary(key)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags, 0o600)
+                fd = os.open(
+                    tmp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags | SAFE_OPEN,
+                    0o600,
+                )
             try:
                 if whole is None:
                     parts = [header, data] + ([self._pad] if self._pad else [])
@@ -116,7 +164,7 @@ class ChunkIO:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, self.files.path(key))
+            self.files.place(tmp, key)
             if self.fsync:
                 self._sync_dir(os.path.dirname(tmp))
         except OSError as exc:
@@ -135,9 +183,12 @@ class ChunkIO:
         data = memoryview(self._slots[slot])
         header, whole = self._buffers()
         try:
-            fd = os.open(path, os.O_RDONLY | self._open_flags)
+            fd = open_regular(path, os.O_RDONLY | self._open_flags)
         except FileNotFoundError:
             raise SourceCorrupt(f"the file of key {key:#x} is gone") from None
+        except ChunkFileError as exc:
+            self.files.take_away(key)
+            raise SourceCorrupt(f"the file of key {key:#x}: {exc}") from None
         try:
             size = os.fstat(fd).st_size
             if size != fmt.file_bytes:

@@ -13,21 +13,88 @@ tier had no room), ``corrupt`` (the source was bad: the key leaves the tier it w
 CPU slots, which must not be reused for a while). A finished job is reported by the non-blocking
 :meth:`ChunkJobEngine.poll`; the step never waits on the tier but to flush a job the scheduler
 abandoned.
+
+The threads are daemon threads of the engine's own (``IOThreads``), and a shutdown waits for them
+at most ``SHUTDOWN_WAIT_S``: a tier that hangs a system call (a file system that stops
+answering) costs a rank its I/O threads, never its recovery or its process's exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from raykv.core.step import TierMove, TransferStats
 
+log = logging.getLogger(__name__)
+
 # worse ones rank higher
 OUTCOMES = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3, "unsettled": 4}
 WRITE_NICENESS = 19  # how far below the process's priority a write's thread runs (clamped at 19)
+SHUTDOWN_WAIT_S = 30.0  # the longest a shutdown waits for the I/O threads to finish
+
+
+class IOThreads:
+    """``count`` daemon threads (started with the first call) that run submitted calls in
+    order. Unlike an executor's, they never hold up the process's exit, and ``stop`` never
+    waits without a bound."""
+
+    def __init__(
+        self, count: int, name: str, initializer: Callable[[], None] | None = None
+    ) -> None:
+        self.count = count
+        self.name = name
+        self._initializer = initializer
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, call: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._threads:
+                self._threads = [
+                    threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True)
+                    for i in range(self.count)
+                ]
+                for thread in self._threads:
+                    thread.start()
+        self._queue.put(call)
+
+    def _work(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            call()
+
+    def stop(self, cancel: bool) -> list[threading.Thread]:
+        """Have the threads end once what is queued ran (``cancel``: dropped, never run); the
+        threads, for ``join``."""
+        if cancel:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self._queue.get_nowait()
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        return threads
+
+
+def join(threads: list[threading.Thread], deadline: float) -> int:
+    """Wait for ``threads`` until ``deadline`` (``time.monotonic``) at most: how many still
+    run then."""
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sum(thread.is_alive() for thread in threads)
 
 
 def worse(a: str, b: str) -> str:
@@ -61,10 +128,8 @@ class ChunkJobEngine:
         self._full: list[int] = []
         self._unsettled: list[int] = []
         self._stats = TransferStats()
-        self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix=f"raykv-{self.name}-read")
-        self._writes = ThreadPoolExecutor(
-            io_threads, thread_name_prefix=f"raykv-{self.name}-write", initializer=lower_priority
-        )
+        self._reads = IOThreads(io_threads, f"raykv-{self.name}-read")
+        self._writes = IOThreads(io_threads, f"raykv-{self.name}-write", lower_priority)
         self._closed = False
 
     # ---------------------------------------------------------------- what subclasses do
@@ -101,10 +166,16 @@ class ChunkJobEngine:
         pairs = list(zip(keys, move.cpu_slots, strict=True))
         runs = min(self.io_threads, len(pairs))
         job.left = runs
-        pool = self._reads if move.promote else self._writes
+        threads = self._reads if move.promote else self._writes
         for i in range(runs):
-            future: Future[str] = pool.submit(self._run, move, pairs[i::runs])
-            future.add_done_callback(lambda f, job=job: self._run_done(job, f))
+            threads.submit(lambda run=pairs[i::runs]: self._run_done(job, self._guarded(move, run)))
+
+    def _guarded(self, move: TierMove, run: list[tuple[int, int]]) -> str:
+        try:
+            return self._run(move, run)
+        except Exception as exc:  # a run that raised fails its job, never the thread
+            log.warning("%s job %d: %s: %s", self.name, move.job_id, type(exc).__name__, exc)
+            return "failed"
 
     def poll(self) -> tuple[list[int], list[int]]:
         """``(completed, failed)`` job ids finished since the last poll; never blocks."""
@@ -164,18 +235,29 @@ class ChunkJobEngine:
         with self._cond:
             return len(self._jobs)
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout_s: float = SHUTDOWN_WAIT_S) -> int:
         """Stop the I/O threads; ``wait``: finish every queued chunk first (else queued chunks
-        are dropped and their jobs never reported: what a crash leaves). Either way it returns
-        once no thread touches the pool or the tier any more."""
+        are dropped and their jobs never reported: what a crash leaves). Returns once no thread
+        touches the pool or the tier any more, or after ``timeout_s`` with the threads still
+        running a chunk left behind (a system call the tier never answers; said in the log):
+        how many were left."""
         with self._cond:
             if self._closed:
-                return
+                return 0
             self._closed = True
             self._cond.notify_all()
-        self._reads.shutdown(wait=True, cancel_futures=not wait)
-        self._writes.shutdown(wait=True, cancel_futures=not wait)
+        threads = self._reads.stop(not wait) + self._writes.stop(not wait)
+        stuck = join(threads, time.monotonic() + timeout_s)
+        if stuck:
+            log.warning(
+                "the %s tier: %d I/O threads still in a system call after %.0f s are left "
+                "behind (their jobs are never reported)",
+                self.name,
+                stuck,
+                timeout_s,
+            )
         self._close()
+        return stuck
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -186,10 +268,7 @@ class ChunkJobEngine:
             for name, value in fields.items():
                 setattr(s, name, getattr(s, name) + value)
 
-    def _run_done(self, job: _Job, future: Future[str]) -> None:
-        if future.cancelled():
-            return  # shut down without waiting: the job is never reported
-        outcome = "failed" if future.exception() is not None else future.result()
+    def _run_done(self, job: _Job, outcome: str) -> None:
         with self._cond:
             job.outcome = worse(outcome, job.outcome)
             job.left -= 1

@@ -30,12 +30,14 @@ import time
 import torch
 
 from raykv.config import ConfigError
-from raykv.core.step import TierMove
+from raykv.core.step import TierMove, TransferStats
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.chunk_io import ChunkIO, DiskFull, SourceCorrupt
 from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
 from raykv.transfer.disk_files import (
+    ANONYMOUS,
     ChunkFormat,
+    ChunkIdentity,
     RankDirectory,
     claim_directory,
     probe_direct_io,
@@ -63,7 +65,8 @@ class DiskTransferEngine(ChunkJobEngine):
     (and the rename before the job is reported), so a power loss keeps every chunk reported
     stored; without it a crash of the machine (not of raykv) may lose recent chunks, never serve
     a torn one. ``sums``: the CPU pool's row checksums (``offload.verify``). ``max_free_files``:
-    evicted chunks' files kept to be written over."""
+    evicted chunks' files kept to be written over. ``identity``: what this rank's parts are
+    (namespace, rank, TP size), written into every file and checked on every read."""
 
     name = "disk"
 
@@ -79,6 +82,7 @@ class DiskTransferEngine(ChunkJobEngine):
         sums: RowChecksums | None = None,
         max_free_files: int = 256,
         claim_wait_s: float = 0.0,
+        identity: ChunkIdentity = ANONYMOUS,
     ) -> None:
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
@@ -98,9 +102,10 @@ class DiskTransferEngine(ChunkJobEngine):
                 "(set auto or off)"
             )
         self.io_mode = "direct" if direct else "buffered"
-        self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
+        self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk, identity)
         self.layout = layout
         self.chunks = ChunkIO(self.files, self.format, pool, direct, fsync, sums)
+        self._special_said = 0  # special files already in a report
         # promotions at the process's priority, demotions at the lowest (measured: a trace
         # whose CPU tier demoted 3 GB ran its requests without a tier hit 3% slower than
         # without the disk tier when they ran at the same priority; on the trace as whole
@@ -120,6 +125,13 @@ class DiskTransferEngine(ChunkJobEngine):
                 swept,
             )
         return keys
+
+    def take_stats(self) -> TransferStats:
+        special = self.files.special_files
+        if special != self._special_said:
+            self._add_stats(disk_special=special - self._special_said)
+            self._special_said = special
+        return super().take_stats()
 
     def drop(self, keys: list[int]) -> None:
         """Give up these keys' files now (evicted: kept to be written over by a later chunk;

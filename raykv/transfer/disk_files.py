@@ -9,9 +9,12 @@ only files whose bytes mean the same to it.
 
 One file::
 
-    header (a multiple of 4 KiB; one block holds it up to 1,000 pages a chunk)
+    header (a multiple of 4 KiB; one block holds it up to 998 pages a chunk)
         magic "RAYKVDSK", format version, header size, the key (16 bytes), page bytes, pages,
-        the CRC-32 of every page, the CRC-32 of the header itself
+        what the bytes are (``ChunkIdentity``: the namespace's digest, the rank, the TP size),
+        the CRC-32 of every page, a seal (32 bytes: a keyed hash of all of it and the pages
+        where the tier has a secret, the shared tier's; zeros on disk), the CRC-32 of the
+        header itself
     the chunk's pages, back to back, then zeros up to the next 4 KiB
 
 Every size is a multiple of 4 KiB so the same file can be read and written with ``O_DIRECT``. A
@@ -21,9 +24,14 @@ processes no longer running are swept when a rank indexes its directory. An evic
 is not deleted but moved to ``free/`` and written over by a later chunk (then renamed into place
 as a new one is): making a file costs about a millisecond of the kernel's time on ext4, measured
 here, more than writing 700 KB, and a full tier evicts one file for each it writes. A file in
-``free/`` is never read as a chunk; the list is bounded, the rest deleted. A read checks the
-size, the header (its checksum, the key, the sizes) and every page's CRC-32 before the bytes
-count: a file torn, truncated, rewritten or replaced behind raykv's back is never served.
+``free/`` is never read as a chunk; the list is bounded, the rest deleted. Only regular files
+are indexed, recycled or written over: a link, a FIFO, a device, a socket or a directory under a
+chunk's name (something raykv never makes) is counted, logged once and taken away, never
+opened as a chunk. A read checks the
+size, the header (its checksum, the key, the sizes, the namespace, rank and TP size it was
+written for) and every page's CRC-32 before the bytes count: a file torn, truncated, rewritten,
+or replaced behind raykv's back (by another rank's file of the key, or another namespace's of
+the same geometry) is never served.
 
 No torch here: what the engine writes and reads are buffers.
 """
@@ -33,10 +41,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import logging
 import mmap
 import os
 import re
 import secrets
+import shutil
+import stat
 import struct
 import threading
 import time
@@ -46,15 +57,21 @@ from dataclasses import dataclass
 from raykv.transfer.crc import crc32
 from raykv.transfer.pool_files import process_alive
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header names the namespace, rank and TP size, and has a seal
 MAGIC = b"RAYKVDSK"
 ALIGN = 4096  # O_DIRECT's alignment on every file system raykv meets (and a page)
-# magic, version, header bytes, key (two u64 halves: keys are up to 72 bits), page bytes, pages
-_FIXED = struct.Struct("<8sIIQQQI")
+NAMESPACE_BYTES = 16
+SEAL_BYTES = 32
+NO_SEAL = bytes(SEAL_BYTES)
+# magic, version, header bytes, key (two u64 halves: keys are up to 72 bits), page bytes, pages,
+# namespace digest, rank, TP size
+_FIXED = struct.Struct(f"<8sIIQQQI{NAMESPACE_BYTES}sII")
 _SUFFIX = ".kv"
 _TMP_RE = re.compile(r"^\.(?P<key>[0-9a-f]+)\.(?P<pid>\d+)\.(?P<n>[0-9a-f]+-\d+)\.tmp$")
 _NAME_RE = re.compile(r"^(?P<key>[0-9a-f]+)\.kv$")
 FREE_DIR = "free"  # evicted chunks' files, written over by later chunks
+
+log = logging.getLogger(__name__)
 
 
 class ChunkFileError(ValueError):
@@ -66,30 +83,57 @@ def align_up(n: int, to: int = ALIGN) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkIdentity:
+    """What a rank's part of a chunk is, besides its key: the digest of the namespace it was
+    computed under (model, dtype, layout, block and chunk sizes, TP size, device,
+    ``engine/tier_namespace.py``), the rank whose heads it holds and the TP size. A part is
+    served only to the same namespace, rank and TP size."""
+
+    namespace: bytes = bytes(NAMESPACE_BYTES)
+    rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != NAMESPACE_BYTES:
+            raise ValueError(f"a namespace digest of {len(self.namespace)} bytes")
+        if not 0 <= self.rank < self.tp_size:
+            raise ValueError(f"rank {self.rank} of a TP size of {self.tp_size}")
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkFormat:
-    """The geometry of one rank's chunk files: ``pages`` pages of ``page_bytes`` each."""
+    """The geometry of one rank's chunk files (``pages`` pages of ``page_bytes`` each) and what
+    its parts are (``identity``)."""
 
     page_bytes: int
     pages: int
+    identity: ChunkIdentity = ChunkIdentity()
 
     @property
     def data_bytes(self) -> int:
         return self.page_bytes * self.pages
 
     @property
+    def sealed_bytes(self) -> int:
+        """The header's bytes a seal covers (with the pages): all but the seal and the CRC."""
+        return _FIXED.size + 4 * self.pages
+
+    @property
     def header_bytes(self) -> int:
-        return align_up(_FIXED.size + 4 * self.pages + 4)
+        return align_up(self.sealed_bytes + SEAL_BYTES + 4)
 
     @property
     def file_bytes(self) -> int:
         """The whole file: header, pages and the padding to 4 KiB."""
         return self.header_bytes + align_up(self.data_bytes)
 
-    def header(self, key: int, crcs: list[int]) -> bytes:
-        """The header of ``key``'s file whose pages have these CRC-32s (padded to its size)."""
+    def sealed_part(self, key: int, crcs: list[int]) -> bytes:
+        """The part of ``key``'s header a seal covers: what the chunk is and its pages'
+        CRC-32s."""
         if len(crcs) != self.pages:
             raise ValueError(f"{len(crcs)} page checksums for a chunk of {self.pages} pages")
-        body = _FIXED.pack(
+        who = self.identity
+        return _FIXED.pack(
             MAGIC,
             FORMAT_VERSION,
             self.header_bytes,
@@ -97,33 +141,65 @@ class ChunkFormat:
             key >> 64,
             self.page_bytes,
             self.pages,
+            who.namespace,
+            who.rank,
+            who.tp_size,
         ) + struct.pack(f"<{self.pages}I", *crcs)
+
+    def header(self, key: int, crcs: list[int], seal: bytes = NO_SEAL) -> bytes:
+        """The header of ``key``'s file whose pages have these CRC-32s, with ``seal`` (padded
+        to its size)."""
+        return self.header_of(self.sealed_part(key, crcs), seal)
+
+    def header_of(self, sealed: bytes, seal: bytes = NO_SEAL) -> bytes:
+        """The whole header from its sealed part (``sealed_part``) and its seal."""
+        if len(seal) != SEAL_BYTES:
+            raise ValueError(f"a seal of {len(seal)} bytes")
+        body = sealed + seal
         body += struct.pack("<I", crc32(body))
         return body.ljust(self.header_bytes, b"\0")
 
     def parse_header(self, key: int, header: bytes | memoryview) -> list[int]:
         """The page CRC-32s a header of ``key``'s file records; ``ChunkFileError`` naming what
-        is wrong when it is not this geometry's header of that key, or not intact."""
+        is wrong when it is not intact, or not this geometry's header of that key for this
+        identity (another rank's part, another namespace's or TP size's)."""
         header = bytes(header[: self.header_bytes])
         if len(header) < self.header_bytes:
             raise ChunkFileError(f"header of {len(header)} bytes, {self.header_bytes} expected")
-        magic, version, size, low, high, page_bytes, pages = _FIXED.unpack_from(header)
-        if magic != MAGIC:
+        if header[:8] != MAGIC:
             raise ChunkFileError("not a raykv chunk file (bad magic)")
+        (version,) = struct.unpack_from("<I", header, 8)
         if version != FORMAT_VERSION:
             raise ChunkFileError(f"format version {version}, this raykv reads {FORMAT_VERSION}")
+        _, _, size, low, high, page_bytes, pages, space, rank, tp_size = _FIXED.unpack_from(header)
         if (size, page_bytes, pages) != (self.header_bytes, self.page_bytes, self.pages):
             raise ChunkFileError(
                 f"a chunk of {pages} pages of {page_bytes} bytes (header {size}), "
                 f"{self.pages} of {self.page_bytes} (header {self.header_bytes}) expected"
             )
-        end = _FIXED.size + 4 * pages
+        end = self.sealed_bytes + SEAL_BYTES
         (recorded,) = struct.unpack_from("<I", header, end)
         if crc32(header[:end]) != recorded:
             raise ChunkFileError("header checksum mismatch")
         if (high << 64) | low != key:
             raise ChunkFileError(f"holds key {(high << 64) | low:#x}, not {key:#x}")
+        who = self.identity
+        if space != who.namespace:
+            raise ChunkFileError(
+                f"written under namespace {space.hex()}, not {who.namespace.hex()}"
+            )
+        if (rank, tp_size) != (who.rank, who.tp_size):
+            raise ChunkFileError(
+                f"rank {rank}'s part at TP {tp_size}, not rank {who.rank}'s at TP {who.tp_size}"
+            )
         return list(struct.unpack_from(f"<{pages}I", header, _FIXED.size))
+
+    def seal_of(self, header: bytes | memoryview) -> bytes:
+        """The seal a header carries."""
+        return bytes(header[self.sealed_bytes : self.sealed_bytes + SEAL_BYTES])
+
+
+ANONYMOUS = ChunkIdentity()  # a part of no namespace (benches, tests of the format)
 
 
 class RankDirectory:
@@ -146,6 +222,8 @@ class RankDirectory:
         # subdirectories known to exist: made on a key's first write, not all 256 up front (a
         # small tier, or a test's many engines, would pay for 256 directories each)
         self._made: set[str] = set()
+        self.special_files = 0  # names of chunks found to be no regular file (taken away)
+        self._said_special = False
 
     def path(self, key: int) -> str:
         name = f"{key:018x}"
@@ -164,19 +242,23 @@ class RankDirectory:
         sub = f"{key:018x}"[-4:-2]
         path = os.path.join(self.root, sub)
         if sub not in self._made:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, mode=0o700, exist_ok=True)
             self._made.add(sub)
         return path
 
     def make(self) -> None:
-        """Create the directory and ``free/`` (where missing); the 256 subdirectories come
-        with their first files."""
-        os.makedirs(self.free_dir, exist_ok=True)
+        """Create the directory and ``free/`` (where missing, only this user's); the 256
+        subdirectories come with their first files."""
+        os.makedirs(self.free_dir, mode=0o700, exist_ok=True)
 
     def recycle(self, key: int) -> None:
         """Move ``key``'s file to the free list (deleted when the list is full or the file is
-        gone already)."""
+        gone already; something that is no regular file is taken away, never kept)."""
         path = self.path(key)
+        if not _regular(path):
+            if os.path.lexists(path):
+                self._special(path)
+            return
         with self._free_lock:
             full = len(self._free) >= self.max_free
         spare = (
@@ -197,23 +279,70 @@ class RankDirectory:
         with self._free_lock:
             return self._free.pop() if self._free else None
 
-    def _adopt_free(self) -> None:
-        """The free files an earlier run left, taken up to ``max_free`` (the rest deleted)."""
+    def discard(self, path: str) -> None:
+        """Take away ``path`` (a free file found replaced by something else)."""
+        self._special(path)
+
+    def take_away(self, key: int) -> None:
+        """Take away what is under ``key``'s name and found to be no regular file."""
+        self._special(self.path(key))
+
+    def place(self, tmp: str, key: int) -> None:
+        """Rename the finished file ``tmp`` into ``key``'s place; something that is no regular
+        file there (a directory a rename cannot replace) is taken away first."""
+        target = self.path(key)
         try:
-            names = sorted(os.listdir(self.free_dir))
+            os.rename(tmp, target)
+        except OSError as exc:
+            if _regular(target) or not os.path.lexists(target):
+                raise
+            self._special(target)
+            if os.path.lexists(target):
+                raise OSError(exc.errno, f"{target!r} is no regular file and stays") from None
+            os.rename(tmp, target)
+
+    def _adopt_free(self) -> None:
+        """The free files an earlier run left, taken up to ``max_free`` (the rest deleted;
+        anything not a regular file taken away)."""
+        try:
+            entries = sorted(os.scandir(self.free_dir), key=lambda e: e.name)
         except FileNotFoundError:
             return
         with self._free_lock:
             known = set(self._free)
-            for name in names:
-                path = os.path.join(self.free_dir, name)
+            for entry in entries:
+                path = entry.path
                 if path in known:
                     continue
-                if len(self._free) < self.max_free:
+                if not entry.is_file(follow_symlinks=False):
+                    self._special(path)
+                elif len(self._free) < self.max_free:
                     self._free.append(path)
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
+
+    def _special(self, path: str) -> None:
+        """Take away what is no regular file at ``path`` (counted; logged the first time): a
+        name unlinked, a directory removed with what it holds (it sits under a chunk's name in
+        a directory only this user can write: nothing raykv made, nothing anyone else
+        could have)."""
+        self.special_files += 1
+        if not self._said_special:
+            self._said_special = True
+            log.warning(
+                "disk tier %s: %s is no regular file: not a chunk, taken away (counted as "
+                "special files from now on)",
+                self.root,
+                path,
+            )
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)  # never follows a link inside
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
 
     def scan(self) -> tuple[list[int], int]:
         """The keys whose files are here, and how many stale temporary files (of writers no
@@ -224,7 +353,10 @@ class RankDirectory:
         for entry in self._entries():
             m = _NAME_RE.match(entry.name)
             if m is not None:
-                keys.append(int(m["key"], 16))
+                if entry.is_file(follow_symlinks=False):
+                    keys.append(int(m["key"], 16))
+                else:
+                    self._special(entry.path)
                 continue
             t = _TMP_RE.match(entry.name)
             if t is not None and not process_alive(int(t["pid"])):
@@ -247,18 +379,32 @@ class RankDirectory:
                 yield from it
 
     def remove(self, key: int) -> None:
-        """Delete ``key``'s file (nothing if it is already gone)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(key))
+        """Delete ``key``'s file (nothing if it is already gone; what is there but no regular
+        file is taken away as such)."""
+        path = self.path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except (IsADirectoryError, PermissionError):
+            self._special(path)  # a directory (unlink says EISDIR, or EPERM on some)
 
     def used_bytes(self) -> int:
         """Bytes the chunk files here take (their sizes)."""
         total = 0
         for entry in self._entries():
-            if _NAME_RE.match(entry.name):
+            if _NAME_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(FileNotFoundError):
                     total += entry.stat(follow_symlinks=False).st_size
         return total
+
+
+def _regular(path: str) -> bool:
+    """A regular file is at ``path`` (not through a link)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def probe_direct_io(directory: str) -> bool:
@@ -314,9 +460,35 @@ def claim_directory(base: str, wait_s: float = 0.0) -> tuple[str, int]:
     raise OSError(f"{MAX_DIRECTORIES} engines hold every directory of {base!r}")
 
 
+def make_private_dirs(path: str) -> None:
+    """Make ``path`` and its missing parents readable by this user only (0700: a tier's file
+    names are hashes of prompts' tokens, which a guess can be checked against); the ones it
+    owns already are made so too."""
+    missing: list[str] = []
+    here = path
+    while not os.path.lexists(here):
+        missing.append(here)
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(made, 0o700)
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) & 0o077:
+            os.chmod(path, 0o700, follow_symlinks=False)
+
+
 def _try_lock(root: str) -> int | None:
-    os.makedirs(root, exist_ok=True)
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    make_private_dirs(root)
+    make_private_dirs(os.path.dirname(root))  # the namespace's directory
+    fd = os.open(
+        os.path.join(root, LOCK_NAME),
+        os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+        0o600,
+    )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -31,7 +31,7 @@ import torch
 from raykv.core.step import TierMove
 from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
 from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
-from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.disk_files import ANONYMOUS, ChunkFormat, ChunkIdentity
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.shared_store import (
     NO_AVAILABLE_HANDLE,
@@ -56,7 +56,8 @@ class SharedTransferEngine(ChunkJobEngine):
     promotion records the checksums it verified. ``required``: a store that cannot be joined
     is a configuration error (``SharedUnavailable``); else (a rank replacing a dead one, the
     store down meanwhile) the engine starts without it, fails its jobs, and joins the store
-    again at most every ``RECONNECT_S`` seconds."""
+    again at most every ``RECONNECT_S`` seconds. ``identity``: what this rank's parts are
+    (namespace, rank, TP size), in every part's sealed header."""
 
     name = "shared"
 
@@ -71,8 +72,9 @@ class SharedTransferEngine(ChunkJobEngine):
         io_threads: int = 2,
         sums: RowChecksums | None = None,
         required: bool = True,
+        identity: ChunkIdentity = ANONYMOUS,
     ) -> None:
-        self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk)
+        self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk, identity)
         self.sums = sums
         if pool.dim() != 2 or pool.shape[1] * pool.element_size() != self.format.data_bytes:
             raise ValueError("the pool's rows are not one chunk each")

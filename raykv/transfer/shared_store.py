@@ -1,13 +1,15 @@
 """Mooncake Store as raykv's shared tier: a client of the store, and one rank's chunks put into it
 and read back, each from and into the rank's own CPU-pool shard.
 
-A chunk goes to the store as one object per rank, ``<namespace>/<chunk key>/<rank>``, holding
-the same header a disk file has (``disk_files.ChunkFormat``: the key, the sizes, every page's
-CRC-32) followed by the pages. The pages travel straight from and into the pool's shared
-memory, which the rank registers with its client once (Mooncake's zero-copy calls: no Python
-loop over bytes, no pickling); the headers go through a small registered buffer of their own.
-A read checks the header and every page's checksum before the bytes count: an object of
-another key, another geometry, torn or spoiled is never served.
+A chunk goes to the store as one object per rank, ``<namespace>/<chunk key>/<rank>``, holding the
+same header a disk file has (``disk_files.ChunkFormat``: the key, the sizes, the namespace, rank and
+TP size it is for, every page's CRC-32) followed by the pages, and sealed with the cluster's secret
+(``transfer/seal.py``: a keyed hash of the header and the pages). The pages travel straight from and
+into the pool's shared memory, which the rank registers with its client once (Mooncake's zero-copy
+calls: no Python loop over bytes, no pickling); the headers go through a small registered buffer of
+their own. A read checks the header and the seal before the bytes count: an object of another key,
+geometry, namespace, rank or TP size, torn, spoiled, or put by a writer without the secret is never
+served.
 
 The pool's memory itself is not the ranks': a client that gives the pool a segment of its DRAM
 (``SegmentHolder``) is held by one long-lived process per node (the store actor,
@@ -25,13 +27,14 @@ import mmap
 import socket
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.config import ConfigError
 from raykv.config.shared import SharedTierConfig
 from raykv.transfer.crc import crc32
 from raykv.transfer.disk_files import ChunkFileError, ChunkFormat
+from raykv.transfer.seal import Sealer
 
 P2P = "P2PHANDSHAKE"  # clients exchange their transfer metadata directly (no metadata server)
 SYSTEM_LIBRARIES = "libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 rdma-core"
@@ -74,24 +77,30 @@ def mooncake_problem() -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class StoreEndpoint:
-    """Where the store's master listens and how this node's clients move bytes."""
+    """Where the store's master listens, how this node's clients move bytes, and the cluster's
+    secret that seals every part (``transfer/seal.py``; empty for clients that only give a
+    segment or ask what the store holds)."""
 
     master: str  # host:port of the master's RPC
     host: str = "127.0.0.1"  # this node's address, for the transfers to and from it
     protocol: str = "tcp"
     devices: str = ""  # RDMA devices (empty: found by Mooncake)
     timeout_s: float = 5.0  # a master nothing answers for is refused within this
+    secret: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def of(cls, shared: SharedTierConfig, master: str, host: str = "127.0.0.1") -> StoreEndpoint:
+    def of(
+        cls, shared: SharedTierConfig, master: str, secret: bytes, host: str = "127.0.0.1"
+    ) -> StoreEndpoint:
         """Where a client on ``host`` (its node's address) joins the store at ``master``, as
-        ``offload.shared`` says it moves bytes."""
+        ``offload.shared`` says it moves bytes, sealing parts with ``secret``."""
         return cls(
             master,
             host=host,
             protocol=shared.protocol,
             devices=shared.devices,
             timeout_s=shared.timeout_s,
+            secret=secret,
         )
 
 
@@ -196,8 +205,9 @@ def object_key(namespace: str, key: int, rank: int) -> str:
 
 class SharedChunks:
     """One rank's chunks in the store, put from and read into the slots of its CPU-pool shard
-    (``pool_ptr``, ``num_slots`` rows of ``fmt.data_bytes`` each, registered once). Batches of at
-    most ``max_batch`` chunks; each thread has its own registered header buffer."""
+    (``pool_ptr``, ``num_slots`` rows of ``fmt.data_bytes`` each, registered once), sealed with
+    the endpoint's secret (``SharedStoreError`` where it has none). Batches of at most
+    ``max_batch`` chunks; each thread has its own registered header buffer."""
 
     def __init__(
         self,
@@ -209,6 +219,10 @@ class SharedChunks:
         num_slots: int,
         max_batch: int = 64,
     ) -> None:
+        try:
+            self._sealer = Sealer(endpoint.secret)
+        except ValueError as exc:
+            raise SharedStoreError(f"no cluster secret to seal parts with: {exc}") from None
         self.namespace = namespace
         self.rank = rank
         self.format = fmt
@@ -286,7 +300,9 @@ class SharedChunks:
         names, ptrs, sizes = [], [], []
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
             sums = self.page_crcs(slot) if crcs is None else crcs[i]
-            buf[i * hb : (i + 1) * hb] = fmt.header(key, sums)
+            sealed = fmt.sealed_part(key, sums)
+            seal = self._sealer.seal(sealed, self._slot_view(slot))
+            buf[i * hb : (i + 1) * hb] = fmt.header_of(sealed, seal)
             names.append(object_key(self.namespace, key, self.rank))
             ptrs.append([ptr + i * hb, self._slot_ptr(slot)])
             sizes.append([hb, fmt.data_bytes])
@@ -296,10 +312,11 @@ class SharedChunks:
         self, keys: Sequence[int], slots: Sequence[int], crcs: list[list[int]] | None = None
     ) -> list[str]:
         """Read these chunks' parts into their slots: for each, ``ok``, ``missing`` (not in the
-        store: evicted, or never put), ``corrupt`` (the object is not this key's intact part) or
-        ``failed`` (the store did not deliver it: unreachable, or an object of another size);
-        a slot's bytes count only where ``ok``. ``crcs`` (where given) gets each chunk's
-        verified page CRC-32s, empty where not ``ok``."""
+        store: evicted, or never put), ``corrupt`` (the object is not this key's intact part
+        for this namespace, rank and TP size, or its seal does not check) or ``failed`` (the
+        store did not deliver it: unreachable, or an object of another size); a slot's bytes
+        count only where ``ok``. ``crcs`` (where given) gets each chunk's page CRC-32s (the
+        seal vouches for them), empty where not ``ok``."""
         return self._batched(self._get, keys, slots, crcs, split=False)
 
     def _get(
@@ -323,11 +340,16 @@ class SharedChunks:
             elif n < 0:
                 status = "failed"
             else:
+                header = memoryview(buf)[i * hb : (i + 1) * hb]
                 try:
-                    recorded = fmt.parse_header(key, memoryview(buf)[i * hb : (i + 1) * hb])
+                    recorded = fmt.parse_header(key, header)
                 except ChunkFileError:
                     recorded = None
-                ok = recorded is not None and self.page_crcs(slot) == recorded
+                # the seal covers the header's checksums and the pages: one pass over the
+                # bytes, and none of them counts unless a holder of the secret wrote them
+                ok = recorded is not None and self._sealer.check(
+                    bytes(header[: fmt.sealed_bytes]), self._slot_view(slot), fmt.seal_of(header)
+                )
                 status = "ok" if ok else "corrupt"
             out.append(status)
             if crcs is not None:
@@ -365,7 +387,7 @@ class SharedChunks:
         try:
             if client.get_into(name, ptr, size) != size:
                 return
-            buf[self.format.header_bytes + self.format.data_bytes // 2] ^= 0x5A
+            buf[self.format.header_bytes + self.format.data_bytes // 2] ^= 0x5A  # seal fails
             client.remove(name, True)
             if client.put_from(name, ptr, size) != 0:
                 raise SharedStoreError(f"the spoiled part of {key:x} was not put back")

@@ -14,7 +14,7 @@ import torch
 from raykv.core.step import TierMove
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.disk import DiskTransferEngine, DiskUnavailable
-from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.disk_files import ChunkFormat, ChunkIdentity
 from raykv.transfer.layout import KVLayout, allocate_pool
 
 LAYOUT = KVLayout(
@@ -114,6 +114,45 @@ def test_a_damaged_file_fails_its_promotion_as_corrupt_and_is_deleted(
         assert (completed, failed) == ([], [2])
         assert eng.take_corrupt() == [2]
         assert not os.path.exists(path)
+    finally:
+        eng.shutdown()
+
+
+OURS = ChunkIdentity(bytes(range(16)), 0, 2)
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        ChunkIdentity(bytes(range(16)), 1, 2),
+        ChunkIdentity(bytes(range(1, 17)), 0, 2),
+        ChunkIdentity(bytes(range(16)), 0, 4),
+    ],
+    ids=["another rank", "another namespace", "another TP size"],
+)
+def test_a_part_written_for_another_rank_namespace_or_tp_size_is_refused(
+    disk_dir: str, tmp_path, theirs: ChunkIdentity
+) -> None:
+    """A file of the same key and geometry, intact, but of another rank's heads, another
+    namespace's model or another TP size's split (a copy, a backup restored in the wrong place)
+    was served: only the key, sizes and checksums were checked."""
+    pool = filled_pool()
+    other = engine(str(tmp_path / "theirs"), pool, identity=theirs)
+    try:
+        run(other, TierMove.of(1, False, [KEYS[0]], [0], False))
+        foreign = other.files.path(KEYS[0])
+    finally:
+        other.shutdown()
+    eng = engine(disk_dir, pool, identity=OURS)
+    try:
+        assert run(eng, TierMove.of(1, False, [KEYS[0]], [1], False)) == ([1], [])
+        os.replace(foreign, eng.files.path(KEYS[0]))
+        completed, failed = run(eng, TierMove.of(2, True, [KEYS[0]], [9], False))
+        assert (completed, failed) == ([], [2])
+        assert eng.take_corrupt() == [2]
+        # its own files are read: the identity is what refused the other
+        assert run(eng, TierMove.of(3, False, [KEYS[0]], [1], False)) == ([3], [])
+        assert run(eng, TierMove.of(4, True, [KEYS[0]], [9], False)) == ([4], [])
     finally:
         eng.shutdown()
 
@@ -236,3 +275,104 @@ def test_a_second_engine_on_the_same_path_takes_a_directory_of_its_own(disk_dir:
         import shutil
 
         shutil.rmtree(disk_dir + ".1", ignore_errors=True)
+
+
+SPECIAL = ["fifo", "directory", "link to /dev/zero", "link to a chunk's file"]
+
+
+def _plant(path: str, what: str, real_file: str) -> None:
+    """Put ``what`` under ``path``, where a chunk's file was."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    if what == "fifo":
+        os.mkfifo(path, 0o600)
+    elif what == "directory":
+        os.mkdir(path)
+        with open(os.path.join(path, "inside"), "w") as fh:
+            fh.write("x")
+    elif what == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    else:
+        os.symlink(real_file, path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", SPECIAL)
+def test_no_special_file_under_a_chunks_name_is_opened_or_hangs_a_thread(
+    disk_dir: str, tmp_path, what: str
+) -> None:
+    """A FIFO in place of a file held every I/O thread in ``open`` for good (and the rank's
+    recovery joined them); a directory there was recycled into ``free/`` and failed every
+    demotion that picked it; a link was followed. Each is refused as no regular file, taken
+    away, and the key written again works."""
+    pool = filled_pool()
+    eng = engine(disk_dir, pool)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS[:2], [0, 1], False)) == ([1], [])
+        path = eng.files.path(KEYS[0])
+        keep = str(tmp_path / "a-real-chunk.kv")
+        os.rename(eng.files.path(KEYS[1]), keep)  # intact, of another key: a link's target
+        _plant(path, what, keep)
+        # a read: refused as corrupt, never served, no thread stuck
+        assert run(eng, TierMove.of(2, True, [KEYS[0]], [9], False)) == ([], [2])
+        assert eng.take_corrupt() == [2]
+        assert not os.path.lexists(path)
+        # the index and an eviction: neither takes it for a chunk, nor recycles it
+        _plant(path, what, keep)
+        assert KEYS[0] not in eng.index()
+        assert not os.path.lexists(path)
+        _plant(path, what, keep)
+        eng.drop([KEYS[0]])
+        assert not os.path.lexists(path) and not os.listdir(eng.files.free_dir)
+        # a write over it: the file takes its place
+        _plant(path, what, keep)
+        assert run(eng, TierMove.of(3, False, [KEYS[0]], [0], False)) == ([3], [])
+        assert run(eng, TierMove.of(4, True, [KEYS[0]], [9], False)) == ([4], [])
+        assert eng.take_stats().disk_special >= 3
+    finally:
+        assert eng.shutdown(timeout_s=10) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["fifo", "directory"])
+def test_a_special_file_in_the_free_list_is_never_written_over(
+    disk_dir: str, tmp_path, what: str
+) -> None:
+    pool = filled_pool()
+    eng = engine(disk_dir, pool)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS[:1], [0], False)) == ([1], [])
+        eng.drop([KEYS[0]])  # its file goes to free/, to be written over
+        (spare,) = os.listdir(eng.files.free_dir)
+        _plant(os.path.join(eng.files.free_dir, spare), what, "")
+        assert run(eng, TierMove.of(2, False, KEYS[1:2], [1], False)) == ([2], [])
+        assert run(eng, TierMove.of(3, True, KEYS[1:2], [9], False)) == ([3], [])
+        assert not os.listdir(eng.files.free_dir)
+    finally:
+        eng.shutdown()
+
+
+def test_a_shutdown_leaves_a_thread_stuck_in_a_system_call_behind(disk_dir: str) -> None:
+    """Recovery (a rank's ``die``) joined its I/O threads without a bound: one stuck in a
+    system call the tier never answers hung the rank for good. A hang is forced here with a
+    chunk whose read waits on an event (real files cannot hang on demand)."""
+    import threading
+
+    pool = filled_pool()
+    eng = engine(disk_dir, pool)
+    entered, release = threading.Event(), threading.Event()
+    real_read = eng.chunks.read
+
+    def hung_read(key: int, slot: int, check: bool) -> None:
+        entered.set()
+        release.wait()
+        real_read(key, slot, check)
+
+    eng.chunks.read = hung_read
+    try:
+        run(eng, TierMove.of(1, False, KEYS[:1], [0], False))
+        eng.submit(TierMove.of(2, True, KEYS[:1], [9], False))
+        assert entered.wait(10)
+        assert eng.shutdown(wait=False, timeout_s=0.5) == 1
+    finally:
+        release.set()

@@ -18,9 +18,15 @@ from raykv.transfer.shared import SharedTransferEngine, SharedUnavailable
 from raykv.transfer.shared_store import StoreEndpoint, _idle, object_key
 from tests.transfer.test_disk_engine import KEYS  # keys up to 72 bits
 from tests.transfer.test_disk_engine import LAYOUT as DISK_LAYOUT
+from tests.transfer.test_shared_store import SECRET
 
 LAYOUT = dataclasses.replace(DISK_LAYOUT, num_slots=8)
 _names = itertools.count()
+
+
+def endpoint(address: str) -> StoreEndpoint:
+    """The store at ``address``, joined with this session's cluster secret."""
+    return StoreEndpoint(address, secret=SECRET)
 
 
 @pytest.fixture()
@@ -46,8 +52,8 @@ def test_published_chunks_are_promoted_by_another_engine_byte_for_byte(
     shared_store: str, namespace: str
 ) -> None:
     source, target = filled_pool(1), allocate_pool(LAYOUT, zero=True)
-    a = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, source, LAYOUT)
-    b = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, target, LAYOUT)
+    a = SharedTransferEngine(endpoint(shared_store), namespace, 0, source, LAYOUT)
+    b = SharedTransferEngine(endpoint(shared_store), namespace, 0, target, LAYOUT)
     try:
         assert run(a, TierMove.of(1, False, KEYS, [0, 1, 2], False)) == ([1], [], [])
         assert b.exists(KEYS) == [True, True, True]
@@ -66,7 +72,7 @@ def test_a_missing_or_spoiled_part_fails_the_promotion_as_corrupt(
     shared_store: str, namespace: str
 ) -> None:
     pool = filled_pool(2)
-    eng = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, pool, LAYOUT)
+    eng = SharedTransferEngine(endpoint(shared_store), namespace, 0, pool, LAYOUT)
     try:
         assert run(eng, TierMove.of(1, False, KEYS[:1], [0], False)) == ([1], [], [])
         before = pool[3].clone()
@@ -93,7 +99,7 @@ def test_a_publish_of_bytes_changed_since_their_store_puts_nothing(
     rows = pool.view(LAYOUT.num_slots * LAYOUT.blocks_per_chunk, -1)
     sums = RowChecksums(rows)
     sums.record(range(rows.shape[0]))
-    eng = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, pool, LAYOUT, sums=sums)
+    eng = SharedTransferEngine(endpoint(shared_store), namespace, 0, pool, LAYOUT, sums=sums)
     try:
         pool[1].view(torch.uint8)[7] ^= 0xFF  # a bit flipped in the CPU pool after the store
         assert run(eng, TierMove.of(1, False, KEYS[:2], [0, 1], True)) == ([], [1], [1])
@@ -110,7 +116,7 @@ def test_an_unreachable_master_is_a_configuration_error_naming_the_key() -> None
         pytest.skip(mooncake_problem() or "")
     pool = filled_pool(4)
     with pytest.raises(SharedUnavailable, match=r"offload\.shared\.master"):
-        SharedTransferEngine(StoreEndpoint(f"127.0.0.1:{free_port()}"), "x", 0, pool, LAYOUT)
+        SharedTransferEngine(endpoint(f"127.0.0.1:{free_port()}"), "x", 0, pool, LAYOUT)
 
 
 def test_a_read_the_store_gave_up_on_is_reported_unsettled_and_a_missing_part_is_not(
@@ -122,7 +128,7 @@ def test_a_read_the_store_gave_up_on_is_reported_unsettled_and_a_missing_part_is
     replacing the client's read with one that answers TRANSFER_FAIL or raises: a real store
     cannot be made to time out on demand."""
     pool = filled_pool(4)
-    eng = SharedTransferEngine(StoreEndpoint(shared_store), namespace, 0, pool, LAYOUT)
+    eng = SharedTransferEngine(endpoint(shared_store), namespace, 0, pool, LAYOUT)
     try:
         assert run(eng, TierMove.of(1, False, KEYS[:2], [0, 1], False)) == ([1], [], [])
         assert run(eng, TierMove.of(2, True, KEYS[2:3], [4], False)) == ([], [2], [2])
@@ -153,4 +159,4 @@ def test_a_read_the_store_gave_up_on_is_reported_unsettled_and_a_missing_part_is
         eng.shutdown()
     # a client that failed is closed, not kept for the next engine in the process (what it
     # knows of the pool may be stale)
-    assert all(kept is not client for kept in _idle.get(StoreEndpoint(shared_store), []))
+    assert all(kept is not client for kept in _idle.get(endpoint(shared_store), []))

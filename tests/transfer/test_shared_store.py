@@ -1,19 +1,23 @@
 """A rank's chunks in Mooncake Store (a real master on loopback, a real segment): put from the
 pool's own memory and read back checked, namespaced per model and rank, and nothing served that
-is not the key's intact part."""
+is not the key's intact part, sealed by a holder of the cluster's secret."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 
 import numpy as np
 import pytest
 
-from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.crc import crc32
+from raykv.transfer.disk_files import NO_SEAL, ChunkFormat, ChunkIdentity
+from raykv.transfer.seal import Sealer
 from raykv.transfer.shared_store import SharedChunks, SharedStoreError, StoreEndpoint, object_key
 
 FORMAT = ChunkFormat(16 * 1024, 3)
+SECRET = b"this test session's cluster secret"
 _namespaces = itertools.count()
 
 
@@ -21,9 +25,23 @@ def pool(slots: int = 8, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, (slots, FORMAT.data_bytes), dtype=np.uint8)
 
 
-def chunks(address: str, memory: np.ndarray, namespace: str, rank: int = 0) -> SharedChunks:
+def identity(namespace: str, rank: int = 0, tp_size: int = 2) -> ChunkIdentity:
+    return ChunkIdentity(
+        hashlib.blake2b(namespace.encode(), digest_size=16).digest(), rank, tp_size
+    )
+
+
+def chunks(
+    address: str,
+    memory: np.ndarray,
+    namespace: str,
+    rank: int = 0,
+    secret: bytes = SECRET,
+    tp_size: int = 2,
+) -> SharedChunks:
+    fmt = ChunkFormat(FORMAT.page_bytes, FORMAT.pages, identity(namespace, rank, tp_size))
     return SharedChunks(
-        StoreEndpoint(address), namespace, rank, FORMAT, memory.ctypes.data, len(memory)
+        StoreEndpoint(address, secret=secret), namespace, rank, fmt, memory.ctypes.data, len(memory)
     )
 
 
@@ -80,7 +98,10 @@ def test_an_object_that_is_not_the_keys_intact_part_is_never_served(
     store = chunks(shared_store, memory, namespace)
     try:
         key = 0x55
-        header = FORMAT.header(0x66 if spoil == "key" else key, store.page_crcs(0))
+        fmt = store.format
+        sealed = fmt.sealed_part(0x66 if spoil == "key" else key, store.page_crcs(0))
+        # sealed with the secret, as a holder of it would: what fails is the part, not the seal
+        header = fmt.header_of(sealed, Sealer(SECRET).seal(sealed, memoryview(memory[0])))
         body = bytearray(memory[0].tobytes())
         if spoil == "page":
             body[len(body) // 2] ^= 0xFF
@@ -93,6 +114,51 @@ def test_an_object_that_is_not_the_keys_intact_part_is_never_served(
         # arrive and fail their checks
         assert store.get([key], [4]) == ["failed" if spoil == "short" else "corrupt"]
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    "forgery", ["unsealed", "another secret", "another rank", "another namespace", "another TP"]
+)
+def test_a_part_not_sealed_for_this_rank_by_a_holder_of_the_secret_is_never_served(
+    shared_store: str, namespace: str, forgery: str
+) -> None:
+    """Anyone who reaches the master can put an object under a name anyone can compute
+    (``<namespace>/<key>/<rank>``) with CRC-32s that match the bytes they chose: it was served.
+    A part sealed under another secret, or a genuine one of another rank, namespace or TP size
+    moved under this one's name, is refused too."""
+    memory = pool(seed=6)
+    store = chunks(shared_store, memory, namespace)
+    key, theirs = 0x5A5A, np.random.default_rng(7).integers(0, 255, FORMAT.data_bytes, np.uint8)
+    who = {
+        "another rank": identity(namespace, rank=1),
+        "another namespace": identity(namespace + "-other"),
+        "another TP": identity(namespace, tp_size=4),
+    }.get(forgery, store.format.identity)
+    pb = FORMAT.page_bytes
+    crcs = [crc32(theirs[i * pb : (i + 1) * pb].tobytes()) for i in range(FORMAT.pages)]
+
+    def part(fmt: ChunkFormat, secret: bytes | None) -> bytes:
+        sealed = fmt.sealed_part(key, crcs)
+        seal = NO_SEAL if secret is None else Sealer(secret).seal(sealed, memoryview(theirs))
+        return bytes(fmt.header_of(sealed, seal)) + theirs.tobytes()
+
+    secret = {"unsealed": None, "another secret": b"a secret that is not the cluster's"}
+    forged = part(ChunkFormat(pb, FORMAT.pages, who), secret.get(forgery, SECRET))
+    name = object_key(namespace, key, 0)
+    try:
+        assert store._client.put(name, forged) == 0
+        verified: list[list[int]] = []
+        assert store.get([key], [4], verified) == ["corrupt"]
+        assert verified == [[]]  # no checksum of it reaches the CPU tier's books
+        # the same bytes, sealed for this rank with the cluster's secret, load: what refused
+        # the forgery was its seal or its identity
+        store._client.remove(name, True)
+        assert store._client.put(name, part(store.format, SECRET)) == 0
+        assert store.get([key], [4]) == ["ok"]
+        assert np.array_equal(memory[4], theirs)
+    finally:
+        store.remove([key])
         store.close()
 
 

@@ -1,0 +1,81 @@
+"""The disk tier as a trust boundary, in one process with the synthetic model (every output token
+depends on every KV byte it read): a file of another rank or another namespace put in place of a
+chunk's file, or a special file (a FIFO, a directory, a link), is never served and never hangs a
+rank; the outputs are those of the run without any tier."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from raykv.config import load_config
+from raykv.engine.tier_namespace import disk_rank_root
+from tests.engine.test_disk_tier import SMALL, disk, run
+
+
+@pytest.fixture(scope="module")
+def baseline() -> str:
+    report, _ = run(SMALL, offload=False)
+    return report["output_digest"]
+
+
+def rank_files(sets: list[str], rank: int) -> dict[str, Path]:
+    """A rank's chunk files by name (the key), below its directory of the namespace."""
+    root = Path(disk_rank_root(load_config(None, sets), rank))
+    return {p.name: p for p in root.rglob("*.kv")}
+
+
+def test_a_file_of_another_rank_in_place_of_a_chunk_is_never_served(
+    baseline: str, disk_dir: str
+) -> None:
+    """Each rank holds its own heads of a chunk: rank 1's file copied over rank 0's of the same
+    key has the same key, geometry and checksums. It passed every check (12 mismatches, a wrong
+    digest) before the header named the rank."""
+    sets = SMALL + disk(disk_dir)
+    run(sets)
+    zero, one = rank_files(sets, 0), rank_files(sets, 1)
+    both = sorted(set(zero) & set(one))
+    assert len(both) > 8
+    for name in both:
+        shutil.copyfile(one[name], zero[name])
+    report, books = run(sets)
+    assert report["output_digest"] == baseline
+    assert report["integrity"]["mismatches"] == 0
+    d = report["tiers"]["disk"]
+    # refused where read: counted corrupt, never loaded
+    assert d["warm_start_chunks"] > 0 and d["corrupt"] > 0
+    assert not any(books.values()), books
+
+
+@pytest.mark.timeout(120)
+def test_special_files_under_chunks_names_are_taken_away_and_never_hang_a_run(
+    baseline: str, disk_dir: str
+) -> None:
+    """A FIFO in place of a chunk's file hung every disk I/O thread (and the rank's recovery
+    after it); a directory was recycled into ``free/`` and failed the demotions that picked
+    it, across restarts. Each kind, planted between two runs, is taken away at the warm start."""
+    from tests.transfer.test_disk_engine import SPECIAL, _plant
+
+    sets = SMALL + disk(disk_dir)
+    run(sets)
+    files = sorted(rank_files(sets, 0).values())
+    assert len(files) > 2 * len(SPECIAL)
+    real = files[-1]
+    for path, what in zip(files, SPECIAL * 2, strict=False):
+        _plant(str(path), what, str(real))
+    report, books = run(sets)
+    assert report["output_digest"] == baseline
+    assert report["integrity"]["mismatches"] == 0
+    d = report["tiers"]["disk"]
+    assert d["special_files"] >= 2 * len(SPECIAL), d
+    assert d["demotions_failed"] == 0 and d["warm_start_chunks"] > 0
+    root = Path(disk_rank_root(load_config(None, sets), 0))
+    left = [
+        p
+        for p in root.rglob("*")
+        if not (p.is_file() and not p.is_symlink()) and p.is_dir() is False
+    ]
+    assert not left, left
+    assert not any(books.values()), books
