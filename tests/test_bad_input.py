@@ -4,6 +4,7 @@ path, the file and line, the request, the spec), and bad acks must be counted, n
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -933,3 +934,54 @@ def test_issue28_9_a_max_positions_override_keeps_a_tighter_context_and_warns_pa
         assert cfg.model.max_positions == served
         warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert bool(warned) == warns and all("model.max_positions" in m for m in warned)
+
+
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_a_disk_path_that_fails_only_where_the_ranks_run_is_named_in_one_line(
+    tmp_path, capsys, request, engine: str
+) -> None:
+    """The path passes the check (its parent is a writable directory) but the namespace's
+    directory cannot be made under it (a file holds its name): the Ray engine gave exit 1 and a
+    159-line traceback (a rank actor's failed creation), the local one a message without the
+    key."""
+    from raykv.engine.tier_namespace import namespace
+
+    if engine == "ray":
+        request.getfixturevalue("ray_session")
+        capsys.readouterr()
+    sets = [
+        "offload.disk.enabled=true",
+        f"offload.disk.path={tmp_path}",
+        "offload.disk.capacity=64MiB",
+    ]
+    (tmp_path / namespace(load_config("configs/synthetic.yaml", sets))).write_text("in the way")
+    argv = ["run", "--engine", engine, "--config", "configs/synthetic.yaml", "--num-requests", "2"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    line = _the_error_line(capsys)
+    assert line.startswith("raykv: error: offload.disk.path:") and str(tmp_path) in line
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("dangling", "is a link to"),
+        ("/proc/raykv-tier", "cannot make a directory in '/proc'"),
+        ("~no-such-user-here/tier", "no such user's home directory"),
+    ],
+)
+def test_a_disk_path_no_rank_could_use_is_refused_by_the_check(
+    tmp_path, capsys, value: str, why: str
+) -> None:
+    """``raykv config check`` took a dangling link for a missing directory and ``/proc/...``
+    for a writable one (root passes every permission bit); ``~nouser/x`` made a directory
+    named ``~nouser`` in the working directory."""
+    if value == "dangling":
+        value = str(tmp_path / "tier")
+        os.symlink(tmp_path / "gone" / "away", value)
+    argv = ["config", "check", "configs/synthetic.yaml", "--set", "offload.disk.enabled=true"]
+    assert main([*argv, "--set", f"offload.disk.path={value}"]) == 2
+    line = _the_error_line(capsys)
+    assert "offload.disk" in line and why in line
+    assert not os.path.exists("~no-such-user-here")

@@ -13,9 +13,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from raykv.cluster.engine_actor import EngineServer, FinishedItem
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, rank_bundle, spawn_ranks
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, rank_bundle, ranks_ready, spawn_ranks
 from raykv.cluster.runtime import RayHandle, connect
-from raykv.config import RaykvConfig
+from raykv.config import ConfigError, RaykvConfig
 from raykv.core.request import REJECTED
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
@@ -31,6 +31,22 @@ log = logging.getLogger(__name__)
 # The scheduler actor is replaced at most this many times in one client's life: a scheduler that
 # keeps dying (a bug that some request triggers every time) must surface, not loop.
 MAX_SCHEDULER_RESTARTS = 3
+
+
+def config_error_in(exc: BaseException) -> ConfigError | None:
+    """The configuration error an actor raised, where ``exc`` (Ray's wrapping of an actor's
+    failure) carries one among its causes."""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack:
+        here = stack.pop()
+        if not isinstance(here, BaseException) or id(here) in seen:
+            continue
+        seen.add(id(here))
+        if isinstance(here, ConfigError):
+            return here
+        stack += [getattr(here, "cause", None), here.__cause__, here.__context__]
+    return None
 
 
 class DeploymentError(RuntimeError):
@@ -143,6 +159,9 @@ class RaykvClient:
             client._deploy()
         except Exception as exc:
             client.shutdown()
+            bad_config = config_error_in(exc)
+            if bad_config is not None:  # a key at fault, found by an actor: one line naming it
+                raise ConfigError(str(bad_config)) from None
             raise DeploymentError(f"raykv actors failed to start: {exc}") from exc
         return client
 
@@ -154,6 +173,7 @@ class RaykvClient:
             sweep_stale(cfg.offload.shared_pool_dir)
             self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
         self.workers = spawn_ranks(cfg_json, self._pg, self._pool_files)
+        ranks_ready(self.workers)  # a rank that refused its configuration: ConfigError
         server_cls = ray.remote(EngineServer)
         self.server = server_cls.options(num_cpus=0, max_concurrency=8).remote(
             cfg_json,
@@ -163,11 +183,11 @@ class RaykvClient:
             o["offload"],
             self._pg,
             self.scheduler_restarts,
+            answer_refusal=True,
         )
-        ray.get(
-            [w.ready.remote() for w in self.workers] + [self.server.ping.remote()],
-            timeout=READY_TIMEOUT_S,
-        )
+        refused = ray.get(self.server.refused.remote(), timeout=READY_TIMEOUT_S)
+        if refused is not None:
+            raise ConfigError(refused)
 
     def _replace_deployment(self, cause: Exception) -> None:
         """The scheduler actor died: tear down what is left and deploy anew."""

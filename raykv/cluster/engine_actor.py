@@ -25,7 +25,7 @@ from raykv.cluster.rank_actor import (
     spawn_rank_worker,
 )
 from raykv.cluster.shared_store import kill_master, kill_node_store, scheduler_index
-from raykv.config import RaykvConfig
+from raykv.config import ConfigError, RaykvConfig
 from raykv.core.request import REJECTED, Request
 from raykv.core.step import TokenLogprobs
 from raykv.faults import (
@@ -72,12 +72,51 @@ class EngineServer:
         first_bundle: int = 0,
         metric_labels: dict[str, str] | None = None,
         digest: bool = True,
+        answer_refusal: bool = False,
     ) -> None:
         """``incarnation``: how many schedulers died before this one (a ``kill-scheduler``
         fault kills only the first). ``first_bundle``: rank 0's bundle in ``placement``
         (replacements go where their predecessors were). ``metric_labels``: tags on every
         metric of this engine (a Serve replica's id). ``digest``: keep the outputs' digest (a
-        server does not: ``Driver``)."""
+        server does not: ``Driver``). ``answer_refusal``: a configuration error while it is
+        built is kept for ``refused`` to answer, not raised (an actor's failed creation reaches
+        its creator as a traceback)."""
+        self._refused: str | None = None
+        try:
+            self._build(
+                cfg,
+                workers,
+                verify,
+                check_invariants,
+                offload,
+                placement,
+                incarnation,
+                first_bundle,
+                metric_labels,
+                digest,
+            )
+        except ConfigError as exc:
+            if not answer_refusal:
+                raise
+            self._refused = str(exc)
+
+    def refused(self) -> str | None:
+        """The configuration error that kept it from being built (None: built)."""
+        return self._refused
+
+    def _build(
+        self,
+        cfg: dict[str, Any],
+        workers: list[Any],
+        verify: bool | None,
+        check_invariants: bool,
+        offload: bool | None,
+        placement: Any,
+        incarnation: int,
+        first_bundle: int,
+        metric_labels: dict[str, str] | None,
+        digest: bool,
+    ) -> None:
         from raykv.cluster.metrics import EngineMetrics
         from raykv.engine.core import EngineCore
         from raykv.runs.driver import Driver

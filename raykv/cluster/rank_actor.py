@@ -18,7 +18,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raykv.cluster import wire
-from raykv.config import RaykvConfig
+from raykv.config import ConfigError, RaykvConfig
 from raykv.core.step import StepPlan, StepReport
 from raykv.faults import RankDied
 from raykv.transfer.pool_files import (
@@ -48,6 +48,19 @@ class RankInfo:
     process: tuple[int, int | None]  # pid and pid namespace (``process_id()``)
     pool_path: str | None  # its CPU-pool shard's file (None: private memory)
     attached: bool  # the shard is its predecessor's, finished chunks intact
+    # the configuration error that kept it from being built (one line naming the key), said as
+    # an answer rather than raised: Ray prints an actor's failed creation as a traceback
+    refused: str | None = None
+
+
+def ranks_ready(workers: list[Any]) -> list[RankInfo]:
+    """Each rank's ``RankInfo`` once built; ``ConfigError`` (one line naming the key) where a
+    rank refused its configuration."""
+    infos: list[RankInfo] = ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
+    for info in infos:
+        if info.refused is not None:
+            raise ConfigError(info.refused)
+    return infos
 
 
 class RankWorker:
@@ -89,15 +102,19 @@ class RankWorker:
         self._rendezvous: Rendezvous | None = None
         self._group: TPGroup | None = None
         in_group = needs_tp_group(self.cfg)
-        self.worker = LocalWorker(
-            self.cfg,
-            rank,
-            num_slots,
-            incarnation=incarnation,
-            pool_path=pool_path,
-            all_reduce=self._all_reduce if in_group else None,
-            store=_store_of(self.cfg, incarnation),
-        )
+        self._refused: str | None = None
+        try:
+            self.worker = LocalWorker(
+                self.cfg,
+                rank,
+                num_slots,
+                incarnation=incarnation,
+                pool_path=pool_path,
+                all_reduce=self._all_reduce if in_group else None,
+                store=_store_of(self.cfg, incarnation),
+            )
+        except ConfigError as exc:  # a key at fault where the rank runs (a disk path, ...)
+            self._refused = str(exc)
 
     def _all_reduce(self, tensor: Any) -> Any:
         if self._group is None:
@@ -127,7 +144,9 @@ class RankWorker:
         )
 
     def ready(self) -> RankInfo:
-        """Answers once the rank is built."""
+        """Answers once the rank is built (or refused its configuration)."""
+        if self._refused is not None:
+            return RankInfo(process_id(), None, False, self._refused)
         w = self.worker
         return RankInfo(process_id(), self.pool_path if w.shared else None, w.pool_attached)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from raykv.cluster import wire
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo
+from raykv.cluster.rank_actor import READY_TIMEOUT_S, RankInfo, ranks_ready
 from raykv.core.step import StepPlan, StepReport
 from raykv.engine.ranks import RankFailed, SentStep, StepHandle
 
@@ -53,11 +53,7 @@ class RayWorkerGroup:
         self.spawn = spawn
         self.tp_group = tp_group
         self.incarnations = [0] * len(workers)
-        self.infos: list[RankInfo] = (
-            ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
-            if spawn is not None or tp_group
-            else []
-        )
+        self.infos: list[RankInfo] = ranks_ready(workers) if spawn is not None or tp_group else []
         if tp_group:
             self._form_group()
         self._on_ranks_ready()
@@ -126,7 +122,7 @@ class RayWorkerGroup:
         for rank in ranks:  # all at once: a TP group's ranks come up together
             self.incarnations[rank] += 1
             self.workers[rank] = self.spawn(rank, self.incarnations[rank], self.infos[rank])
-        infos = ray.get([self.workers[r].ready.remote() for r in ranks], timeout=READY_TIMEOUT_S)
+        infos = ranks_ready([self.workers[r] for r in ranks])
         for rank, info in zip(ranks, infos, strict=True):
             self.infos[rank] = info
         if self.tp_group:

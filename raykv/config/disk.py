@@ -3,13 +3,16 @@ take, what it keeps, how it does its I/O."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from raykv.config.base import _POLICY_RE, ByteSize, _Strict
+from raykv.config.shared import absolute_path
 
 
 def check_policy(value: str) -> str:
@@ -103,6 +106,13 @@ class DiskTierConfig(_Strict):
             return "on" if value else "off"
         return value
 
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # made absolute where the config is read: a rank (another working directory, another
+        # process) reads the same directory; a ~user that names nobody is refused
+        return None if value is None else absolute_path(value)
+
     @model_validator(mode="after")
     def _where(self) -> DiskTierConfig:
         if self.enabled and not self.path:
@@ -115,9 +125,10 @@ class DiskTierConfig(_Strict):
 
 
 def nearest_existing(path: str) -> str:
-    """``path`` or its closest ancestor that exists."""
+    """``path`` or its closest ancestor that exists (a link that leads nowhere exists: it is
+    what stands in the way)."""
     path = os.path.abspath(os.path.expanduser(path))
-    while not os.path.exists(path):
+    while not os.path.lexists(path):
         parent = os.path.dirname(path)
         if parent == path:
             break
@@ -127,12 +138,19 @@ def nearest_existing(path: str) -> str:
 
 def writable_problem(path: str) -> str | None:
     """Why files cannot be made under ``path`` (None: they can; the directories it lacks are
-    created when a rank starts)."""
+    created when a rank starts). Tried for real, with a directory made and removed where the
+    path begins to be missing: permission bits say nothing for root, nor on /proc."""
     existing = nearest_existing(path)
+    if os.path.islink(existing) and not os.path.exists(existing):
+        return f"{existing!r} is a link to {os.readlink(existing)!r}, which does not exist"
     if not os.path.isdir(existing):
         return f"{existing!r} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"cannot write into {existing!r}"
+    try:
+        probe = tempfile.mkdtemp(prefix=".raykv-probe-", dir=existing)
+    except OSError as exc:
+        return f"cannot make a directory in {existing!r} ({exc.strerror})"
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
     return None
 
 

@@ -5,6 +5,7 @@ the shared tier's, one plan of both per step, each final move handed to the tier
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from raykv.connector.jobs import JobTable, TransferJobStatus
 from raykv.connector.shared_moves import FETCH, PUBLISH, SharedMoves, StoreIndex
@@ -93,16 +94,22 @@ class LowerTiers:
             self.shared.publish(keys)
 
     def finalize(
-        self, job: TransferJobStatus, corrupt: bool, full: bool, unsettled: bool = False
+        self,
+        job: TransferJobStatus,
+        corrupt: bool,
+        full: bool,
+        unsettled: bool = False,
+        bad: AbstractSet[int] = frozenset(),
     ) -> None:
         """Every rank reported this move: ``corrupt``, ``full``, ``unsettled`` (some rank's
-        read failed but may still land) as the ranks said."""
+        read failed but may still land) as the ranks said; ``bad``: the keys whose source some
+        rank found bad."""
         if job.move in (PUBLISH, FETCH):
             assert self.shared is not None
-            self.shared.finalize(job, corrupt, full, unsettled)
+            self.shared.finalize(job, corrupt, full, unsettled, bad)
         else:
             assert self.disk is not None
-            self.disk.finalize(job, corrupt, full)
+            self.disk.finalize(job, corrupt, full, bad)
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
         if job.move in (PUBLISH, FETCH):

@@ -87,6 +87,8 @@ class ConnectorScheduler:
         self._corrupt: set[int] = set()  # jobs a rank found corrupt, until they finalize
         self._full: set[int] = set()  # demotions a rank found the disk full for
         self._unsettled: set[int] = set()  # promotions whose failed reads may still land
+        # per move, the keys a rank found bad at their source, until it finalizes
+        self._bad_keys: dict[int, set[int]] = {}
         self.ack_timeout_steps = ack_timeout_steps
         self.step = 0  # the step being scheduled: jobs created now belong to it
         self.jobs = JobTable(num_ranks)
@@ -352,6 +354,9 @@ class ConnectorScheduler:
             self._corrupt.update(t.corrupt)
             self._full.update(t.full)
             self._unsettled.update(t.unsettled)
+            for job_id, keys in t.bad_keys.items():
+                if job_id in self.jobs.jobs:  # a stale job's are dropped with it
+                    self._bad_keys.setdefault(job_id, set()).update(keys)
             for ok, ids in ((True, t.completed), (False, t.failed)):
                 for job_id in ids:
                     job = self.jobs.ack(job_id, report.rank, ok)
@@ -403,7 +408,8 @@ class ConnectorScheduler:
         unsettled = job.job_id in self._unsettled
         for flags in (self._corrupt, self._full, self._unsettled):
             flags.discard(job.job_id)
-        self.lower.finalize(job, corrupt, full, unsettled)
+        bad = self._bad_keys.pop(job.job_id, set())
+        self.lower.finalize(job, corrupt, full, unsettled, bad)
 
     def reset(self, keep_tier: bool = False) -> list[Request]:
         """Abandon every job; drop the CPU tier's contents unless ``keep_tier``.
@@ -417,6 +423,7 @@ class ConnectorScheduler:
         cancelled = [s.req for s in self._reqs.values() if s.has_load]
         for job in self.jobs.reset():
             self._flush[job.job_id] = "reset"
+            self._bad_keys.pop(job.job_id, None)
             if job.move:
                 self.lower.abandon(job, keep_cpu=keep_tier)
                 continue

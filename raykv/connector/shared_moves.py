@@ -31,6 +31,7 @@ a publish that found the pool full stops publishes for as long.
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -261,11 +262,17 @@ class SharedMoves(LowerTierMoves):
     # ---- the ranks' acks ---------------------------------------------------------------------
 
     def finalize(
-        self, job: TransferJobStatus, corrupt: bool, full: bool, unsettled: bool = False
+        self,
+        job: TransferJobStatus,
+        corrupt: bool,
+        full: bool,
+        unsettled: bool = False,
+        bad: AbstractSet[int] = frozenset(),
     ) -> None:
         """Every rank reported this move (``corrupt``: some rank's part was missing or bad, or
-        its CPU bytes changed; ``full``: some rank found the pool full; ``unsettled``: some
-        rank's read failed without being cancelled: the slots are held)."""
+        its CPU bytes changed, ``bad`` the keys it found so; ``full``: some rank found the pool
+        full; ``unsettled``: some rank's read failed without being cancelled: the slots are
+        held)."""
         ok = not job.failed
         self._count_outcome(ok or corrupt or full)
         if job.move == PUBLISH:
@@ -284,11 +291,13 @@ class SharedMoves(LowerTierMoves):
             self.stats.promoted += len(job.keys)
             return
         self.stats.promotions_failed += len(job.keys)
-        if corrupt:
-            self.stats.gone += len(job.keys)
-        # which chunk is not said: every one of them leaves the index (a rank removed the parts
-        # it found spoiled; the others stay, for the engines that read them whole)
-        self.shared.discard(job.keys)
+        # the chunks a rank found missing or spoiled leave the index (it removed the parts it
+        # found spoiled; the other ranks' stay, for the engines that read them whole); the
+        # job's others stay. Where the ranks named none, every one of them goes.
+        gone = [k for k in job.keys if k in bad] if bad else list(job.keys)
+        if corrupt or bad:
+            self.stats.gone += len(gone)
+        self.shared.discard(gone)
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
         """A reset abandoned this move: nothing it was making becomes readable, and one not yet

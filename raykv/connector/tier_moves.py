@@ -28,6 +28,7 @@ disk's moves have in common with the shared tier's.)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from raykv.connector.jobs import JobTable, TransferJobStatus
@@ -192,9 +193,15 @@ class DiskMoves(LowerTierMoves):
 
     # ---- the ranks' acks ---------------------------------------------------------------------
 
-    def finalize(self, job: TransferJobStatus, corrupt: bool, full: bool) -> None:
-        """Every rank reported this move (``corrupt``: some rank found its source bad;
-        ``full``: some rank found the disk full)."""
+    def finalize(
+        self,
+        job: TransferJobStatus,
+        corrupt: bool,
+        full: bool,
+        bad: AbstractSet[int] = frozenset(),
+    ) -> None:
+        """Every rank reported this move (``corrupt``: some rank found its source bad, ``bad``
+        the keys it found so; ``full``: some rank found the disk full)."""
         ok = not job.failed
         self._count_outcome(ok or corrupt or full)
         if job.move == DEMOTE:
@@ -214,11 +221,14 @@ class DiskMoves(LowerTierMoves):
             self.stats.promoted += len(job.keys)
             return
         self.stats.promotions_failed += len(job.keys)
-        self.stats.corrupt += len(job.keys) if corrupt else 0
-        # which chunk is not said, nor (a read error) whether its file will read again: every
-        # one of them leaves the tier, and its files go on every rank
-        self.disk.discard(job.keys)
-        self._drops.extend(k for k in job.keys if k not in self.disk)
+        # the chunks a rank found bad leave the tier, and their files go on every rank; the
+        # job's others stay. Where the ranks named none (a read error, or a report of the job
+        # said again without them), which is bad is not known: every one of them goes.
+        gone = [k for k in job.keys if k in bad] if bad else list(job.keys)
+        if corrupt or bad:
+            self.stats.corrupt += len(gone)
+        self.disk.discard(gone)
+        self._drops.extend(k for k in gone if k not in self.disk)
 
     def abandon(self, job: TransferJobStatus, keep_cpu: bool) -> None:
         """A reset abandoned this move (its ranks flush it next step; late acks are stale):

@@ -70,6 +70,7 @@ class DiskBackend(Protocol):
     def take_corrupt(self) -> list[int]: ...
     def take_full(self) -> list[int]: ...
     def take_unsettled(self) -> list[int]: ...
+    def take_bad_keys(self) -> dict[int, list[int]]: ...
 
 
 class FenceViolation(RuntimeError):
@@ -172,12 +173,14 @@ class ConnectorWorker:
         completed, failed = backend.poll()
         stats = backend.take_stats()
         corrupt, full, unsettled = backend.take_corrupt(), [], []
+        bad_keys: dict[int, list[int]] = {}
         for lower in self.lowers.values():
             moved, not_moved = lower.poll()
             completed, failed = completed + moved, failed + not_moved
             stats.add(lower.take_stats())
             corrupt, full = corrupt + lower.take_corrupt(), full + lower.take_full()
             unsettled += lower.take_unsettled()
+            bad_keys.update(lower.take_bad_keys())
         if self._no_engine:
             failed, self._no_engine = failed + self._no_engine, []
         self._verify_loads(completed, failed, stats)
@@ -191,7 +194,7 @@ class ConnectorWorker:
                 (completed if ok else failed).append(job_id)
                 if job_id in self._unsettled:  # said again, or its slots would be reused
                     unsettled.append(job_id)
-        return TransferReport(completed, failed, stats, corrupt, full, unsettled)
+        return TransferReport(completed, failed, stats, corrupt, full, unsettled, bad_keys)
 
     def check_writable(self, blocks: list[int], what: str = "write") -> None:
         """Raise unless no unfinished transfer on this rank uses ``blocks``."""

@@ -109,6 +109,9 @@ class FaultyTier:
         full, self._full = self._full, []
         return [*self.inner.take_full(), *full]
 
+    def take_bad_keys(self) -> dict[int, list[int]]:
+        return self.inner.take_bad_keys()
+
     def __getattr__(self, name: str) -> Any:
         # everything else (drop, pending slots, stats, index, shutdown) is the real engine's
         return getattr(self.inner, name)

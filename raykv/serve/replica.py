@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from raykv.cluster.engine_actor import EngineServer
-from raykv.cluster.rank_actor import READY_TIMEOUT_S, spawn_ranks
+from raykv.cluster.rank_actor import ranks_ready, spawn_ranks
 from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import TokenLogprobs
@@ -100,7 +100,7 @@ class EngineReplica:
             sweep_stale(cfg.offload.shared_pool_dir)
             self._pool_files = PoolFiles.new(cfg.offload.shared_pool_dir)
         workers = spawn_ranks(cfg_json, pg, self._pool_files, FIRST_RANK_BUNDLE)
-        ray.get([w.ready.remote() for w in workers], timeout=READY_TIMEOUT_S)
+        ranks_ready(workers)
         self.replica = _replica_id()
         labels = {"replica": self.replica} if self.replica else None
         self.server = EngineServer(

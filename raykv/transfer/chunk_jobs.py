@@ -127,6 +127,7 @@ class ChunkJobEngine:
         self._corrupt: list[int] = []
         self._full: list[int] = []
         self._unsettled: list[int] = []
+        self._bad_keys: dict[int, list[int]] = {}  # job -> keys whose source was bad
         self._stats = TransferStats()
         self._reads = IOThreads(io_threads, f"raykv-{self.name}-read")
         self._writes = IOThreads(io_threads, f"raykv-{self.name}-write", lower_priority)
@@ -201,6 +202,17 @@ class ChunkJobEngine:
         with self._cond:
             out, self._unsettled = self._unsettled, []
         return out
+
+    def take_bad_keys(self) -> dict[int, list[int]]:
+        """Per failed job, the keys whose source was bad (missing, or failing its checks)."""
+        with self._cond:
+            out, self._bad_keys = self._bad_keys, {}
+        return out
+
+    def _bad(self, job_id: int, key: int) -> None:
+        """Record that ``key``'s source in job ``job_id`` is bad (from any thread)."""
+        with self._cond:
+            self._bad_keys.setdefault(job_id, []).append(key)
 
     def take_stats(self) -> TransferStats:
         with self._cond:

@@ -166,6 +166,8 @@ class DiskTransferEngine(ChunkJobEngine):
                 task(key, slot, move.check_sums)
             except SourceCorrupt:
                 outcome = "corrupt"
+                if move.promote:  # this file is bad; the job's others are not
+                    self._bad(move.job_id, key)
             except DiskFull:
                 outcome = "full"
             except Exception as exc:  # a failed chunk fails its job, never the engine

@@ -186,6 +186,8 @@ class SharedTransferEngine(ChunkJobEngine):
             # not delivered (its bytes may still come), gone from the store, or not this key's
             # intact part: the chunk leaves the tier
             worst = worse("unsettled" if status == "failed" else "corrupt", worst)
+            if status != "failed":  # missing or spoiled: this chunk leaves the tier, no other
+                self._bad(move.job_id, key)
             if status == "corrupt":
                 spoiled.append(key)
         if spoiled:

@@ -79,3 +79,27 @@ def test_special_files_under_chunks_names_are_taken_away_and_never_hang_a_run(
     ]
     assert not left, left
     assert not any(books.values()), books
+
+
+def test_one_bad_file_costs_its_own_chunk_not_its_whole_promotion(
+    baseline: str, disk_dir: str
+) -> None:
+    """A promotion reads up to 64 chunks; a rank that found one file bad failed the job, and
+    every chunk of it was counted corrupt and deleted on every rank (30 tampered files were
+    reported as 44, 62 or 64). Ranks now name the keys they found bad."""
+    sets = SMALL + disk(disk_dir)
+    run(sets)
+    files = sorted(rank_files(sets, 1).values())
+    tampered = files[::3]
+    for path in tampered:
+        with open(path, "r+b") as fh:
+            fh.seek(4096 + 17)  # a byte of the first page (the header is 4 KiB)
+            byte = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    report, books = run(sets)
+    assert report["output_digest"] == baseline
+    d = report["tiers"]["disk"]
+    assert 0 < d["corrupt"] <= len(tampered), (d["corrupt"], len(tampered))
+    assert d["promotions_failed"] > d["corrupt"]  # the failed jobs' other chunks stayed
+    assert not any(books.values()), books
