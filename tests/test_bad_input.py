@@ -985,3 +985,29 @@ def test_a_disk_path_no_rank_could_use_is_refused_by_the_check(
     line = _the_error_line(capsys)
     assert "offload.disk" in line and why in line
     assert not os.path.exists("~no-such-user-here")
+
+
+def test_a_server_that_is_no_mooncake_master_is_named_as_such(capsys) -> None:
+    """An HTTP server on loopback as ``offload.shared.master``: 30 s despite ``timeout_s=5``, a
+    dozen glog lines, and "no segment given"; now one line saying no master answers there."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    pytest.importorskip("mooncake.store")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml"]
+        argv += ["--num-requests", "2", "--set", "offload.shared.enabled=true"]
+        argv += ["--set", f"offload.shared.master={address}", "--set", "offload.shared.timeout_s=1"]
+        assert main(argv) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    line = _the_error_line(capsys)
+    assert "offload.shared.master" in line and f"no Mooncake master at {address}" in line

@@ -83,6 +83,15 @@ class RaykvConfig(_Strict):
                     f"offload.cpu_bytes ({self.offload.cpu_bytes}) is smaller than one chunk "
                     f"({chunk} bytes across {tp} ranks)"
                 )
+        shared = self.offload.shared
+        if self.offload.enabled and shared.enabled:
+            # a part is a header (4 KiB) and its pages, on every rank
+            part = self.chunk_bytes_total() + 4096 * tp
+            if shared.segment < part:
+                raise ValueError(
+                    f"offload.shared.segment ({shared.segment}) is smaller than one chunk in "
+                    f"the store ({part} bytes across {tp} ranks)"
+                )
         return self
 
     # ---- derived sizes (plain arithmetic, shared by every layer) ----

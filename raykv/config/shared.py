@@ -18,6 +18,7 @@ EMBEDDED = "embedded"
 SECRET_ENV = "RAYKV_SHARED_SECRET"  # the cluster's secret, where no secret_file names one
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
+MIN_SEGMENT = 16 * 2**20  # the least a Mooncake client gives the pool
 
 
 def check_address(value: str) -> str:
@@ -109,6 +110,14 @@ class SharedTierConfig(_Strict):
         path = absolute_path(value)
         read_secret(path)  # readable here, and a secret
         return path
+
+    @model_validator(mode="after")
+    def _segment_mountable(self) -> SharedTierConfig:
+        if self.enabled and self.mount and self.segment < MIN_SEGMENT:
+            raise ValueError(
+                f"segment: {self.segment} bytes; Mooncake Store mounts segments of 16MiB or more"
+            )
+        return self
 
     @model_validator(mode="after")
     def _secret_given(self) -> SharedTierConfig:

@@ -41,6 +41,7 @@ from raykv.transfer.disk_files import (
     RankDirectory,
     claim_directory,
     probe_direct_io,
+    reclaim_siblings,
 )
 from raykv.transfer.layout import KVLayout
 
@@ -88,6 +89,7 @@ class DiskTransferEngine(ChunkJobEngine):
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
         if io_threads <= 0:
             raise ValueError(f"io_threads must be positive, got {io_threads}")
+        self._base = root
         try:
             # this engine's alone while it lives (another engine on the node takes the next)
             root, self._lock_fd = claim_directory(root, claim_wait_s)
@@ -116,7 +118,11 @@ class DiskTransferEngine(ChunkJobEngine):
     # ---------------------------------------------------------------- public API
 
     def index(self) -> list[int]:
-        """The keys whose files this rank holds (stale temporary files swept on the way)."""
+        """The keys whose files this rank holds (stale temporary files swept on the way; the
+        files of this rank's other directories that no live engine holds taken in)."""
+        taken = reclaim_siblings(self._base, self.files)
+        if taken:
+            log.info("disk tier %s: %d files taken in from an earlier engine's", self._base, taken)
         keys, swept = self.files.scan()
         if swept:
             log.info(

@@ -55,7 +55,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from raykv.transfer.crc import crc32
-from raykv.transfer.pool_files import process_alive
 
 FORMAT_VERSION = 2  # 2: the header names the namespace, rank and TP size, and has a seal
 MAGIC = b"RAYKVDSK"
@@ -345,8 +344,12 @@ class RankDirectory:
             pass
 
     def scan(self) -> tuple[list[int], int]:
-        """The keys whose files are here, and how many stale temporary files (of writers no
-        longer running) were removed on the way. Names raykv did not write are left alone."""
+        """The keys whose files are here, and how many stale temporary files were removed on
+        the way: every one this instance did not make. Only the holder of the directory's lock
+        writes here (``claim_directory``), so a temporary file of any other writer is an earlier
+        holder's, left by a crash, whether or not its pid runs now (a pid the system gave
+        again, or an engine of this process that came before). Names raykv did not write are
+        left alone."""
         self._adopt_free()
         keys: list[int] = []
         swept = 0
@@ -359,11 +362,33 @@ class RankDirectory:
                     self._special(entry.path)
                 continue
             t = _TMP_RE.match(entry.name)
-            if t is not None and not process_alive(int(t["pid"])):
+            if t is not None and f"{t['pid']}.{t['n']}".rsplit("-", 1)[0] != self._stem:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                     swept += 1
         return keys, swept
+
+    def absorb(self, other: str) -> int:
+        """Take in the chunk files of ``other``, a directory of the same namespace and rank that
+        another engine on the node wrote (``base.1``, ...) and no live engine holds: each key's
+        file moved here where this directory lacks it (the bytes mean the same), the rest
+        deleted with ``other``. How many were moved."""
+        moved = 0
+        foreign = RankDirectory(other)
+        for entry in foreign._entries():
+            m = _NAME_RE.match(entry.name)
+            if m is None or not entry.is_file(follow_symlinks=False):
+                continue
+            key = int(m["key"], 16)
+            if os.path.lexists(self.path(key)):
+                continue
+            try:
+                self.subdirectory(key)
+                os.rename(entry.path, self.path(key))
+                moved += 1
+            except OSError:
+                continue  # left with the rest of ``other``
+        return moved
 
     def _entries(self) -> Iterator[os.DirEntry[str]]:
         try:
@@ -481,9 +506,37 @@ def make_private_dirs(path: str) -> None:
             os.chmod(path, 0o700, follow_symlinks=False)
 
 
-def _try_lock(root: str) -> int | None:
-    make_private_dirs(root)
-    make_private_dirs(os.path.dirname(root))  # the namespace's directory
+def reclaim_siblings(base: str, mine: RankDirectory) -> int:
+    """Take the files of ``base``'s other directories (``base``, ``base.1``, ``base.2``, ...:
+    those other engines on the node took while ``base`` was held) that no live engine holds
+    into ``mine``, and remove those directories: a later engine reads and reclaims what a
+    concurrent one wrote. How many files were taken."""
+    moved = 0
+    for k in range(MAX_DIRECTORIES):
+        other = base if k == 0 else f"{base}.{k}"
+        if other == mine.root or not os.path.isdir(other) or os.path.islink(other):
+            continue
+        fd = _try_lock(other, make=False)
+        if fd is None:
+            continue  # a live engine's
+        try:
+            moved += mine.absorb(other)
+            # out of every later engine's way at once, then removed: an engine that claims
+            # the name from now on makes a new directory
+            trash = f"{other}.reclaimed-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(other, trash)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(trash, ignore_errors=True)
+    return moved
+
+
+def _try_lock(root: str, make: bool = True) -> int | None:
+    if make:
+        make_private_dirs(root)
+        make_private_dirs(os.path.dirname(root))  # the namespace's directory
     fd = os.open(
         os.path.join(root, LOCK_NAME),
         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,

@@ -31,7 +31,10 @@ def _hold(endpoint: StoreEndpoint, segment_bytes: int, ready: Any, stop: Any, pa
     die_with_parent(parent)
     try:
         holder = SegmentHolder(endpoint, segment_bytes)
-    except Exception as exc:  # said to the parent through the queue, not a traceback
+    except SharedStoreError as exc:  # said to the parent through the queue, not a traceback
+        ready.put(str(exc))
+        return
+    except Exception as exc:
         ready.put(f"{type(exc).__name__}: {exc}")
         return
     ready.put("")

@@ -148,6 +148,21 @@ def test_a_chunk_the_store_lost_fails_its_promotion_and_the_request_recomputes()
     assert t.lookup.lookup(state, 0, {}) == 0  # it recomputes, and asks no more
 
 
+def test_only_the_chunk_a_rank_found_missing_leaves_the_index() -> None:
+    """Every chunk of a failed promotion left the index, whichever part was missing."""
+    t = setup()
+    state = request(4)
+    keys = state.groups[0].keys[:4]
+    t.store.held = set(keys[:3])
+    assert t.lookup.lookup(state, 0, {}) is None
+    (move,), _ = t.moves.plan()
+    job = ack_all(t.jobs, move.job_id, ok=False)
+    t.moves.finalize(job, corrupt=True, full=False, bad={keys[1]})
+    assert keys[1] not in t.shared
+    assert keys[0] in t.shared and keys[2] in t.shared
+    assert t.moves.stats.gone == 1
+
+
 def test_the_slots_of_a_failed_promotion_are_not_reused_while_its_read_may_land() -> None:
     """The store's client gives up on a read without cancelling it (a rank says
     ``unsettled``): the slots it was reading into are held (not free, not owned) and never
