@@ -40,14 +40,20 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     if args.engine == "local":
         with err.status(f"loading {model} and generating..."):
             outputs, report = generate(
-                cfg, prompts, args.max_tokens, sequential=args.sequential, sampling=sampling
+                cfg,
+                prompts,
+                args.max_tokens,
+                sequential=args.sequential,
+                sampling=sampling,
+                cache_salt=args.cache_salt,
             )
         report_shape = report.as_dict()
     else:
         from raykv.cluster.client import RaykvClient
         from raykv.runs.generate import prepare
 
-        gen = prepare(cfg, prompts, args.max_tokens, sampling)  # bad input refused here
+        # bad input refused here
+        gen = prepare(cfg, prompts, args.max_tokens, sampling, args.cache_salt)
         with err.status(f"starting Ray and {model} on its rank actors..."):
             client = RaykvClient.start(gen.cfg, address=args.address)
         with client, err.status("generating..."):
@@ -103,6 +109,11 @@ def register(sub: Any) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0: no limit")
     gen.add_argument("--seed", type=int, help="same seed, same tokens")
+    gen.add_argument(
+        "--cache-salt",
+        help="the prompts' cache tenant: prompts with another salt (or none) share no cached "
+        "KV with them, in any tier (a prompt file's line may give its own cache_salt)",
+    )
     gen.add_argument(
         "--logprobs", type=int, help="report each token's log-probability and the top K"
     )

@@ -79,6 +79,7 @@ def execute_run(
                     report = run_chat(core, session, progress)
                 else:
                     report = run_engine(core, specs, progress=progress)
+            core.stop()  # the CPU tier to the disk tier: the next run starts warm
     else:
         from raykv.cluster.client import RaykvClient
 

@@ -56,7 +56,9 @@ def register(sub: Any) -> None:
         "one) or prefix (Ray Serve LLM's text prefix tree)",
     )
     srv.add_argument(
-        "--api-key", help="require this bearer key (better: set RAYKV_API_KEY, kept out of ps)"
+        "--api-key",
+        help="require this bearer key, or one of several separated by commas, each a tenant "
+        "of its own cache (better: set RAYKV_API_KEY, kept out of ps)",
     )
     srv.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback --host without a key"

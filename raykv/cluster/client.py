@@ -427,7 +427,9 @@ class RaykvClient:
         # an actor already gone must not keep the rest alive; ranks the scheduler replaced are
         # its own actors and go with it
         with contextlib.suppress(Exception):
-            ray.get(self.server.shutdown.remote(), timeout=60)  # its loop, its graph
+            # its loop, its graph, and the spill of the CPU tier to the disk tier
+            stop_s = 60 + self.cfg.offload.disk.spill_on_stop_s
+            ray.get(self.server.shutdown.remote(), timeout=stop_s)
             self.workers = ray.get(self.server.workers.remote(), timeout=60)
             ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         for actor in [self.server, *self.workers]:

@@ -282,8 +282,10 @@ class EngineServer:
 
     def shutdown(self) -> None:
         """Before the ranks are shut down: transfers in flight once every request is done (the
-        last stores, the shared tier's publishes) land first, for at most ``DRAIN_S``; then
-        the loop stops and the compiled graph, if any, is torn down."""
+        last stores, the shared tier's publishes) land first, for at most ``DRAIN_S``; the CPU
+        tier is spilled to the disk tier (``EngineCore.stop``, for at most
+        ``offload.disk.spill_on_stop_s``: the next engine on the path starts warm); then the
+        loop stops and the compiled graph, if any, is torn down."""
         deadline = time.monotonic() + DRAIN_S
         while self._loop is not None and self._error is None and time.monotonic() < deadline:
             with self._lock:
@@ -291,6 +293,12 @@ class EngineServer:
                 if scheduler.has_unfinished() or not self.driver.has_work():
                     break  # requests still running are stopped, not waited for
             time.sleep(0.05)
+        if self._error is None:
+            with self._lock:  # between two steps of the serving loop, if it runs
+                try:
+                    self.engine.stop()
+                except Exception as exc:  # a stop goes on whatever the spill met
+                    log.warning("the spill to the disk tier at the stop failed: %s", exc)
         self.stop()
         with self._lock:
             self.group.shutdown()

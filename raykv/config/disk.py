@@ -86,6 +86,16 @@ class DiskTierConfig(_Strict):
         "tier's write-back (offload.shared.publish: back) keeps free by publishing, without a "
         "disk tier or while the disk takes no demotions.",
     )
+    spill_on_stop_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="At a graceful stop (the end of raykv run or raykv generate, SIGTERM or a "
+        "rolling update under raykv serve, a client's shutdown) the CPU tier's ready chunks "
+        "are written to the disk tier, for at most this many seconds, so the engine that "
+        "comes up on this path starts warm; 0: nothing is written at a stop.",
+    )
     retry_full_steps: int = Field(
         default=512,
         gt=0,

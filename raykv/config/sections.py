@@ -432,6 +432,14 @@ class ServeConfig(_Strict):
         default=None, description="None: kv with more than one replica, else pow2."
     )
     insecure: bool = Field(default=False, description="Allow a non-loopback host without a key.")
+    cache_isolation: Literal["per_key", "request_salt", "required"] = Field(
+        default="per_key",
+        description="Whose cached KV a request may hit. per_key: one tenant per API key "
+        "(RAYKV_API_KEY or --api-key may name several, comma-separated), within it the "
+        "request's cache_salt; request_salt: only the request's cache_salt (one tenant for all "
+        "keys); required: as per_key, and a request without cache_salt is refused (400). "
+        "Requests of different tenants share no block in any tier or in the router's view.",
+    )
     router_weights: RouterWeightsConfig = RouterWeightsConfig()
     max_request_bytes: ByteSize = Field(
         default=4 * 2**20,

@@ -298,6 +298,19 @@ class ConnectorScheduler:
             state.advance(storable, bpc)
             return
         plan = self.directory.prepare_store([k for _, _, k in wanted])
+        # more chunks than the tier can make room for at once (a prompt longer than the CPU
+        # tier, or most of it pinned): the longest prefix that fits, the rest from the next
+        # steps, as demotions free room (a prompt was never stored at all, nor reached the disk)
+        first = min(c for _, c, _ in wanted)
+        if plan is None and storable - first > 1:
+            room = self.directory.room(k for _, _, k in wanted)
+            storable = min(storable - 1, first + max(1, room // len(self.groups)))
+            wanted = [w for w in wanted if w[1] < storable]
+            plan = self.directory.prepare_store([k for _, _, k in wanted])
+        while plan is None and storable - first > 1:  # the policy kept some of that room
+            storable = first + (storable - first) // 2
+            wanted = [w for w in wanted if w[1] < storable]
+            plan = self.directory.prepare_store([k for _, _, k in wanted])
         if plan is None:
             self.stats.allocation_failures += 1
             return  # keep the cursors: retried next step
@@ -452,6 +465,10 @@ class ConnectorScheduler:
     def has_pending_work(self) -> bool:
         """Keep stepping while this is true (jobs in flight or finished requests to close)."""
         return bool(self.jobs) or bool(self._finished) or bool(self._loads)
+
+    def moves_in_flight(self) -> bool:
+        """A move between the tiers (a demotion, promotion or publish) is not final yet."""
+        return any(job.move for job in self.jobs.jobs.values())
 
     def tracked(self) -> int:
         return len(self._reqs)

@@ -155,7 +155,9 @@ class RequestOffloadState:
                 subs.append(i % bpc)
                 if expect is not None:
                     tokens = tuple(req.tokens[i * bs : (i + 1) * bs])
-                    expect.append(BlockContent(g, parent_hash(req.hashes, i), tokens))
+                    expect.append(
+                        BlockContent(g, parent_hash(req.hashes, i, req.root_hash), tokens)
+                    )
         return blocks, chunk_keys, subs, expect
 
     def add_job(self, job_id: int, is_store: bool) -> None:

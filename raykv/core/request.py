@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from raykv.core.hashing import extend_hashes
+from raykv.core.hashing import ROOT_HASH, check_cache_salt, extend_hashes, salted_root
 from raykv.core.step import SamplingSpec, TokenLogprobs
 
 # The status of a request the engine refused (bad token ids, too long, an id in use): it never
@@ -95,6 +95,9 @@ class Request:
     # last token with the hit it took, and by recomputing (None: no tier hit was in reach)
     predicted_s: float | None = None
     predicted_recompute_s: float | None = None
+    # its cache's tenant: requests with different salts never share a block (``core/hashing``)
+    cache_salt: str | None = None
+    root_hash: int = ROOT_HASH  # the parent of its first block (from the salt)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -103,6 +106,12 @@ class Request:
             raise ValueError(f"request {self.req_id}: max_tokens must be positive")
         if not self.tokens:
             self.tokens = list(self.prompt)
+        if self.cache_salt is not None:
+            try:
+                check_cache_salt(self.cache_salt)
+            except ValueError as exc:
+                raise RequestRefused(f"request {self.req_id}: {exc}", "cache_salt") from None
+        self.root_hash = salted_root(self.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -122,7 +131,7 @@ class Request:
 
     def update_hashes(self, block_size: int) -> list[int]:
         """Extend the chained hashes over any newly full blocks of ``tokens``."""
-        return extend_hashes(self.hashes, self.tokens, block_size)
+        return extend_hashes(self.hashes, self.tokens, block_size, self.root_hash)
 
     def reset_blocks(self, num_groups: int) -> None:
         self.block_tables = [[] for _ in range(num_groups)]

@@ -44,7 +44,7 @@ def model_batch(
         parents = []
         if parent_hashes:
             hashes = req.update_hashes(bs)
-            parents = [parent_hash(hashes, b) for b in range(first_b, last_b + 1)]
+            parents = [parent_hash(hashes, b, req.root_hash) for b in range(first_b, last_b + 1)]
         # the prompt is all in: this step samples a token
         read_from = kv.read_from(end) if end == req.num_tokens + req.num_pending else []
         key, table_from, tables = kv.table_changes(req, end)

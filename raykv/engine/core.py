@@ -9,6 +9,7 @@ land instead of spinning.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -39,6 +40,8 @@ from raykv.engine.scheduler import Scheduler
 from raykv.engine.shared_tier import shared_directory, store_index_of, write_back
 from raykv.engine.step_output import EngineTotals, PlannedStep, SchedulerOutput
 from raykv.offload.directory import Directory
+
+log = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -381,16 +384,39 @@ class EngineCore:
         keep their contents; the CPU tier is untouched)."""
         self.pool.reset_cache()
 
-    def spill_to_disk(self) -> None:
+    def spill_to_disk(self, timeout_s: float | None = None) -> int:
         """Move every chunk of the CPU tier that nobody reads to the disk tier and wait until
-        they have landed (nothing without a disk tier). Not while requests run."""
+        they have landed, or ``timeout_s`` has passed (nothing without a disk tier): the chunks
+        it demoted. Not while requests run (a graceful stop's spill steps only while demotions
+        are in flight; requests still queued or running are left as they are)."""
         moves = self.connector.moves if self.connector is not None else None
         if moves is None:
-            return
+            return 0
+        before = moves.stats.demoted
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         moves.spill()
         self.step()
         while self.has_work():
+            if deadline is not None and (
+                time.monotonic() >= deadline or not self.connector.moves_in_flight()
+            ):
+                break
             self.step()
+        return moves.stats.demoted - before
+
+    def stop(self) -> int:
+        """A graceful stop: the CPU tier spilled to the disk tier for at most
+        ``offload.disk.spill_on_stop_s`` (what a later engine on the path starts warm with;
+        what is still being written then lands as the ranks' disk engines shut down, and is
+        found by the next engine's warm start if every rank's part is whole). The chunks
+        spilled."""
+        d = self.cfg.offload.disk
+        if not (self.cfg.offload.enabled and d.enabled) or d.spill_on_stop_s <= 0:
+            return 0
+        spilled = self.spill_to_disk(d.spill_on_stop_s)
+        if spilled:
+            log.info("graceful stop: %d chunks of the CPU tier written to the disk tier", spilled)
+        return spilled
 
     def kv_state(self) -> tuple[int, dict[str, list[int]]]:
         """What the KV events have announced so far, as a whole: (the next event's sequence
@@ -431,7 +457,9 @@ class EngineCore:
             for sub in range(bpc):
                 b = last - bpc + 1 + sub
                 tokens = tuple(req.tokens[b * bs : (b + 1) * bs])
-                content = BlockContent(key_group(key), parent_hash(req.hashes, b), tokens)
+                content = BlockContent(
+                    key_group(key), parent_hash(req.hashes, b, req.root_hash), tokens
+                )
                 out.append((d.slot_of(key), sub, content))
         return out
 

@@ -101,6 +101,13 @@ class Directory:
         """Slots out of use for a while (``complete_store``'s ``hold_s``)."""
         return self._slots.num_held
 
+    def room(self, keep: Iterable[int] = ()) -> int:
+        """At most how many new keys a store could take now: free slots, and ready keys
+        nobody writes or reads outside ``keep`` (what eviction may take, if the policy does)."""
+        slot, busy = self._slot, self._writing.union(self._readers)
+        kept = sum(1 for k in set(keep) if k in slot and k not in busy)
+        return self._slots.num_free + len(slot) - len(busy) - kept
+
     @property
     def num_leaving(self) -> int:
         return len(self._leaving)

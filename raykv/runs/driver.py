@@ -193,7 +193,12 @@ class Driver:
             _, _, index, spec = heapq.heappop(pending)
             try:
                 req = Request(
-                    spec.req_id, index, list(spec.prompt), spec.max_tokens, sampling=spec.sampling
+                    spec.req_id,
+                    index,
+                    list(spec.prompt),
+                    spec.max_tokens,
+                    sampling=spec.sampling,
+                    cache_salt=spec.cache_salt,
                 )
                 if spec.arrival_s is not None:  # it arrived then, whenever the step ended
                     req.arrival_s = origin + spec.arrival_s

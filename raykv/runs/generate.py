@@ -15,6 +15,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from raykv.config import ConfigError, RaykvConfig
+from raykv.core.hashing import check_cache_salt
 from raykv.core.request import REJECTED, RequestStatus
 from raykv.core.step import SEED_MAX, SEED_MIN, SamplingSpec, TokenLogprobs
 from raykv.engine.core import EngineCore
@@ -35,6 +36,7 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
     token_ids: list[int] | None = None
     source: str | None = None  # where it was read ("file:line"): errors found later name it
+    cache_salt: str | None = None  # its cache's tenant (None: the run's, if any)
 
 
 @dataclass(slots=True)
@@ -71,8 +73,8 @@ class Output:
 
 def read_prompt_file(path: str) -> list[Prompt]:
     """A JSONL file, one ``{"prompt": text}``, ``{"messages": [...]}`` or
-    ``{"prompt_token_ids": [...]}`` per line; errors name the file and line (and the message
-    or token at fault)."""
+    ``{"prompt_token_ids": [...]}`` per line, each with an optional ``"cache_salt"``; errors
+    name the file and line (and the message or token at fault)."""
     file = Path(path)
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
@@ -111,19 +113,25 @@ def _prompt(item: object, where: str) -> Prompt:
         )
     if not value:
         raise ConfigError(f"{where}: {key} is empty")
+    salt = item.get("cache_salt")
+    if salt is not None:
+        try:
+            check_cache_salt(salt)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     if key == "prompt":
-        return Prompt(text=value, source=where)
+        return Prompt(text=value, source=where, cache_salt=salt)
     if key == "messages":
         for index, message in enumerate(value):
             _check_message(message, f"{where}: messages[{index}]")
-        return Prompt(messages=value, source=where)
+        return Prompt(messages=value, source=where, cache_salt=salt)
     for index, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ConfigError(
                 f"{where}: prompt_token_ids[{index}] must be a token id (an integer >= 0), "
                 f"got {shown(token)}"
             )
-    return Prompt(token_ids=list(value), source=where)
+    return Prompt(token_ids=list(value), source=where, cache_salt=salt)
 
 
 def _check_message(message: object, where: str) -> None:
@@ -178,10 +186,17 @@ def prepare(
     prompts: list[Prompt],
     max_tokens: int,
     sampling: SamplingSpec | None = None,
+    cache_salt: str | None = None,
 ) -> Generation:
     """Configure ``cfg`` for its checkpoint and turn the prompts into request specs, each with
     ``sampling`` (greedy by default; a seed is offset by the prompt's index, so prompts differ
-    and a rerun repeats). Bad sampling parameters are refused by name before anything loads."""
+    and a rerun repeats) and its cache salt (the prompt's own, else ``cache_salt``). Bad
+    sampling parameters and salts are refused by name before anything loads."""
+    if cache_salt is not None:
+        try:
+            check_cache_salt(cache_salt)
+        except ValueError as exc:
+            raise ConfigError(f"--cache-salt: {exc}") from None
     spec_in = sampling or SamplingSpec()
     spec_in.check()
     cfg, _, path = configure(cfg)
@@ -196,7 +211,12 @@ def prepare(
         cfg = with_stop_tokens(cfg, [tokenizer.eos_token_id])
     specs = [
         RequestSpec(
-            str(i), tuple(_token_ids(tokenizer, p, path)), max_tokens, 0.0, _for_prompt(spec_in, i)
+            str(i),
+            tuple(_token_ids(tokenizer, p, path)),
+            max_tokens,
+            0.0,
+            _for_prompt(spec_in, i),
+            cache_salt=p.cache_salt if p.cache_salt is not None else cache_salt,
         )
         for i, p in enumerate(prompts)
     ]
@@ -209,14 +229,16 @@ def generate(
     max_tokens: int,
     sequential: bool = False,
     sampling: SamplingSpec | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[list[Output], RunReport]:
     """Run every prompt to the end on the one-process engine (the real model at TP 1); see
     ``prepare``. With ``sequential`` each prompt is submitted once the previous finished."""
-    gen = prepare(cfg, prompts, max_tokens, sampling)
+    gen = prepare(cfg, prompts, max_tokens, sampling, cache_salt)
     cfg = gen.cfg
     outputs: dict[int, Output] = {}
     with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
-        driver = Driver(EngineCore(cfg, workers))
+        core = EngineCore(cfg, workers)
+        driver = Driver(core)
         for batch in [[s] for s in gen.specs] if sequential else [gen.specs]:
             driver.submit(batch)
             while driver.has_work():
@@ -227,6 +249,7 @@ def generate(
                     index, req.output, req.status.value, logprobs=req.logprobs
                 )
         report = driver.report()
+        core.stop()  # the CPU tier to the disk tier: the next run starts warm
     for refused in report.rejected:  # this prompt is at fault; the others ran
         index = int(refused["request"])
         outputs[index] = gen.output(index, [], REJECTED, refused["error"])

@@ -14,6 +14,7 @@ from typing import Any
 
 from raykv.config import ConfigError, RaykvConfig, ServeConfig
 from raykv.serve.kv_index import KVLayout
+from raykv.serve.tenants import api_keys
 
 APP_NAME = "raykv"
 ENGINE_DEPLOYMENT = "raykv-engine"
@@ -46,8 +47,9 @@ class ServeOptions:
     replicas: int = 1
     replica_resources: dict[str, float] = field(default_factory=dict)
     router: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # one key, or several separated by commas (one tenant each)
     insecure: bool = False
+    cache_isolation: str = "per_key"
 
     @classmethod
     def of(cls, serve: ServeConfig, api_key: str | None = None, **flags: Any) -> ServeOptions:
@@ -59,6 +61,7 @@ class ServeOptions:
             "replica_resources": dict(serve.replica_resources),
             "router": serve.router,
             "insecure": serve.insecure,
+            "cache_isolation": serve.cache_isolation,
         }
         values.update({k: v for k, v in flags.items() if v is not None and v is not False})
         return cls(api_key=api_key, **values)
@@ -77,6 +80,8 @@ class ServeOptions:
             raise ConfigError(f"--router {self.router!r}: expected one of {', '.join(ROUTERS)}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port}: not a port number")
+        if self.api_key is not None and not api_keys(self.api_key):
+            raise ConfigError("--api-key: no key given (RAYKV_API_KEY or --api-key is empty)")
         if not _loopback(self.host) and not self.api_key and not self.insecure:
             raise ConfigError(
                 f"--host {self.host}: serving beyond this machine needs --api-key KEY "
@@ -153,6 +158,9 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         ),
         health_check_period_s=2,
         health_check_timeout_s=30,
+        # a replica's stop spills its CPU tier to the disk tier (offload.disk.spill_on_stop_s)
+        # before its ranks go: Serve waits that long for it (20 s by default)
+        graceful_shutdown_timeout_s=30 + cfg.offload.disk.spill_on_stop_s,
     )
     ingress = ingress_deployment().options(
         name=INGRESS_DEPLOYMENT,
@@ -172,6 +180,7 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         options.router_name == "prefix",
         cfg.model.cache_dir,
         limits,
+        options.cache_isolation,
     )
 
 

@@ -41,6 +41,7 @@ from raykv.serve.protocol import (
     CompletionRequest,
     parse,
 )
+from raykv.serve.tenants import SaltRequired, api_keys, request_salt, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +80,21 @@ class OpenAIIngress:
         text_prompts: bool = False,
         cache_dir: str | None = None,
         limits: dict[str, Any] | None = None,
+        cache_isolation: str = "per_key",
     ) -> None:
-        """``text_prompts``: give a token-id prompt its text too (the text-prefix router reads
-        nothing else); ``cache_dir``: where a GGUF file's tokenizer is kept converted;
-        ``limits``: an ``IngressLimits`` as a dict."""
+        """``api_key``: one key, or several separated by commas; ``text_prompts``: give a
+        token-id prompt its text too (the text-prefix router reads nothing else);
+        ``cache_dir``: where a GGUF file's tokenizer is kept converted; ``limits``: an
+        ``IngressLimits`` as a dict; ``cache_isolation``: ``serve.cache_isolation``."""
         self.engine = engine
         self._text_prompts = text_prompts
         self.model_name = model_name
         self.tokenizer = Tokenizer.of(model_file, cache_dir)
         self.limits = IngressLimits(**(limits or {}))
-        self._key = api_key.encode() if api_key else None
+        # each key with its tenant's tag (a hash of the key: the salt a replica sees, logs or
+        # reports names no key)
+        self._keys = [(key.encode(), tenant_tag(key)) for key in api_keys(api_key)]
+        self._isolation = cache_isolation
         self._ready = False
         self._prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="raykv-prepare")
         self.created = int(time.time())
@@ -139,16 +145,26 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        tenant = self._authorize(request)
         raw = await self._body(request)
         engine_request, body = await self._in_thread(self._completion_request, raw)
+        engine_request.cache_salt = self._cache_salt(tenant, body.cache_salt)
         return await self._answer(engine_request, body, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
+        tenant = self._authorize(request)
         raw = await self._body(request)
         engine_request, body = await self._in_thread(self._chat_request, raw)
+        engine_request.cache_salt = self._cache_salt(tenant, body.cache_salt)
         return await self._answer(engine_request, body, chat=True)
+
+    def _cache_salt(self, tenant: str | None, given: str | None) -> str | None:
+        """The salt a request's blocks are hashed under (``serve/tenants.py``); a 400 naming
+        ``cache_salt`` where one is required and none was given."""
+        try:
+            return request_salt(self._isolation, tenant, given)
+        except SaltRequired as exc:
+            raise ApiError(400, str(exc), "cache_salt") from None
 
     # ---- requests, in a thread of ``_prepare`` ----------------------------------------------
 
@@ -222,14 +238,22 @@ class OpenAIIngress:
 
     # ---- checks -----------------------------------------------------------------------------
 
-    def _authorize(self, request: Request) -> None:
-        if self._key is None:
-            return
+    def _authorize(self, request: Request) -> str | None:
+        """The tenant of the request's API key (None: the server asks for none); a 401 where
+        the key is missing or none of the server's."""
+        if not self._keys:
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        # constant time: how much of a wrong key matched must not show in the answer's timing
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self._key):
+        # constant time, every key compared: neither how much of a wrong key matched nor which
+        # key it came near shows in the answer's timing
+        tenant = None
+        for key, tag in self._keys:
+            if hmac.compare_digest(token.encode(), key):
+                tenant = tag
+        if scheme.lower() != "bearer" or tenant is None:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        return tenant
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

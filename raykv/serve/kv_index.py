@@ -14,7 +14,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from raykv.core.hashing import block_hashes
+from raykv.core.hashing import block_hashes, salted_root
 from raykv.core.keys import make_key
 from raykv.core.kv_events import (
     MEDIUM_CPU,
@@ -178,9 +178,13 @@ class PromptKeys:
     published: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, token_ids: Sequence[int], layout: KVLayout) -> PromptKeys:
+    def of(
+        cls, token_ids: Sequence[int], layout: KVLayout, cache_salt: str | None = None
+    ) -> PromptKeys:
+        """The keys of a prompt of ``token_ids`` under ``cache_salt`` (its tenant's: no other
+        tenant's block is a hit for it, here as in the engine)."""
         bs, bpc = layout.block_size, layout.blocks_per_chunk
-        hashes = block_hashes(token_ids, bs)
+        hashes = block_hashes(token_ids, bs, salted_root(cache_salt))
         usable = max(0, len(token_ids) - 1) // bs
         gpu = [tuple(make_key(h, g) for g in layout.groups) for h in hashes[:usable]]
         chunks = usable // bpc

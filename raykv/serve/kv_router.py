@@ -260,7 +260,7 @@ class KVAwareRouter(RequestRouter):
         if token_ids is None:
             self.decisions.inc(tags={"way": "no_prompt"})
             return _pow2(candidate_replicas, self._queue_of)
-        keys = PromptKeys.of(token_ids, self.layout)
+        keys = PromptKeys.of(token_ids, self.layout, _cache_salt(pending_request))
         scored = []
         typical = self._typical_load()
         shared = SharedView(f.kv for f in self.followed.values())
@@ -346,6 +346,14 @@ class KVAwareRouter(RequestRouter):
             if followed.task is not None:
                 with contextlib.suppress(Exception):
                     followed.task.cancel()
+
+
+def _cache_salt(pending_request: PendingRequest | None) -> str | None:
+    """The cache salt of the ``EngineRequest`` a pending request carries, if any."""
+    if pending_request is None or not pending_request.args:
+        return None
+    salt = getattr(pending_request.args[0], "cache_salt", None)
+    return salt if isinstance(salt, str) and salt else None
 
 
 def _token_ids(pending_request: PendingRequest | None) -> list[int] | None:

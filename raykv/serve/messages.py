@@ -22,6 +22,9 @@ class EngineRequest:
     sampling: SamplingSpec
     stop: list[str] = field(default_factory=list)
     prompt: str = ""
+    # its cache's tenant (the request's ``cache_salt``, and its API key's where the server
+    # isolates tenants by key): requests with other salts share no cached block with it
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

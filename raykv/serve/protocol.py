@@ -16,10 +16,12 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    StrictStr,
     ValidationError,
     field_validator,
 )
 
+from raykv.core.hashing import MAX_SALT_CHARS
 from raykv.core.step import MAX_LOGPROBS as ENGINE_MAX_LOGPROBS
 from raykv.core.step import SEED_MAX, SEED_MIN
 
@@ -84,6 +86,8 @@ class _Sampling(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=1)  # one choice per request
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    # as vLLM's server takes it: requests with different salts share no cached KV
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
 
     @field_validator("stop")
     @classmethod

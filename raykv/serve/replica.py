@@ -249,13 +249,25 @@ class EngineReplica:
                 max_tokens = request.max_tokens or self._room(engine_id, request.token_ids)
                 engine.check_request(
                     Request(
-                        engine_id, 0, list(request.token_ids), max_tokens, sampling=request.sampling
+                        engine_id,
+                        0,
+                        list(request.token_ids),
+                        max_tokens,
+                        sampling=request.sampling,
+                        cache_salt=request.cache_salt,
                     )
                 )
             except ValueError as exc:
                 field = exc.field if isinstance(exc, RequestRefused) else "prompt"
                 return _Refusal(stream.public(str(exc)), 400, field)
-            spec = RequestSpec(engine_id, tuple(request.token_ids), max_tokens, 0, request.sampling)
+            spec = RequestSpec(
+                engine_id,
+                tuple(request.token_ids),
+                max_tokens,
+                0,
+                request.sampling,
+                cache_salt=request.cache_salt,
+            )
             self._streams[engine_id] = stream
             self.server.submit([spec])
         return None

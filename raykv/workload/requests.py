@@ -21,6 +21,8 @@ class RequestSpec:
     arrival: float  # engine step at which it arrives
     sampling: SamplingSpec | None = None  # a real model's sampling (None: greedy)
     arrival_s: float | None = None  # or: wall seconds after the run's first submission
+    # its cache's tenant: requests with different salts never share a cached block
+    cache_salt: str | None = None
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:

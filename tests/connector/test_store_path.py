@@ -15,12 +15,19 @@ class ScriptedDirectory(Directory):
         self.answers = list(answers or [])
         self.prepare_calls: list[list[int]] = []
         self.complete_calls: list[list[int]] = []
+        self._refused: set[int] = set()  # what the last "none" refused
 
     def prepare_store(self, keys):
         self.prepare_calls.append(list(keys))
+        # "none": no room for these keys, nor for any part of them (the scheduler then asks
+        # for a shorter prefix in the same step: refused too, without using up an answer)
+        if keys and set(keys) < self._refused:
+            return None
+        self._refused = set()
         if self.answers:
             answer = self.answers.pop(0)
             if answer == "none":
+                self._refused = set(keys)
                 return None
             if answer == "empty":
                 return StorePlan([], [], [])
@@ -69,9 +76,25 @@ def test_none_keeps_the_cursor_and_retries_next_step() -> None:
     assert not r.records[0].stored
     r.step()
     assert r.records[1].stored["a"] == [(0, 0), (0, 1)]  # the same chunks, retried
-    assert d.prepare_calls[0] == d.prepare_calls[1][:2]
+    # refused whole, then a shorter prefix asked for in the same step (refused too)
+    assert d.prepare_calls[1] == d.prepare_calls[0][:1]
+    assert d.prepare_calls[0] == d.prepare_calls[2][:2]
     assert r.connector.stats.allocation_failures == 1
     r.run()
+    r.drained()
+
+
+def test_a_prompt_longer_than_the_cpu_tier_stores_the_prefix_that_fits() -> None:
+    """A prompt of more chunks than the CPU tier holds asked for all of them at once, every
+    step, was refused every time and stored nothing (so the disk tier under it got nothing
+    either: found serving three 505-token prompts with a small CPU tier)."""
+    r = Runner(block_size=4, directory=Directory(3, "lru"))
+    r.add("a", tokens(33), max_tokens=2)  # 8 full blocks in its prefill: 8 chunks of 1 block
+    r.step()
+    assert r.records[0].stored["a"] == [(0, 0), (0, 1), (0, 2)]  # the prefix the tier holds
+    r.run()
+    # the rest in later steps, as the first ones became readable and could be evicted
+    assert r.blocks("stored", "a") == set(range(8))
     r.drained()
 
 
