@@ -34,6 +34,7 @@ from raykv.core.step import SamplingError, SamplingSpec
 from raykv.error_text import reason
 from raykv.model.tokenizer import ChatTemplateError, Tokenizer
 from raykv.serve.answers import INTERNAL_ERROR, AnswerShape, update_error
+from raykv.serve.grpc_bind import bind_replica_grpc_to_node
 from raykv.serve.messages import EngineRequest, EngineUpdate
 from raykv.serve.protocol import (
     ApiError,
@@ -86,6 +87,7 @@ class OpenAIIngress:
         token-id prompt its text too (the text-prefix router reads nothing else);
         ``cache_dir``: where a GGUF file's tokenizer is kept converted; ``limits``: an
         ``IngressLimits`` as a dict; ``cache_isolation``: ``serve.cache_isolation``."""
+        bind_replica_grpc_to_node()  # before Serve starts it, once this returns
         self.engine = engine
         self._text_prompts = text_prompts
         self.model_name = model_name

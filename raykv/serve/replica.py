@@ -36,6 +36,7 @@ from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.core.step import TokenLogprobs
 from raykv.model.tokenizer import Tokenizer
+from raykv.serve.grpc_bind import bind_replica_grpc_to_node
 from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
 from raykv.serve.kv_index import Snapshot, WireEvent, to_wire
 from raykv.serve.messages import EngineRequest, EngineUpdate, TokenInfo
@@ -92,6 +93,7 @@ class EngineReplica:
     def __init__(self, cfg_json: dict[str, Any], model_file: str) -> None:
         """``cfg_json``: the served config (``serve.app.served_config``); ``model_file``: the
         checkpoint, whose tokenizer turns token ids back into text."""
+        bind_replica_grpc_to_node()  # before Serve starts it, once this returns
         cfg = RaykvConfig.model_validate(cfg_json)
         self.tokenizer = Tokenizer.of(model_file, cfg.model.cache_dir)
         pg = ray.util.get_current_placement_group()

@@ -174,6 +174,11 @@ def connect(endpoint: StoreEndpoint, segment_bytes: int, local_buffer_bytes: int
             return client
     from mooncake.store import MooncakeDistributedStore
 
+    from raykv.transfer.bind_address import bind_mooncake_to
+
+    # its listeners on this node's address, not on every interface (the library binds the
+    # wildcard whatever ``local_hostname`` says)
+    bind_mooncake_to(endpoint.host)
     client = MooncakeDistributedStore()
     rc = client.setup(
         endpoint.host,

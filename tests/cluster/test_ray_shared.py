@@ -112,3 +112,18 @@ def test_a_prompt_loaded_by_ray_ranks_from_the_shared_tier_has_transformers_logp
 
     second, _ = generate_through_the_shared_tier(tmp_path, "ray", SHARED)
     assert second["report"]["shared_hit_tokens"] > 0
+
+
+def test_a_ray_run_with_the_shared_tier_listens_on_loopback_only(store_actors: None) -> None:
+    """The rank actors' Mooncake clients, the store actor's segment and the scheduler's index
+    listened on every interface; everything Ray starts binds loopback already."""
+    from raykv.cluster.client import RaykvClient
+    from raykv.workload.requests import make_workload
+    from tests.listeners import exposed_listeners
+
+    cfg = load_config(None, [*SMALL, *SHARED])
+    with RaykvClient.start(cfg) as client:
+        report = client.run(make_workload(cfg), timeout_s=400)
+        assert report["tiers"]["shared"]["published_chunks"] > 0  # the clients worked
+        exposed = exposed_listeners()
+    assert not exposed, f"listening beyond loopback: {exposed}"

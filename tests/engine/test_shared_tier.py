@@ -5,6 +5,8 @@ the outputs are those of the run without any tier."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.engine.test_disk_tier import run  # a workload to its drained books, every byte checked
@@ -166,3 +168,27 @@ def test_write_back_publishes_as_chunks_leave_the_cpu_tier(
     assert second["output_digest"] == reference["output_digest"]
     assert second["shared_hit_tokens"] > 0 and second["integrity"]["mismatches"] == 0
     assert not any(books.values()), books
+
+
+def test_a_one_process_run_with_the_shared_tier_listens_on_loopback_only(
+    shared_store: str,
+) -> None:
+    """Mooncake's clients (the ranks' in this process, the segment's child, the scheduler's
+    index) listened on 0.0.0.0 and ``*``, three plus three sockets here and two in the
+    segment's process; only the master bound 127.0.0.1. An embedded master, the default."""
+    from raykv.config import load_config
+    from raykv.engine.core import EngineCore
+    from raykv.engine.workers import LocalWorkerGroup
+    from raykv.runs.driver import run_workload
+    from raykv.workload.requests import make_workload
+    from tests.listeners import exposed_listeners, listening_pids
+
+    cfg = load_config(None, [*SMALL, "offload.shared.enabled=true", "offload.shared.segment=64MiB"])
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        engine = EngineCore(cfg, workers)
+        run_workload(engine, make_workload(cfg))
+        holder = workers.shared_runtime.holder
+        # the clients are up and listening: this process's and the segment's
+        assert {os.getpid(), holder.pid} <= listening_pids()
+        exposed = exposed_listeners()
+    assert not exposed, f"listening beyond loopback: {exposed}"

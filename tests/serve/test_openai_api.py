@@ -209,31 +209,13 @@ def test_each_replicas_metrics_carry_its_id(client, ray_session) -> None:
     raise AssertionError(f"no raykv_prompt_tokens series labelled replica={replica!r}")
 
 
-def test_while_serving_only_serves_own_replica_ports_are_beyond_loopback(server) -> None:
-    """Everything raykv and Ray start listens on loopback, the HTTP server too; the exception is
-    Ray Serve 2.60's inter-deployment gRPC server in each replica, bound to ``[::]:0`` in
-    Serve's own code (``serve/_private/replica.py``), behind Ray's token auth (docs/serving.md)."""
-    import ipaddress
+def test_while_serving_nothing_listens_beyond_loopback(server) -> None:
+    """Everything raykv and Ray start listens on loopback, the HTTP server too, and Ray Serve's
+    inter-deployment gRPC server in each replica, which Serve 2.60 binds to ``[::]:0`` in its
+    own code: raykv's deployments bind it to the node's address (``serve/grpc_bind.py``); it
+    listened on every interface before."""
+    from tests.listeners import exposed_listeners
 
-    psutil = pytest.importorskip("psutil")
-
-    def loopback(ip: str) -> bool:
-        addr = ipaddress.ip_address(ip)
-        mapped = getattr(addr, "ipv4_mapped", None)
-        return addr.is_loopback or (mapped is not None and mapped.is_loopback)
-
-    # what this test session started: Ray's processes, its workers and actors, and what they
-    # started (the store's master and segments); not a name match, which a checkout's path
-    # ("raykv") would pass for everything
-    ours = {child.pid for child in psutil.Process().children(recursive=True)}
-    exposed = {}
-    for c in psutil.net_connections(kind="tcp"):
-        if c.status != psutil.CONN_LISTEN or c.pid not in ours or loopback(c.laddr.ip):
-            continue
-        try:
-            name = " ".join(psutil.Process(c.pid).cmdline())
-        except psutil.Error:
-            continue
-        exposed[f"{c.laddr.ip}:{c.laddr.port}"] = name[:60]
-    assert exposed, "expected Serve's replica gRPC ports (if Ray fixed them, tighten this test)"
-    assert all(name.startswith("ray::ServeReplica") for name in exposed.values()), exposed
+    pytest.importorskip("psutil")
+    exposed = exposed_listeners()
+    assert not exposed, f"listening beyond loopback: {exposed}"
