@@ -7,10 +7,14 @@ pool's DRAM segment is given by another process (``SegmentHolder`` in a child, a
 actor of a node gives it), so every byte crosses the store's transport (TCP on loopback here)
 as it would between nodes. Direction ``store`` puts every chunk (header with its page
 checksums, then the pages straight from the pool: a publish); ``load`` reads them back into the
-pool (checked page by page: a shared hit's read). The limit it is held against is measured in
+pool (checked: a shared hit's read); each on two threads, one run of the chunks each, as a
+rank's shared engine moves a job. The limit it is held against is measured in
 the same run, alternating with it: one copy of the same bytes between two buffers of this
 process (what a load from a local CPU tier costs at most). ``ratio`` is the store's GB/s over
-the copy's; both count the pages' bytes.
+the copy's; both count the pages' bytes. Every part is sealed with a cluster secret
+(``transfer/seal.py``); ``unsealed_gbps`` is the same put or read, alternating with it, with a
+seal that computes nothing (the bench's own stand-in: raykv itself never skips the seal), and
+``seal_ratio`` the sealed GB/s over it: what the seal costs.
 
 The master is started for the run on loopback (``EmbeddedMaster``) unless ``master`` names a
 running one; every object the bench put is removed when its row ends.
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from raykv.bench.transfer import best_pair
 from raykv.core.keys import make_key
-from raykv.transfer.disk_files import ChunkFormat
+from raykv.transfer.disk_files import NO_SEAL, ChunkFormat
 from raykv.transfer.seal import new_secret
 from raykv.transfer.segment_process import HeldSegment
 from raykv.transfer.shared_master import EmbeddedMaster
@@ -33,8 +39,20 @@ from raykv.transfer.shared_store import SharedChunks, SharedStoreError, StoreEnd
 
 SHARED_DIRECTIONS = ("store", "load")
 DEFAULT_SHARED_BLOCKS = 1024
+IO_THREADS = 2  # a rank's shared engine's (``SharedTransferEngine``)
 DEFAULT_SHARED_MAX_BYTES = 256 * 2**20
 _SEED = 31
+
+
+class _NoSeal:
+    """A stand-in for the seal that computes nothing: the bench's way to measure what the seal
+    costs (never used by raykv itself)."""
+
+    def seal(self, sealed_part: bytes, pages: memoryview) -> bytes:
+        return NO_SEAL
+
+    def check(self, sealed_part: bytes, pages: memoryview, seal: bytes) -> bool:
+        return True
 
 
 def _keys(count: int, seed: int) -> list[int]:
@@ -63,18 +81,34 @@ def _bench_page(
         chunks,
     )
 
+    sealer = store._sealer
+    threads = ThreadPoolExecutor(IO_THREADS)
+    # one run of the chunks per I/O thread, as a rank's shared engine splits a job
+    runs = [(keys[i::IO_THREADS], slots[i::IO_THREADS]) for i in range(IO_THREADS)]
+
     def put() -> None:
-        failed = [code for code in store.put(keys, slots) if code != 0]
+        codes = [c for out in threads.map(lambda run: store.put(*run), runs) for c in out]
+        failed = [code for code in codes if code != 0]
         if failed:
             raise SharedStoreError(
                 f"{len(failed)} of {chunks} puts failed (status {failed[0]}: store full?)"
             )
 
     def get() -> None:
-        got = store.get(keys, slots)
+        got = [g for out in threads.map(lambda run: store.get(*run), runs) for g in out]
         bad = [g for g in got if g != "ok"]
         if bad:
             raise SharedStoreError(f"{len(bad)} of {chunks} reads failed: {bad[0]}")
+
+    def unsealed(op: Any) -> Any:
+        def run() -> None:
+            store._sealer = _NoSeal()
+            try:
+                op()
+            finally:
+                store._sealer = sealer
+
+        return run
 
     def copy_out() -> None:
         np.copyto(other, pool)
@@ -83,17 +117,19 @@ def _bench_page(
         np.copyto(pool, other)
 
     def before_store(which: int) -> None:
-        if which == 0:
-            store.remove(keys)  # a put of a key already there writes nothing
+        del which  # every put starts from an empty store: one of a key there writes nothing
+        store.remove(keys, force=True)
 
     timed = {"store": (put, copy_out, before_store), "load": (get, copy_in, None)}
     rows: list[dict[str, object]] = []
     try:
         for direction in directions:
-            if direction == "load" and not all(store.exists(keys)):
+            if direction == "load":  # every part there, sealed with the secret
+                store.remove(keys, force=True)
                 put()
             first, second, before = timed[direction]
             store_s, copy_s = best_pair(first, second, repeat, before)
+            sealed_s, unsealed_s = best_pair(first, unsealed(first), repeat, before)
             gbps, base = nbytes / store_s / 1e9, nbytes / copy_s / 1e9
             rows.append(
                 {
@@ -106,10 +142,13 @@ def _bench_page(
                     "gbps": gbps,
                     "baseline_gbps": base,
                     "ratio": gbps / base,
+                    "unsealed_gbps": nbytes / unsealed_s / 1e9,
+                    "seal_ratio": unsealed_s / sealed_s,
                 }
             )
     finally:
-        store.remove(keys)
+        threads.shutdown()
+        store.remove(keys, force=True)
         store.close()
     return rows
 
@@ -172,13 +211,14 @@ def format_shared_table(result: dict[str, object]) -> str:
         f"transfer bench to Mooncake Store ({result['master']} master, {result['protocol']}; "
         f"{chunk} block{'s' if chunk != 1 else ''} an object; against one local copy)",
         f"{'page KiB':>9} {'direction':>9} {'blocks':>7} {'GB/s':>8} "
-        f"{'copy GB/s':>10} {'ratio':>6}",
+        f"{'copy GB/s':>10} {'ratio':>6} {'unsealed GB/s':>14} {'seal ratio':>11}",
     ]
     rows = result["results"]
     assert isinstance(rows, list)
     for row in rows:
         lines.append(
             f"{row['page_kib']:>9} {row['direction']:>9} {row['blocks']:>7} {row['gbps']:>8.2f} "
-            f"{row['baseline_gbps']:>10.2f} {row['ratio']:>6.2f}"
+            f"{row['baseline_gbps']:>10.2f} {row['ratio']:>6.2f} "
+            f"{row['unsealed_gbps']:>14.2f} {row['seal_ratio']:>11.2f}"
         )
     return "\n".join(lines)

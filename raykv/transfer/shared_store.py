@@ -411,11 +411,11 @@ class SharedChunks:
             raise SharedStoreError("the store's master did not answer whether chunks exist")
         return [code == 1 for code in codes]
 
-    def remove(self, keys: Sequence[int]) -> None:
+    def remove(self, keys: Sequence[int], force: bool = False) -> None:
         """Remove these chunks' parts (found corrupt); a part another client reads (under its
-        lease) is left."""
+        lease) is left, unless ``force`` (a bench removing its own parts)."""
         names = [object_key(self.namespace, key, self.rank) for key in keys]
-        self._client.batch_remove(names, False)
+        self._client.batch_remove(names, force)
 
     def spoil(self, key: int) -> None:
         """Fault hook (``corrupt-shared``): this rank's part of ``key`` put again with one byte
