@@ -103,3 +103,32 @@ def test_one_bad_file_costs_its_own_chunk_not_its_whole_promotion(
     assert 0 < d["corrupt"] <= len(tampered), (d["corrupt"], len(tampered))
     assert d["promotions_failed"] > d["corrupt"]  # the failed jobs' other chunks stayed
     assert not any(books.values()), books
+
+
+def test_the_end_of_a_run_spills_the_cpu_tier_and_the_next_run_starts_warm(
+    disk_dir: str, tmp_path
+) -> None:
+    """A graceful stop of ``raykv run`` wrote none of the CPU tier to the disk tier (only the
+    benches spilled): a CPU tier that never filled left the disk empty, and the next run cold."""
+    import json
+
+    from raykv.cli import main
+
+    def run_cli(name: str, path: str, *more: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        argv = ["run", "--engine", "local", "--config", "configs/synthetic.yaml"]
+        argv += ["--num-requests", "12", "--json-report", str(out)]
+        for s in [*disk(path), "offload.cpu_slots=512", *more]:
+            argv += ["--set", s]
+        assert main(argv) == 0
+        return json.loads(out.read_text())
+
+    first = run_cli("first", disk_dir)
+    assert first["tiers"]["disk"]["demoted_chunks"] == 0  # a CPU tier that never filled
+    second = run_cli("second", disk_dir)
+    assert second["tiers"]["disk"]["warm_start_chunks"] >= first["tiers"]["cpu"]["used_chunks"] > 0
+    assert second["disk_hit_tokens"] > 0
+    # offload.disk.spill_on_stop_s=0: nothing at the stop, as before
+    other = str(tmp_path / "no-spill")
+    run_cli("no spill", other, "offload.disk.spill_on_stop_s=0")
+    assert run_cli("after no spill", other)["tiers"]["disk"]["warm_start_chunks"] == 0
