@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -259,10 +260,15 @@ def scheduler_index(cfg: RaykvConfig) -> StoreIndex | None:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of why an actor failed (its cause where Ray wraps one)."""
+    """The last line of why an actor failed (its cause where Ray wraps one), without the
+    exception's qualified type Ray's text puts before it."""
     cause = getattr(exc, "cause", None) or exc
     text = str(cause).strip().splitlines()
-    return text[-1] if text else type(cause).__name__
+    if not text:
+        return type(cause).__name__
+    return re.sub(
+        r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Unavailable|Exception): ", "", text[-1]
+    )
 
 
 def kill_node_store(node_id: str) -> bool:

@@ -300,17 +300,18 @@ class ConnectorScheduler:
         plan = self.directory.prepare_store([k for _, _, k in wanted])
         # more chunks than the tier can make room for at once (a prompt longer than the CPU
         # tier, or most of it pinned): the longest prefix that fits, the rest from the next
-        # steps, as demotions free room (a prompt was never stored at all, nor reached the disk)
+        # steps, as demotions free room (a prompt was never stored at all, nor reached the disk).
+        # The request's own chunks before these are kept: a lookup reaches a chunk only through
+        # every one before it, so its prefix is never evicted for its suffix
         first = min(c for _, c, _ in wanted)
         if plan is None and storable - first > 1:
-            room = self.directory.room(k for _, _, k in wanted)
+            own = [k for gs in state.groups for k in gs.keys[:first]]
+            room = self.directory.room([*own, *(k for _, _, k in wanted)])
             storable = min(storable - 1, first + max(1, room // len(self.groups)))
-            wanted = [w for w in wanted if w[1] < storable]
-            plan = self.directory.prepare_store([k for _, _, k in wanted])
-        while plan is None and storable - first > 1:  # the policy kept some of that room
-            storable = first + (storable - first) // 2
-            wanted = [w for w in wanted if w[1] < storable]
-            plan = self.directory.prepare_store([k for _, _, k in wanted])
+            while plan is None and storable > first:
+                wanted = [w for w in wanted if w[1] < storable]
+                plan = self.directory.prepare_store([k for _, _, k in wanted], keep=own)
+                storable = first + (storable - first) // 2 if plan is None else storable
         if plan is None:
             self.stats.allocation_failures += 1
             return  # keep the cursors: retried next step

@@ -25,7 +25,7 @@ from raykv.transfer.disk_files import (
     FORMAT_VERSION,
     NAMESPACE_BYTES,
     ChunkIdentity,
-    make_private_dirs,
+    private_directory,
 )
 
 
@@ -96,7 +96,7 @@ def describe(cfg: RaykvConfig) -> None:
     root = os.path.dirname(disk_rank_root(cfg, 0))
     target = os.path.join(root, "namespace.json")
     try:
-        make_private_dirs(root)
+        private_directory(root)
         fd, tmp = tempfile.mkstemp(prefix=".namespace.", suffix=".tmp", dir=root)
         with os.fdopen(fd, "w") as fh:
             json.dump(namespace_parts(cfg), fh, indent=2, sort_keys=True)

@@ -99,8 +99,11 @@ def disk_engine(
     layout: KVLayout,
     sums: RowChecksums,
     incarnation: int = 0,
+    predecessor_gone: bool = False,
 ) -> DiskTransferEngine | None:
-    """This rank's disk engine over its directory of the namespace (None: no disk tier)."""
+    """This rank's disk engine over its directory of the namespace (None: no disk tier).
+    ``predecessor_gone``: a dead predecessor has let go of what it held (one in this process,
+    whose ``die`` returned), so its directory is not waited for."""
     d = cfg.offload.disk
     if not (cfg.offload.enabled and d.enabled):
         return None
@@ -117,7 +120,7 @@ def disk_engine(
         # evicted files kept to be written over: a full tier evicts one for each it writes
         max_free_files=max(64, disk_slots(cfg) // 16),
         # a rank replacing a dead one takes its directory once its process has exited
-        claim_wait_s=PREDECESSOR_EXIT_S if incarnation else 0.0,
+        claim_wait_s=PREDECESSOR_EXIT_S if incarnation and not predecessor_gone else 0.0,
         identity=chunk_identity(cfg, rank),
     )
 
@@ -136,8 +139,11 @@ class LocalWorker:
         pool_path: str | None = None,
         all_reduce: AllReduce | None = None,
         store: StoreEndpoint | None = None,
+        predecessor_gone: bool = False,
     ) -> None:
-        """``pool_path``: keep the CPU-pool shard in that shared-memory file (attached if a dead
+        """``predecessor_gone``: a dead predecessor in this process has let go of what it held
+        (its directory is not waited for). ``pool_path``: keep the CPU-pool shard in that
+        shared-memory file (attached if a dead
         predecessor left it). ``all_reduce``: a real model's collective over the TP group.
         ``store``: where the shared tier's store is (None: no shared tier)."""
         self.rank = rank
@@ -166,7 +172,7 @@ class LocalWorker:
         if cfg.model.path is not None:
             step_model, verify = real_model(cfg, rank, kv.device, all_reduce), None
         self.disk = disk_engine(
-            cfg, rank, self.pool, self.layout, self.engine.checksums, incarnation
+            cfg, rank, self.pool, self.layout, self.engine.checksums, incarnation, predecessor_gone
         )
         if self.disk is not None and incarnation > 0:
             self.disk.index()  # sweeps the temporary files a predecessor died writing
@@ -207,16 +213,20 @@ class LocalWorker:
         )
         return len(items), bad
 
-    def die(self) -> None:
+    def die(self) -> bool:
         """What a crash leaves behind, in one process: queued copies dropped, the copy under
-        way finished (no write to the pool after this returns), the pool file kept."""
+        way finished, the pool file kept. Whether the pool is safe to take over: False where a
+        tier's I/O thread was left behind in a system call (a bounded wait: a read it finishes
+        later would still land in the pool's slot, under its checksum)."""
         self.engine.shutdown(wait=False)
+        stuck = 0
         if self.disk is not None:
-            self.disk.shutdown(wait=False)
+            stuck += self.disk.shutdown(wait=False)
         if self.store is not None:
-            self.store.shutdown(wait=False)
+            stuck += self.store.shutdown(wait=False)
         if self.shared is not None:
             self.shared.unpin()
+        return stuck == 0
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -247,6 +257,7 @@ class LocalWorkerGroup:
         self._execs = exec_delays or {}
         self._faults = [parse_fault(f) for f in cfg.faults]
         self.incarnations = [0] * cfg.parallel.tensor_parallel_size
+        self._pool_generations = [0] * cfg.parallel.tensor_parallel_size  # each rank's shard file
         self.pool_files: PoolFiles | None = None
         if cfg.offload.enabled and cfg.offload.shared_pool:
             sweep_stale(cfg.offload.shared_pool_dir)
@@ -274,7 +285,12 @@ class LocalWorkerGroup:
             else None
         )
 
-    def _make(self, rank: int) -> LocalWorker:
+    def _make(self, rank: int, fresh_pool: bool = False) -> LocalWorker:
+        pool_path = None
+        if self.pool_files is not None:
+            if fresh_pool:
+                self._pool_generations[rank] = self.incarnations[rank]
+            pool_path = self.pool_files.path(rank, self._pool_generations[rank])
         return LocalWorker(
             self._cfg,
             rank,
@@ -282,8 +298,9 @@ class LocalWorkerGroup:
             self._execs.get(rank),
             self._threaded,
             self.incarnations[rank],
-            self.pool_files.path(rank) if self.pool_files is not None else None,
+            pool_path,
             store=self.shared_runtime.endpoint if self.shared_runtime is not None else None,
+            predecessor_gone=True,  # in this process: its die() has returned
         )
 
     @property
@@ -319,9 +336,11 @@ class LocalWorkerGroup:
         found its predecessor's CPU-pool shard (shared memory); otherwise the shard is empty."""
         intact = True
         for rank in ranks:
-            self.workers[rank].die()
+            reusable = self.workers[rank].die()
             self.incarnations[rank] += 1
-            self.workers[rank] = self._make(rank)
+            # a pool a left-behind thread may still write into is not taken over: the
+            # replacement starts a fresh one (a generation of its own), the CPU tier empty
+            self.workers[rank] = self._make(rank, fresh_pool=not reusable)
             intact &= self.workers[rank].pool_attached
         return intact
 

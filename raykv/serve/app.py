@@ -35,6 +35,9 @@ ROUTERS = {
 # the batch)
 MAX_ONGOING_PER_REPLICA = 64
 MAX_ONGOING_INGRESS = 1024
+# what a replica's stop takes besides its spill: the drain of what is in flight (the engine
+# actor's DRAIN_S, 30 s), its loop's end and its ranks' shutdown (their I/O threads, 30 s)
+STOP_MARGIN_S = 90.0
 
 
 @dataclass(slots=True)
@@ -158,9 +161,10 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         ),
         health_check_period_s=2,
         health_check_timeout_s=30,
-        # a replica's stop spills its CPU tier to the disk tier (offload.disk.spill_on_stop_s)
-        # before its ranks go: Serve waits that long for it (20 s by default)
-        graceful_shutdown_timeout_s=30 + cfg.offload.disk.spill_on_stop_s,
+        # a replica's stop drains what is in flight, spills its CPU tier to the disk tier
+        # (offload.disk.spill_on_stop_s) and then stops its loop and ranks: Serve waits that
+        # long for it (20 s by default)
+        graceful_shutdown_timeout_s=STOP_MARGIN_S + cfg.offload.disk.spill_on_stop_s,
     )
     ingress = ingress_deployment().options(
         name=INGRESS_DEPLOYMENT,

@@ -38,4 +38,8 @@ def request_salt(isolation: str, tenant: str | None, given: str | None) -> str |
         raise SaltRequired("cache_salt is required by this server")
     if isolation == "request_salt" or tenant is None:
         return given
-    return f"tenant:{tenant}" + (f"|salt:{given}" if given is not None else "")
+    if given is None:
+        return f"tenant:{tenant}"
+    # the request's salt hashed: the whole stays as short as any salt the API takes
+    digest = hashlib.blake2b(given.encode("utf-8", "surrogatepass"), digest_size=16)
+    return f"tenant:{tenant}|salt:{digest.hexdigest()}"

@@ -58,10 +58,14 @@ def open_regular(path: str, flags: int) -> int:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP):
             raise ChunkFileError(f"not a regular file ({exc.strerror})") from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise ChunkFileError(f"not a regular file (mode {stat.filemode(mode)})")
+        raise ChunkFileError(f"not a regular file (mode {stat.filemode(info.st_mode)})")
+    if info.st_uid != os.geteuid() or info.st_nlink != 1:
+        # another user's file, or one linked in from elsewhere: not a file raykv wrote here
+        os.close(fd)
+        raise ChunkFileError(f"not this user's own file (uid {info.st_uid}, {info.st_nlink} links)")
     # blocking I/O for the reads and writes of a regular file, O_DIRECT where asked
     try:
         status = fcntl.fcntl(fd, fcntl.F_GETFL)

@@ -247,20 +247,26 @@ class ChunkJobEngine:
         with self._cond:
             return len(self._jobs)
 
-    def shutdown(self, wait: bool = True, timeout_s: float = SHUTDOWN_WAIT_S) -> int:
+    def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> int:
         """Stop the I/O threads; ``wait``: finish every queued chunk first (else queued chunks
         are dropped and their jobs never reported: what a crash leaves). Returns once no thread
         touches the pool or the tier any more, or after ``timeout_s`` with the threads still
-        running a chunk left behind (a system call the tier never answers; said in the log):
-        how many were left."""
+        running a chunk left behind (``timeout_s``: ``SHUTDOWN_WAIT_S`` by default; a system
+        call the tier never answers; said in the log,
+        and what they hold is not released): how many were left. A left-behind read may still
+        land in its CPU slot: the pool must not be reused (``LocalWorker.die``)."""
         with self._cond:
             if self._closed:
                 return 0
             self._closed = True
             self._cond.notify_all()
+        if timeout_s is None:
+            timeout_s = SHUTDOWN_WAIT_S
         threads = self._reads.stop(not wait) + self._writes.stop(not wait)
         stuck = join(threads, time.monotonic() + timeout_s)
         if stuck:
+            # what the threads hold stays held (a directory's lock, a store's client): a
+            # successor takes another rather than one a left-behind write may still touch
             log.warning(
                 "the %s tier: %d I/O threads still in a system call after %.0f s are left "
                 "behind (their jobs are never reported)",
@@ -268,7 +274,8 @@ class ChunkJobEngine:
                 stuck,
                 timeout_s,
             )
-        self._close()
+        else:
+            self._close()
         return stuck
 
     # ---------------------------------------------------------------- bookkeeping

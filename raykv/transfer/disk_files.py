@@ -19,15 +19,18 @@ One file::
 
 Every size is a multiple of 4 KiB so the same file can be read and written with ``O_DIRECT``. A
 file is written under a temporary name that carries the writer's pid and renamed when complete,
-so a crash mid-write leaves only a temporary file, never a torn ``.kv``; temporary files of
-processes no longer running are swept when a rank indexes its directory. An evicted chunk's file
+so a crash mid-write leaves only a temporary file, never a torn ``.kv``; every temporary file
+but the indexing engine's own is swept when a rank indexes its directory (only the holder of
+its lock writes there). An evicted chunk's file
 is not deleted but moved to ``free/`` and written over by a later chunk (then renamed into place
 as a new one is): making a file costs about a millisecond of the kernel's time on ext4, measured
 here, more than writing 700 KB, and a full tier evicts one file for each it writes. A file in
 ``free/`` is never read as a chunk; the list is bounded, the rest deleted. Only regular files
 are indexed, recycled or written over: a link, a FIFO, a device, a socket or a directory under a
 chunk's name (something raykv never makes) is counted, logged once and taken away, never
-opened as a chunk. A read checks the
+opened as a chunk. A chunk file carries no seal: its directory is the boundary, so every
+directory raykv makes under the path must be this user's alone (``check_private``), and a file
+is read only where it is this user's with one link. A read checks the
 size, the header (its checksum, the key, the sizes, the namespace, rank and TP size it was
 written for) and every page's CRC-32 before the bytes count: a file torn, truncated, rewritten,
 or replaced behind raykv's back (by another rank's file of the key, or another namespace's of
@@ -241,14 +244,24 @@ class RankDirectory:
         sub = f"{key:018x}"[-4:-2]
         path = os.path.join(self.root, sub)
         if sub not in self._made:
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            self._real_directory(path)  # never through a link to elsewhere
             self._made.add(sub)
         return path
 
     def make(self) -> None:
-        """Create the directory and ``free/`` (where missing, only this user's); the 256
-        subdirectories come with their first files."""
-        os.makedirs(self.free_dir, mode=0o700, exist_ok=True)
+        """Create the directory and ``free/`` (where missing, only this user's: a link or
+        anything else in ``free/``'s place is taken away first); the 256 subdirectories come
+        with their first files."""
+        self._real_directory(self.free_dir)
+
+    def _real_directory(self, path: str) -> None:
+        """``path`` a directory of this user's alone, made where missing; something else there
+        (a link, a file) taken away first (``UntrustedDirectory`` where it cannot be)."""
+        if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+            self._special(path)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        check_private(path)
 
     def recycle(self, key: int) -> None:
         """Move ``key``'s file to the free list (deleted when the list is full or the file is
@@ -485,10 +498,15 @@ def claim_directory(base: str, wait_s: float = 0.0) -> tuple[str, int]:
     raise OSError(f"{MAX_DIRECTORIES} engines hold every directory of {base!r}")
 
 
+class UntrustedDirectory(OSError):
+    """A tier's directory that is not this user's own (another user's, writable by others, or a
+    link): its files could be anyone's."""
+
+
 def make_private_dirs(path: str) -> None:
     """Make ``path`` and its missing parents readable by this user only (0700: a tier's file
-    names are hashes of prompts' tokens, which a guess can be checked against); the ones it
-    owns already are made so too."""
+    names are hashes of prompts' tokens, which a guess can be checked against); ``path``
+    itself, where it is this user's already, is made so too."""
     missing: list[str] = []
     here = path
     while not os.path.lexists(here):
@@ -502,8 +520,35 @@ def make_private_dirs(path: str) -> None:
             os.mkdir(made, 0o700)
     with contextlib.suppress(OSError):
         info = os.lstat(path)
-        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) & 0o077:
-            os.chmod(path, 0o700, follow_symlinks=False)
+        if (
+            stat.S_ISDIR(info.st_mode)
+            and info.st_uid == os.geteuid()
+            and stat.S_IMODE(info.st_mode) & 0o077
+        ):
+            os.chmod(path, 0o700)
+
+
+def check_private(path: str) -> None:
+    """``UntrustedDirectory`` unless ``path`` is a directory (not a link) of this user's that
+    nobody else can write into: the directories raykv makes under ``offload.disk.path`` (a
+    namespace's, a rank's, its ``free/`` and subdirectories). A chunk file on disk carries no
+    seal: its directory is the boundary."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise UntrustedDirectory(f"{path!r} is a link (raykv makes this directory itself)")
+    if not stat.S_ISDIR(info.st_mode):
+        raise UntrustedDirectory(f"{path!r} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise UntrustedDirectory(f"{path!r} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedDirectory(f"{path!r} can be written by others")
+
+
+def private_directory(path: str) -> None:
+    """Make ``path`` (0700, where missing) and check it is this user's alone
+    (``UntrustedDirectory`` otherwise)."""
+    make_private_dirs(path)
+    check_private(path)
 
 
 def reclaim_siblings(base: str, mine: RankDirectory) -> int:
@@ -516,7 +561,10 @@ def reclaim_siblings(base: str, mine: RankDirectory) -> int:
         other = base if k == 0 else f"{base}.{k}"
         if other == mine.root or not os.path.isdir(other) or os.path.islink(other):
             continue
-        fd = _try_lock(other, make=False)
+        try:
+            fd = _try_lock(other, make=False)
+        except OSError:
+            continue  # not this user's alone: never read
         if fd is None:
             continue  # a live engine's
         try:
@@ -534,9 +582,15 @@ def reclaim_siblings(base: str, mine: RankDirectory) -> int:
 
 
 def _try_lock(root: str, make: bool = True) -> int | None:
+    """The lock of ``root`` (None: another engine holds it). ``make``: make it where missing;
+    either way it and the namespace's directory must be this user's alone."""
+    namespace = os.path.dirname(root)
+    if make:
+        make_private_dirs(namespace)
+    check_private(namespace)  # before anything is made through it
     if make:
         make_private_dirs(root)
-        make_private_dirs(os.path.dirname(root))  # the namespace's directory
+    check_private(root)
     fd = os.open(
         os.path.join(root, LOCK_NAME),
         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
@@ -545,6 +599,15 @@ def _try_lock(root: str, make: bool = True) -> int | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(fd)
+        return None
+    # a lock taken on a directory another engine moved away meanwhile (``reclaim_siblings``) is
+    # no lock on the name: only the lock file that is there now counts
+    try:
+        held, there = os.fstat(fd), os.lstat(os.path.join(root, LOCK_NAME))
+    except OSError:
+        there = None
+    if there is None or (held.st_dev, held.st_ino) != (there.st_dev, there.st_ino):
         os.close(fd)
         return None
     return fd

@@ -132,3 +132,44 @@ def test_the_end_of_a_run_spills_the_cpu_tier_and_the_next_run_starts_warm(
     other = str(tmp_path / "no-spill")
     run_cli("no spill", other, "offload.disk.spill_on_stop_s=0")
     assert run_cli("after no spill", other)["tiers"]["disk"]["warm_start_chunks"] == 0
+
+
+def test_a_rank_whose_disk_read_never_returns_is_replaced_on_a_fresh_pool(
+    disk_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's recovery waits for its I/O threads a bounded time; a read left behind may land
+    in its CPU slot whenever its system call returns, checksum and all, so the replacement must
+    not take that pool over (it did: found by review). The hang is forced with a read that
+    waits on an event (a real file system cannot hang on demand)."""
+    import threading
+
+    import raykv.transfer.chunk_jobs as chunk_jobs
+    from raykv.core.step import TierMove
+    from raykv.engine.workers import LocalWorkerGroup
+
+    monkeypatch.setattr(chunk_jobs, "SHUTDOWN_WAIT_S", 0.3)
+    cfg = load_config(None, SMALL + disk(disk_dir))
+    entered, release = threading.Event(), threading.Event()
+    with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
+        rank = workers.workers[1]
+        before = rank.shared.path
+        engine = rank.disk  # no fault wraps it here
+        real = engine.chunks.read
+
+        def hung(key: int, slot: int, check: bool) -> None:
+            entered.set()
+            release.wait()
+            real(key, slot, check)
+
+        engine.chunks.read = hung
+        engine.submit(TierMove.of(7, True, [0x1234 << 8], [0], False))
+        assert entered.wait(10)
+        try:
+            assert workers.restart([1]) is False  # the CPU tier cannot be kept
+            after = workers.workers[1]
+            assert not after.pool_attached and after.shared.path != before
+            # a later death with nothing left behind takes the fresh pool over
+            assert workers.restart([1]) is True
+            assert workers.workers[1].shared.path == after.shared.path
+        finally:
+            release.set()

@@ -30,6 +30,10 @@ def test_salts_by_isolation_mode() -> None:
     with pytest.raises(SaltRequired):
         request_salt("required", a, None)
     assert request_salt("required", a, "s") == request_salt("per_key", a, "s")
+    # the longest salt the API takes stays one the engine takes under a tenant (it was refused)
+    from raykv.core.hashing import MAX_SALT_CHARS, check_cache_salt
+
+    check_cache_salt(request_salt("per_key", a, "x" * MAX_SALT_CHARS))
 
 
 def cached(client, model: str, prompt: str, **extra) -> tuple[int, int, str]:

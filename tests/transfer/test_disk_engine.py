@@ -382,3 +382,78 @@ def test_a_shutdown_leaves_a_thread_stuck_in_a_system_call_behind(disk_dir: str)
         assert eng.shutdown(wait=False, timeout_s=0.5) == 1
     finally:
         release.set()
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root")
+@pytest.mark.parametrize("where", ["namespace", "rank"])
+def test_a_directory_of_another_user_is_refused_naming_the_path(disk_dir: str, where: str) -> None:
+    """A chunk file carries no seal, so its directory is the boundary: a namespace's or rank's
+    directory made beforehand by another user (mode 0777) was used as it was, and a file that
+    user planted there was served (found by review)."""
+    root = os.path.join(disk_dir, "ns", "rank-0")
+    os.makedirs(root)
+    os.chmod(os.path.dirname(root), 0o777)
+    os.chmod(root, 0o777)
+    os.chown(root if where == "rank" else os.path.dirname(root), NOBODY, NOBODY)
+    with pytest.raises(DiskUnavailable, match=r"offload\.disk\.path.*another user"):
+        engine(root, filled_pool())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's files needs root")
+def test_files_another_user_planted_are_never_read_nor_written_over(disk_dir: str) -> None:
+    pool = filled_pool()
+    eng = engine(disk_dir, pool)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS[:1], [0], False)) == ([1], [])
+        os.chown(eng.files.path(KEYS[0]), NOBODY, NOBODY)  # intact, but not this user's
+        assert run(eng, TierMove.of(2, True, KEYS[:1], [9], False)) == ([], [2])
+        planted = os.path.join(eng.files.free_dir, ".free-planted")
+        with open(planted, "wb") as fh:
+            fh.write(b"theirs")
+        os.chown(planted, NOBODY, NOBODY)
+        eng.index()  # adopts free files: the planted one is never written over
+        assert run(eng, TierMove.of(3, False, KEYS[1:2], [1], False)) == ([3], [])
+        assert not os.path.exists(planted)
+        assert os.stat(eng.files.path(KEYS[1])).st_uid == os.geteuid()
+    finally:
+        eng.shutdown()
+
+
+def test_links_in_place_of_the_tiers_own_directories_are_never_followed(
+    disk_dir: str, tmp_path
+) -> None:
+    """``free/`` (or a key's subdirectory) replaced by a link to another directory: the
+    engine adopted the files there as free ones, wrote chunks over them and renamed them into
+    the tier (found by review); a linked namespace directory failed the start with a
+    traceback."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("mine")
+    pool = filled_pool()
+    eng = engine(disk_dir, pool)
+    eng.shutdown()
+    import shutil
+
+    shutil.rmtree(os.path.join(disk_dir, "free"))
+    os.symlink(victim, os.path.join(disk_dir, "free"))
+    sub = os.path.dirname(eng.files.path(KEYS[0]))
+    if os.path.lexists(sub):
+        shutil.rmtree(sub)
+    os.symlink(victim, sub)
+    eng = engine(disk_dir, pool)
+    try:
+        eng.index()
+        assert run(eng, TierMove.of(1, False, KEYS[:1], [0], False)) == ([1], [])
+        assert (victim / "thesis.tex").read_text() == "mine"
+        assert sorted(os.listdir(victim)) == ["thesis.tex"]
+        assert not os.path.islink(os.path.join(disk_dir, "free")) and not os.path.islink(sub)
+    finally:
+        eng.shutdown()
+    linked = tmp_path / "linked-namespace"
+    os.symlink(victim, linked)
+    with pytest.raises(DiskUnavailable, match=r"offload\.disk\.path.*is a link"):
+        engine(str(linked / "rank-0"), pool)
+    assert sorted(os.listdir(victim)) == ["thesis.tex"]  # nothing made through the link
