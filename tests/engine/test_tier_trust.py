@@ -141,27 +141,18 @@ def test_a_rank_whose_disk_read_never_returns_is_replaced_on_a_fresh_pool(
     in its CPU slot whenever its system call returns, checksum and all, so the replacement must
     not take that pool over (it did: found by review). The hang is forced with a read that
     waits on an event (a real file system cannot hang on demand)."""
-    import threading
-
     import raykv.transfer.chunk_jobs as chunk_jobs
     from raykv.core.step import TierMove
     from raykv.engine.workers import LocalWorkerGroup
+    from tests.transfer.test_disk_engine import hang_reads
 
     monkeypatch.setattr(chunk_jobs, "SHUTDOWN_WAIT_S", 0.3)
     cfg = load_config(None, SMALL + disk(disk_dir))
-    entered, release = threading.Event(), threading.Event()
     with LocalWorkerGroup(cfg, cfg.cpu_slots()) as workers:
         rank = workers.workers[1]
         before = rank.shared.path
         engine = rank.disk  # no fault wraps it here
-        real = engine.chunks.read
-
-        def hung(key: int, slot: int, check: bool) -> None:
-            entered.set()
-            release.wait()
-            real(key, slot, check)
-
-        engine.chunks.read = hung
+        entered, release = hang_reads(engine)
         engine.submit(TierMove.of(7, True, [0x1234 << 8], [0], False))
         assert entered.wait(10)
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -358,14 +359,9 @@ def test_a_special_file_in_the_free_list_is_never_written_over(
         eng.shutdown()
 
 
-def test_a_shutdown_leaves_a_thread_stuck_in_a_system_call_behind(disk_dir: str) -> None:
-    """Recovery (a rank's ``die``) joined its I/O threads without a bound: one stuck in a
-    system call the tier never answers hung the rank for good. A hang is forced here with a
-    chunk whose read waits on an event (real files cannot hang on demand)."""
-    import threading
-
-    pool = filled_pool()
-    eng = engine(disk_dir, pool)
+def hang_reads(eng: DiskTransferEngine) -> tuple[threading.Event, threading.Event]:
+    """Make ``eng``'s chunk reads hang until released, as a file system that stops answering
+    would (a fake: real files cannot hang on demand): (set once a read hangs, the release)."""
     entered, release = threading.Event(), threading.Event()
     real_read = eng.chunks.read
 
@@ -375,6 +371,15 @@ def test_a_shutdown_leaves_a_thread_stuck_in_a_system_call_behind(disk_dir: str)
         real_read(key, slot, check)
 
     eng.chunks.read = hung_read
+    return entered, release
+
+
+def test_a_shutdown_leaves_a_thread_stuck_in_a_system_call_behind(disk_dir: str) -> None:
+    """Recovery (a rank's ``die``) joined its I/O threads without a bound: one stuck in a
+    system call the tier never answers hung the rank for good."""
+    pool = filled_pool()
+    eng = engine(disk_dir, pool)
+    entered, release = hang_reads(eng)
     try:
         run(eng, TierMove.of(1, False, KEYS[:1], [0], False))
         eng.submit(TierMove.of(2, True, KEYS[:1], [9], False))
