@@ -66,7 +66,8 @@ def tier_report(
         "demoted_chunks": m.demoted,
         "demotions_failed": m.demotions_failed,
         "corrupt": m.corrupt,
-        # names of chunks that were no regular file (a FIFO, a link, a directory), taken away
+        # names of chunks that were no regular file of this user's (a FIFO, a link, a
+        # directory, another user's file), taken away
         "special_files": t.disk_special,
         "full_events": m.full_events,
         "unavailable_events": m.unavailable_events,

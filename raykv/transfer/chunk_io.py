@@ -12,7 +12,8 @@ raises it too and writes nothing. ``DiskFull`` is a write that found no room. Th
 Only regular files are ever read or written over: every open refuses a link (``O_NOFOLLOW``)
 and never waits for a peer (``O_NONBLOCK``: a FIFO put in a file's place would otherwise hold
 an I/O thread in ``open`` for good), then ``fstat`` must say a regular file. Anything else
-under a chunk's name is never served, and is taken away (``RankDirectory.remove``).
+under a chunk's name (or a file of another user's, or one linked in from elsewhere) is never
+served, and is taken away (``RankDirectory.take_away``).
 """
 
 from __future__ import annotations
@@ -137,13 +138,12 @@ class ChunkIO:
         # either way renamed into place only once complete
         tmp = self.files.take_free()
         try:
-            fd = -1
             if tmp is not None:
                 self.files.subdirectory(key)  # the rename's destination
                 try:
                     fd = open_regular(tmp, os.O_WRONLY | self._open_flags)
                 except (ChunkFileError, FileNotFoundError):
-                    self.files.discard(tmp)  # replaced behind raykv's back: not written over
+                    self.files.take_away(tmp)  # replaced behind raykv's back: not written over
                     tmp = None
             if tmp is None:
                 tmp = self.files.temporary(key)
@@ -191,7 +191,7 @@ class ChunkIO:
         except FileNotFoundError:
             raise SourceCorrupt(f"the file of key {key:#x} is gone") from None
         except ChunkFileError as exc:
-            self.files.take_away(key)
+            self.files.take_away(path)
             raise SourceCorrupt(f"the file of key {key:#x}: {exc}") from None
         try:
             size = os.fstat(fd).st_size

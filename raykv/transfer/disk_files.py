@@ -17,24 +17,22 @@ One file::
         header itself
     the chunk's pages, back to back, then zeros up to the next 4 KiB
 
-Every size is a multiple of 4 KiB so the same file can be read and written with ``O_DIRECT``. A
-file is written under a temporary name that carries the writer's pid and renamed when complete,
-so a crash mid-write leaves only a temporary file, never a torn ``.kv``; every temporary file
-but the indexing engine's own is swept when a rank indexes its directory (only the holder of
-its lock writes there). An evicted chunk's file
-is not deleted but moved to ``free/`` and written over by a later chunk (then renamed into place
-as a new one is): making a file costs about a millisecond of the kernel's time on ext4, measured
-here, more than writing 700 KB, and a full tier evicts one file for each it writes. A file in
-``free/`` is never read as a chunk; the list is bounded, the rest deleted. Only regular files
-are indexed, recycled or written over: a link, a FIFO, a device, a socket or a directory under a
-chunk's name (something raykv never makes) is counted, logged once and taken away, never
-opened as a chunk. A chunk file carries no seal: its directory is the boundary, so every
-directory raykv makes under the path must be this user's alone (``check_private``), and a file
-is read only where it is this user's with one link. A read checks the
-size, the header (its checksum, the key, the sizes, the namespace, rank and TP size it was
-written for) and every page's CRC-32 before the bytes count: a file torn, truncated, rewritten,
-or replaced behind raykv's back (by another rank's file of the key, or another namespace's of
-the same geometry) is never served.
+Every size is a multiple of 4 KiB so the same file can be read and written with ``O_DIRECT``. A file
+is written under a temporary name that carries the writer's pid and renamed when complete, so a
+crash mid-write leaves only a temporary file, never a torn ``.kv``; every temporary file but the
+indexing engine's own is swept when a rank indexes its directory (only the holder of its lock writes
+there). An evicted chunk's file is not deleted but moved to ``free/`` and written over by a later
+chunk (then renamed into place as a new one is): making a file costs about a millisecond of the
+kernel's time on ext4, measured here, more than writing 700 KB, and a full tier evicts one file for
+each it writes. A file in ``free/`` is never read as a chunk; the list is bounded, the rest deleted.
+Only regular files are indexed, recycled or written over: a link, a FIFO, a device, a socket or a
+directory under a chunk's name (something raykv never makes) is counted, logged once and taken away,
+never opened as a chunk. A chunk file carries no seal: its directory is the boundary, so every
+directory raykv makes under the path must be this user's alone (``check_private``), and a file is
+read only where it is this user's with one link. A read checks the size, the header (its checksum,
+the key, the sizes, the namespace, rank and TP size it was written for) and every page's CRC-32
+before the bytes count: a file torn, truncated, rewritten, or replaced behind raykv's back (by
+another rank's file of the key, or another namespace's of the same geometry) is never served.
 
 No torch here: what the engine writes and reads are buffers.
 """
@@ -224,7 +222,8 @@ class RankDirectory:
         # subdirectories known to exist: made on a key's first write, not all 256 up front (a
         # small tier, or a test's many engines, would pay for 256 directories each)
         self._made: set[str] = set()
-        self.special_files = 0  # names of chunks found to be no regular file (taken away)
+        # names of chunks found to be no regular file of this user's (taken away)
+        self.special_files = 0
         self._said_special = False
 
     def path(self, key: int) -> str:
@@ -291,13 +290,10 @@ class RankDirectory:
         with self._free_lock:
             return self._free.pop() if self._free else None
 
-    def discard(self, path: str) -> None:
-        """Take away ``path`` (a free file found replaced by something else)."""
+    def take_away(self, path: str) -> None:
+        """Take away what is at ``path`` (a chunk's name, or a free file's) and was found to be
+        no regular file of this user's."""
         self._special(path)
-
-    def take_away(self, key: int) -> None:
-        """Take away what is under ``key``'s name and found to be no regular file."""
-        self._special(self.path(key))
 
     def place(self, tmp: str, key: int) -> None:
         """Rename the finished file ``tmp`` into ``key``'s place; something that is no regular
