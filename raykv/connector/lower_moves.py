@@ -14,6 +14,7 @@ moves, no lookups; said once in the log.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from raykv.connector.jobs import TransferJobStatus
@@ -80,6 +81,13 @@ class LowerTierMoves:
         self._waiting.pop(job.job_id, None)
         if keep_cpu or self.failed_read_hold_s:
             self.cpu.complete_store(job.keys, success=False, hold_s=self.failed_read_hold_s)
+
+    @staticmethod
+    def _gone(job: TransferJobStatus, bad: AbstractSet[int]) -> list[int]:
+        """The chunks of a failed promotion that leave the tier: those a rank found bad at
+        their source, the job's others staying; where the ranks named none (a read error, or a
+        report of the job said again without them), which is bad is not known: every one."""
+        return [k for k in job.keys if k in bad] if bad else list(job.keys)
 
     # ---- out of use ------------------------------------------------------------------------
 

@@ -291,10 +291,9 @@ class SharedMoves(LowerTierMoves):
             self.stats.promoted += len(job.keys)
             return
         self.stats.promotions_failed += len(job.keys)
-        # the chunks a rank found missing or spoiled leave the index (it removed the parts it
-        # found spoiled; the other ranks' stay, for the engines that read them whole); the
-        # job's others stay. Where the ranks named none, every one of them goes.
-        gone = [k for k in job.keys if k in bad] if bad else list(job.keys)
+        # out of the index (a rank removed the parts it found spoiled; the other ranks' stay,
+        # for the engines that read them whole)
+        gone = self._gone(job, bad)
         if corrupt or bad:
             self.stats.gone += len(gone)
         self.shared.discard(gone)

@@ -221,10 +221,7 @@ class DiskMoves(LowerTierMoves):
             self.stats.promoted += len(job.keys)
             return
         self.stats.promotions_failed += len(job.keys)
-        # the chunks a rank found bad leave the tier, and their files go on every rank; the
-        # job's others stay. Where the ranks named none (a read error, or a report of the job
-        # said again without them), which is bad is not known: every one of them goes.
-        gone = [k for k in job.keys if k in bad] if bad else list(job.keys)
+        gone = self._gone(job, bad)  # their files go on every rank
         if corrupt or bad:
             self.stats.corrupt += len(gone)
         self.disk.discard(gone)
