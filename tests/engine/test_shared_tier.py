@@ -94,7 +94,9 @@ def test_the_store_killed_mid_run_ends_with_the_fault_free_outputs(
     report, books = run(sets)
     assert report["output_digest"] == baseline["output_digest"]
     s = report["tiers"]["shared"]
-    assert s["published_chunks"] > 0  # before the kill
+    # the tier was in use before the kill (publishes started; whether one landed first
+    # depends on how long the store's first transfers take: 1 run in 10 none had)
+    assert s["publishes"] > 0
     assert s["publishes_failed"] + s["promotions_failed"] > 0 or s["unavailable_events"] > 0
     assert not any(books.values()), books
 
