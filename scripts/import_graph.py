@@ -30,8 +30,11 @@ ALLOWED = {
         "raykv.bench.transfer",
         "raykv.bench.disk_transfer",
         "raykv.bench.ttft",
+        # raykv inside vLLM: its worker hands vLLM's KV views to the transfer engines
+        "raykv.vllm",
     ),
     "ray": ("raykv.cluster", "raykv.serve"),
+    "vllm": ("raykv.vllm",),
 }
 
 

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from raykv.transfer.layout import KVLayout
 
 # widest first: fewer, larger elements make torch's indexed copies run at memcpy speed
 _WIDE_DTYPES = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -160,3 +164,54 @@ def host_runs(host: list[int], dev: list[int]) -> list[tuple[int, int, bool]]:
         (lo, hi, all(dev[k] == dev[lo] + (k - lo) for k in range(lo, hi)))
         for lo, hi in _segments(range(len(host)), host)
     ]
+
+
+def run_copies(
+    ops: list[CopyOp], index: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Carry out ``plan_copies``' operations from the rows of ``src`` into those of ``dst``
+    (``index``: the plan's index list as a tensor on ``src``'s device)."""
+    if index is not None and index.device != src.device:
+        index = index.to(src.device)
+    for op in ops:
+        if isinstance(op, Slice):
+            dst[op.dst : op.dst + op.n].copy_(src[op.src : op.src + op.n])
+        elif isinstance(op, Gather):
+            assert index is not None
+            torch.index_select(src, 0, index[op.lo : op.lo + op.n], out=dst[op.dst : op.dst + op.n])
+        else:
+            assert index is not None
+            dst.index_copy_(0, index[op.lo : op.lo + op.n], src[op.src : op.src + op.n])
+
+
+def page_pieces(
+    pieces: list[torch.Tensor], pool_rows: torch.Tensor, layout: KVLayout
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair each piece of a page that lives elsewhere (a byte view ``[num_blocks, n]`` per
+    layer, as vLLM's canonical views are) with the columns of the pool's page rows it fills, in
+    order, both viewed through the widest element the two allow. Raises ``ValueError`` where the
+    pieces do not make exactly one page of ``layout``."""
+    page_bytes, num_blocks = layout.page_bytes, layout.num_gpu_blocks
+    rows = pool_rows.view(torch.uint8)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    offset = 0
+    for number, piece in enumerate(pieces):
+        if piece.dim() != 2 or piece.element_size() != 1 or piece.stride(1) != 1:
+            raise ValueError(
+                f"page piece {number}: expected a byte view [num_blocks, bytes] with "
+                f"contiguous rows, got {tuple(piece.shape)} {piece.dtype}"
+            )
+        if piece.shape[0] != num_blocks:
+            raise ValueError(
+                f"page piece {number} has {piece.shape[0]} blocks, the layout {num_blocks}"
+            )
+        size = piece.shape[1]
+        columns = rows[:, offset : offset + size]
+        offset += size
+        wide = wide_dtype(size, piece, columns)
+        if any(t.stride(0) % wide.itemsize for t in (piece, columns)):
+            wide = torch.uint8
+        pairs.append((piece.view(torch.uint8).view(wide), columns.view(wide)))
+    if offset != page_bytes:
+        raise ValueError(f"the page pieces hold {offset} bytes, a page {page_bytes}")
+    return pairs

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +23,13 @@ import torch
 from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.checksums import RowChecksums, flip_copied_rows
-from raykv.transfer.copy_plan import Gather, Slice, check_range, plan_copies, wide_dtype
+from raykv.transfer.copy_plan import (
+    check_range,
+    page_pieces,
+    plan_copies,
+    run_copies,
+    wide_dtype,
+)
 from raykv.transfer.layout import KVLayout, pool_rows
 
 log = logging.getLogger(__name__)
@@ -51,7 +57,7 @@ class CpuTransferEngine(TransferEngineBase):
 
     def __init__(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | Sequence[torch.Tensor],
         pool: torch.Tensor,
         layout: KVLayout,
         *,
@@ -59,28 +65,43 @@ class CpuTransferEngine(TransferEngineBase):
         exec_delay: Callable[[int], int] | None = None,
         sums: torch.Tensor | None = None,
     ) -> None:
-        """``threaded=False`` runs no copy thread: queued jobs are copied, in FIFO order, at the
+        """``kv``: raykv's own cache (one tensor, a page per row), or the pieces a page is split
+        into in someone else's cache (vLLM's: one byte view ``[num_gpu_blocks, piece bytes]``
+        per layer, wherever each lives), whose bytes, in order, make a pool page.
+
+        ``threaded=False`` runs no copy thread: queued jobs are copied, in FIFO order, at the
         start of :meth:`poll` (or by :meth:`flush`). With ``exec_delay`` (job id -> polls to wait)
         a job stays queued, really uncopied, for that many polls, and holds back the jobs behind
         it. Together they make every interleaving of copies and steps reproducible for tests.
         ``sums``: where the checksum of each pool page row lives (int64, -1: none), kept with a
         shared-memory pool so that a successor still checks what its predecessor stored."""
-        expected_kv = (layout.num_gpu_blocks, layout.page_elems)
-        if tuple(kv.shape) != expected_kv:
-            raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout {expected_kv}")
-        if kv.dtype != layout.torch_dtype or pool.dtype != layout.torch_dtype:
+        kv_dtype = kv.dtype if isinstance(kv, torch.Tensor) else layout.torch_dtype
+        if kv_dtype != layout.torch_dtype or pool.dtype != layout.torch_dtype:
             raise ValueError(
-                f"kv ({kv.dtype}) and pool ({pool.dtype}) must both be {layout.torch_dtype}"
+                f"kv ({kv_dtype}) and pool ({pool.dtype}) must both be {layout.torch_dtype}"
             )
-        if not kv.is_contiguous() or not pool.is_contiguous():
-            raise ValueError("kv and pool must be contiguous")
+        if not pool.is_contiguous():
+            raise ValueError("the pool must be contiguous")
         rows = pool_rows(pool, layout)
         self.layout = layout
-        self.kv = kv
         self.pool = pool
-        wide = wide_dtype(layout.page_bytes, kv, rows)
-        self._kv_rows = kv.view(wide)
-        self._pool_rows = rows.view(wide)
+        if isinstance(kv, torch.Tensor):
+            expected_kv = (layout.num_gpu_blocks, layout.page_elems)
+            if tuple(kv.shape) != expected_kv:
+                raise ValueError(
+                    f"kv shape {tuple(kv.shape)} does not match the layout {expected_kv}"
+                )
+            if not kv.is_contiguous():
+                raise ValueError("kv must be contiguous")
+            self.kv = kv
+            wide = wide_dtype(layout.page_bytes, kv, rows)
+            self._kv_rows = kv.view(wide)
+            self._pool_rows = rows.view(wide)
+            self._pieces = [(self._kv_rows, self._pool_rows)]
+        else:
+            self.kv = None
+            self._pieces = page_pieces(list(kv), rows, layout)
+            self._pool_rows = rows.view(torch.uint8)
 
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
@@ -330,24 +351,16 @@ class CpuTransferEngine(TransferEngineBase):
         bpc = lay.blocks_per_chunk
         rows = slots if bpc == 1 else [s * bpc + b for s, b in zip(slots, subs, strict=True)]
         if spec.is_store:
-            src_t, dst_t, src, dst = self._kv_rows, self._pool_rows, gpu, rows
+            src, dst = gpu, rows
         else:
-            src_t, dst_t, src, dst = self._pool_rows, self._kv_rows, rows, gpu
+            src, dst = rows, gpu
             if spec.check_sums:
                 self._check_rows(spec.job_id, rows)
         ops, index = plan_copies(src, dst)
-        idx = torch.tensor(index, dtype=torch.long, device=src_t.device) if index else None
-        for op in ops:
-            if isinstance(op, Slice):
-                dst_t[op.dst : op.dst + op.n].copy_(src_t[op.src : op.src + op.n])
-            elif isinstance(op, Gather):
-                assert idx is not None
-                torch.index_select(
-                    src_t, 0, idx[op.lo : op.lo + op.n], out=dst_t[op.dst : op.dst + op.n]
-                )
-            else:
-                assert idx is not None
-                dst_t.index_copy_(0, idx[op.lo : op.lo + op.n], src_t[op.src : op.src + op.n])
+        idx = torch.tensor(index, dtype=torch.long) if index else None
+        for kv_piece, pool_piece in self._pieces:
+            src_t, dst_t = (kv_piece, pool_piece) if spec.is_store else (pool_piece, kv_piece)
+            run_copies(ops, idx, src_t, dst_t)
         if spec.is_store and spec.check_sums:  # what the rows hold now, for the loads
             self.checksums.record(rows)
 

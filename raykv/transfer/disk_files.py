@@ -377,6 +377,17 @@ class RankDirectory:
                     swept += 1
         return keys, swept
 
+    def listing(self) -> list[int]:
+        """The keys whose files are here, by name alone: nothing is opened, swept or taken
+        away (for a process that only plans, such as vLLM's scheduler; the rank that holds the
+        directory checks each file when it reads it)."""
+        keys: list[int] = []
+        for entry in self._entries():
+            m = _NAME_RE.match(entry.name)
+            if m is not None and entry.is_file(follow_symlinks=False):
+                keys.append(int(m["key"], 16))
+        return keys
+
     def absorb(self, other: str) -> int:
         """Take in the chunk files of ``other``, a directory of the same namespace and rank that
         another engine on the node wrote (``base.1``, ...) and no live engine holds: each key's

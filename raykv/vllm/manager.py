@@ -1,0 +1,231 @@
+"""The manager half of raykv inside vLLM (vLLM's scheduler process): which chunks each tier
+holds, in which slot, and what a load or a store must do. It never touches a byte: the workers
+move them, each its own shard, and ack each job to vLLM, which counts every rank's ack.
+
+The tiers are raykv's own directories (``offload/directory.py``): the CPU tier's slots, with
+its policy and frequency filter, and, under it, the disk tier's files. The disk tier is written
+through: a chunk the CPU tier stores is written to its file in the same job (where the disk
+tier admits it), so the CPU tier evicts without a copy and a later vLLM on the same path finds
+every chunk (a warm restart). A chunk found only on disk is promoted into a CPU slot by the load
+that needs it, in the same job.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from raykv.core.kv_events import MEDIUM_CPU, BlockStored
+from raykv.offload.directory import HIT, HIT_PENDING, Directory
+from raykv.vllm.failures import CPU_TIER, DISK_TIER, BadKeys
+from raykv.vllm.jobs import ChunkLoad, ChunkStore
+from raykv.vllm.keys import raykv_key
+
+log = logging.getLogger(__name__)
+
+_MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk) is vLLM's STORAGE
+
+
+class RaykvOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` on raykv's tier directories.
+
+    Args:
+        cpu: the CPU tier's directory (one slot: one chunk on every rank).
+        disk: the disk tier's directory, or None without a disk tier.
+        bad_keys: where the workers say which chunks they found bad.
+        check_sums: loads check each CPU page's checksum (``offload.verify``).
+    """
+
+    def __init__(
+        self,
+        cpu: Directory,
+        disk: Directory | None,
+        bad_keys: BadKeys,
+        check_sums: bool,
+    ) -> None:
+        self.cpu = cpu
+        self.disk = disk
+        self.bad_keys = bad_keys
+        self.check_sums = check_sums
+        # vLLM's key of every key a tier holds that this process saw (events and evictions
+        # name vLLM's keys; chunks found on disk at start are known by raykv's key only)
+        self._names: dict[int, OffloadKey] = {}
+        # keys whose store writes their file too (until complete_store)
+        self._writing_disk: set[int] = set()
+        # keys a load promotes from disk (until complete_load)
+        self._promoting: set[int] = set()
+        self.loads_refused = 0
+
+    # ---- lookups and loads -------------------------------------------------------------------
+
+    def _forget_bad(self) -> None:
+        bad = self.bad_keys.take()
+        if bad:
+            log.warning("raykv: %d chunks found bad leave their tiers", len(bad))
+            self.cpu.discard(k for tiers, k in bad if tiers != DISK_TIER)
+            if self.disk is not None:
+                self.disk.discard(k for tiers, k in bad if tiers != CPU_TIER)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._forget_bad()
+        k = raykv_key(key)
+        self._names[k] = key
+        if k in self.cpu:
+            found = self.cpu.lookup(k)
+        elif self.disk is not None and k in self.disk:
+            found = self.disk.lookup(k)
+        else:
+            return LookupResult.MISS
+        if found == HIT:
+            return LookupResult.HIT
+        return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ChunkLoad:
+        ks = [raykv_key(key) for key in keys]
+        in_cpu = [k for k in ks if self.cpu.is_readable(k)]
+        below = [k for k in ks if not self.cpu.is_readable(k)]
+        slot_of: dict[int, int] = dict(zip(in_cpu, self.cpu.prepare_load(in_cpu), strict=True))
+        refused = False
+        if below:
+            assert self.disk is not None, "a key neither tier holds was looked up as a hit"
+            self.disk.prepare_load(below)
+            plan = self.cpu.prepare_store(below, admit_all=True, keep=in_cpu)
+            if plan is None or len(plan.keys) != len(below):
+                # no CPU room for the promotion: the job fails, and vLLM recomputes
+                refused = True
+                self.loads_refused += 1
+                if plan is not None:
+                    self.cpu.complete_store(plan.keys, success=False)
+                self.disk.complete_load(below)
+                below = []
+            else:
+                slot_of.update(zip(plan.keys, plan.slots, strict=True))
+                self._promoting.update(below)
+        from_disk = set(below)
+        return ChunkLoad(
+            keys=ks,
+            slots=[slot_of.get(k, -1) for k in ks],
+            from_disk=[i for i, k in enumerate(ks) if k in from_disk],
+            check_sums=self.check_sums,
+            refused=refused,
+        )
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        ks = [raykv_key(key) for key in keys]
+        self.cpu.touch(ks)
+        if self.disk is not None:
+            self.disk.touch(ks)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        ks = [raykv_key(key) for key in keys]
+        promoted = [k for k in ks if k in self._promoting]
+        read = [k for k in ks if k not in self._promoting]
+        if promoted:
+            self._promoting.difference_update(promoted)
+            self.cpu.complete_store(promoted, success=True)
+            assert self.disk is not None
+            self.disk.complete_load(promoted)
+        self.cpu.complete_load([k for k in read if k in self.cpu])
+        self._forget_bad()
+
+    # ---- stores ------------------------------------------------------------------------------
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        self._forget_bad()
+        ks = [raykv_key(key) for key in keys]
+        for k, key in zip(ks, keys, strict=True):
+            self._names[k] = key
+        plan = self.cpu.prepare_store(ks)
+        if plan is None:
+            # no room for all: the prefix there is room for (vLLM does not offer the rest
+            # again; refusing all would have it offer every key again, step after step)
+            room = self.cpu.room()
+            plan = self.cpu.prepare_store(ks[:room]) if room > 0 else None
+            if plan is None:
+                return None
+        to_disk: list[int] = []
+        drops: list[int] = []
+        if self.disk is not None and plan.keys:
+            new = [k for k in plan.keys if k not in self.disk]
+            lower = self.disk.prepare_store(new) if new else None
+            if lower is not None:
+                chosen = set(lower.keys)
+                to_disk = [i for i, k in enumerate(plan.keys) if k in chosen]
+                drops = list(lower.evicted)
+                self._writing_disk.update(lower.keys)
+        names = self._names
+        spec = ChunkStore(
+            keys=list(plan.keys),
+            slots=list(plan.slots),
+            to_disk=to_disk,
+            disk_drops=drops,
+            check_sums=self.check_sums,
+        )
+        return PrepareStoreOutput(
+            keys_to_store=[names[k] for k in plan.keys],
+            store_spec=spec,
+            evicted_keys=[names[k] for k in plan.evicted if k in names],
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        ks = [raykv_key(key) for key in keys]
+        self.cpu.complete_store(ks, success=success)
+        on_disk = [k for k in ks if k in self._writing_disk]
+        if on_disk:
+            self._writing_disk.difference_update(on_disk)
+            assert self.disk is not None
+            self.disk.complete_store(on_disk, success=success)
+        self._forget_bad()
+
+    # ---- requests, events, lifecycle ---------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        tiers = [self.cpu] if self.disk is None else [self.cpu, self.disk]
+        names = self._names
+        for tier in tiers:
+            for event in tier.take_events():
+                keys = [names[k] for k in event.keys if k in names]
+                if keys:
+                    yield OffloadingEvent(
+                        keys=keys,
+                        medium=_MEDIUM.get(event.medium, Medium.STORAGE),
+                        removed=not isinstance(event, BlockStored),
+                    )
+        self._trim_names()
+
+    def _trim_names(self) -> None:
+        # names of keys no tier holds any more are dropped once the map outgrows the tiers
+        if len(self._names) > 2 * (self.cpu.capacity + (self.disk.capacity if self.disk else 0)):
+            cpu, disk = self.cpu, self.disk
+            self._names = {
+                k: v for k, v in self._names.items() if k in cpu or (disk is not None and k in disk)
+            }
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        self.bad_keys.remove()
+
+    def reset_cache(self) -> None:
+        self.cpu.reset()
+        self._writing_disk.clear()
+        self._promoting.clear()

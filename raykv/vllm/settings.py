@@ -1,0 +1,77 @@
+"""raykv's settings inside vLLM: its ``offload`` section, read from vLLM's connector config.
+
+``kv_connector_extra_config`` holds either ``"raykv": {...}`` (the keys of ``raykv run``'s
+``offload`` section, with the same defaults and checks) or ``"raykv_config": "<file>.yaml"`` (a
+raykv config file whose ``offload`` section is used). Errors name the key as ``raykv.<key>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from raykv.config import ConfigError
+from raykv.config.loading import load_config
+from raykv.config.sections import OffloadConfig
+
+# where raykv's settings sit in kv_connector_extra_config
+INLINE = "raykv"
+FILE = "raykv_config"
+# what vLLM decides itself inside vLLM, with the key of vLLM's that does
+DECIDED_BY_VLLM = {
+    "enabled": "the kv_transfer_config itself",
+    "blocks_per_chunk": "kv_connector_extra_config's block_size (tokens per offloaded chunk)",
+    "load_in_step": "vLLM's scheduler (a load always lands before its request runs)",
+    "copy_thread": "nothing: the copies always run on raykv's own thread beside vLLM's",
+}
+NOT_YET = {"shared": "the shared tier (Mooncake Store)"}
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        got = error.get("input")
+        where = f"{INLINE}.{path}" if path else INLINE
+        lines.append(f"{where}: {message}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
+    return "; ".join(lines)
+
+
+def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
+    """raykv's offload section from vLLM's ``kv_connector_extra_config`` (``ConfigError``
+    naming the key at fault)."""
+    inline, path = extra_config.get(INLINE), extra_config.get(FILE)
+    if inline is not None and path is not None:
+        raise ConfigError(f"kv_connector_extra_config: set {INLINE} or {FILE}, not both")
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{FILE}: expected the path of a raykv YAML file (got {path!r})")
+        settings = load_config(path).offload
+        tree = settings.model_dump(exclude_unset=True)
+    else:
+        if inline is None:
+            inline = {}
+        if not isinstance(inline, Mapping):
+            raise ConfigError(f"{INLINE}: expected a mapping of offload keys (got {inline!r})")
+        try:
+            settings = OffloadConfig.model_validate(dict(inline))
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+        tree = dict(inline)
+    for key, decider in DECIDED_BY_VLLM.items():
+        if key in tree:
+            raise ConfigError(f"{INLINE}.{key}: decided by {decider} inside vLLM; leave it out")
+    for key, what in NOT_YET.items():
+        if getattr(settings, key).enabled:
+            raise ConfigError(
+                f"{INLINE}.{key}.enabled: {what} is not available inside vLLM yet "
+                "(raykv's own engine has it: raykv run / raykv serve)"
+            )
+    if settings.cpu_bytes is None and settings.cpu_slots is None:
+        raise ConfigError(f"{INLINE}.cpu_bytes: set the CPU tier's size (e.g. 4GiB)")
+    return settings

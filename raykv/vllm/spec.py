@@ -1,0 +1,190 @@
+"""``RaykvOffloadingSpec``: raykv's tiers as vLLM's offloading backend.
+
+vLLM's ``OffloadingConnector`` builds it from ``kv_connector_extra_config``
+(``{"spec_name": "RaykvOffloadingSpec", "spec_module_path": "raykv.vllm", "raykv": {...}}``) in
+the scheduler process, where ``get_manager`` gives the tiers' directories, and in each worker
+process, where ``get_worker`` gives that rank's engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from raykv.config.sections import OffloadConfig
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, EventLog
+from raykv.offload.directory import Directory
+from raykv.transfer.cpu import CpuTransferEngine
+from raykv.transfer.disk import DiskTransferEngine
+from raykv.transfer.disk_files import ChunkFormat, RankDirectory, private_directory
+from raykv.transfer.layout import KVLayout, allocate_pool
+from raykv.vllm import namespace
+from raykv.vllm.failures import BadKeys, report_failed_loads
+from raykv.vllm.manager import RaykvOffloadingManager
+from raykv.vllm.settings import offload_settings
+from raykv.vllm.worker import RaykvOffloadingWorker, page_pieces_of
+
+log = logging.getLogger(__name__)
+
+report_failed_loads()
+
+
+def page_layout(page_bytes: int, num_blocks: int, blocks_per_chunk: int, slots: int) -> KVLayout:
+    """A raykv layout whose page is ``page_bytes`` of a worker's block (vLLM's pages are
+    opaque bytes to the tiers: only their size matters)."""
+    # raykv's page holds a K and a V row per head: one "head" of half the page each
+    for dtype, size in (("float32", 8), ("float16", 4)):
+        if page_bytes % size == 0:
+            return KVLayout(
+                num_gpu_blocks=num_blocks,
+                block_size=1,
+                num_groups=1,
+                layers_per_group=1,
+                kv_heads=1,
+                head_dim=page_bytes // size,
+                dtype=dtype,
+                blocks_per_chunk=blocks_per_chunk,
+                num_slots=slots,
+            )
+    raise ValueError(f"a KV page of {page_bytes} bytes (not a multiple of 4) is not supported")
+
+
+class RaykvOffloadingSpec(OffloadingSpec):
+    """raykv's CPU tier and, under it, its disk tier, as a vLLM offloading spec."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings: OffloadConfig = offload_settings(self.extra_config)
+        parallel = config.parallel
+        self.rank, self.world_size = parallel.rank, max(1, parallel.world_size)
+        self.chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.num_slots = self._cpu_slots()
+        self.parts = namespace.namespace_parts(config, self._device())
+        self.bad_keys = BadKeys(self._run_directory(), self.world_size)
+        self._manager: RaykvOffloadingManager | None = None
+        self._worker: RaykvOffloadingWorker | None = None
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    # ---- sizes and places --------------------------------------------------------------------
+
+    def _cpu_slots(self) -> int:
+        settings = self.settings
+        if settings.cpu_slots is not None:
+            return settings.cpu_slots
+        assert settings.cpu_bytes is not None
+        if self.chunk_bytes <= 0:
+            return 1
+        return max(1, settings.cpu_bytes // (self.chunk_bytes * self.world_size))
+
+    def _disk_slots(self) -> int:
+        file_bytes = ChunkFormat(
+            self.config.worker_kv_bytes_per_block, self.blocks_per_chunk
+        ).file_bytes
+        return max(1, self.settings.disk.capacity // (file_bytes * self.world_size))
+
+    @staticmethod
+    def _device() -> str:
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type or "cpu")
+
+    def _run_directory(self) -> str:
+        # where the workers tell the manager of bad chunks: this user's, one per engine
+        base = os.path.join(tempfile.gettempdir(), f"raykv-{os.getuid()}")
+        path = os.path.join(base, f"vllm-{self.config.engine_id}")
+        private_directory(base)
+        private_directory(path)
+        return path
+
+    def disk_root(self, rank: int) -> str:
+        assert self.settings.disk.path is not None
+        return os.path.join(
+            self.settings.disk.path, namespace.directory_name(self.parts), f"rank-{rank}"
+        )
+
+    # ---- the halves --------------------------------------------------------------------------
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            settings = self.settings
+            events = EventLog(settings.events and self.kv_events_config.enable_kv_cache_events)
+            cpu = Directory(
+                self.num_slots,
+                settings.policy,
+                store_threshold=settings.store_threshold,
+                max_tracker_size=settings.max_tracker_size,
+                events=events,
+                medium=MEDIUM_CPU,
+            )
+            disk = None
+            if settings.disk.enabled:
+                disk = Directory(
+                    self._disk_slots(),
+                    settings.disk.policy,
+                    store_threshold=settings.disk.store_threshold,
+                    events=events,
+                    medium=MEDIUM_DISK,
+                )
+                found = self._keys_on_disk()
+                taken = disk.adopt(found)
+                if taken:
+                    log.info("raykv: %d chunks found in the disk tier (warm start)", len(taken))
+            self._manager = RaykvOffloadingManager(cpu, disk, self.bad_keys, settings.verify)
+        return self._manager
+
+    def _keys_on_disk(self) -> list[int]:
+        """Keys whose files every rank holds (names only: the workers check the bytes)."""
+        common: set[int] | None = None
+        for rank in range(self.world_size):
+            keys = set(RankDirectory(self.disk_root(rank)).listing())
+            common = keys if common is None else common & keys
+        return sorted(common or ())
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = self._build_worker(kv_caches)
+        return self._worker
+
+    def _build_worker(self, kv_caches: CanonicalKVCaches) -> RaykvOffloadingWorker:
+        pieces = page_pieces_of(kv_caches)
+        if any(piece.device.type != "cpu" for piece in pieces):
+            raise RuntimeError(
+                "raykv inside vLLM copies on vLLM's CPU platform only in this release "
+                f"(the KV cache is on {pieces[0].device})"
+            )
+        page_bytes = sum(piece.shape[1] for piece in pieces)
+        layout = page_layout(page_bytes, pieces[0].shape[0], self.blocks_per_chunk, self.num_slots)
+        pool = allocate_pool(layout)
+        copies = CpuTransferEngine(pieces, pool, layout)
+        disk = None
+        disk_settings = self.settings.disk
+        if disk_settings.enabled:
+            disk = DiskTransferEngine(
+                self.disk_root(self.rank),
+                pool,
+                layout,
+                io_threads=disk_settings.io_threads,
+                direct_io=disk_settings.direct_io,
+                fsync=disk_settings.fsync,
+                sums=copies.checksums,
+                identity=namespace.identity(self.parts, self.rank),
+            )
+            disk.index()  # sweeps what a crashed writer left, takes in older directories
+        return RaykvOffloadingWorker(self.rank, copies, disk, self.bad_keys, self.blocks_per_chunk)
+
+    def take_failed_loads(self) -> list[int]:
+        """Failed loads of this rank's worker, for ``failures.report_failed_loads``."""
+        return [] if self._worker is None else self._worker.take_failed_loads()

@@ -1,0 +1,150 @@
+"""raykv inside real vLLM (its CPU build), in this process: vLLM's engine, its scheduler and its
+worker all run here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one engine at a time, on a tiny
+random Llama with SmolLM2's real tokenizer (vLLM's CPU attention wants heads of 32 or more)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make vllm installs its CPU build)")
+transformers = pytest.importorskip("transformers")
+
+# one process; one OpenMP thread (more oversubscribe the 2 cores: 30x slower, measured)
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+SPEC = {"spec_name": "RaykvOffloadingSpec", "spec_module_path": "raykv.vllm"}
+BLOCK_TOKENS = 128  # what vLLM's CPU attention picks for these models
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:
+    """Random two-layer Llama weights (heads of 32) with SmolLM2's tokenizer, as vLLM reads a
+    Hugging Face directory."""
+    import torch
+
+    out = tmp_path_factory.mktemp("vllm-tiny-llama")
+    smollm2_hf_tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(smollm2_hf_tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=smollm2_hf_tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def transfer_config(raykv: dict[str, Any] | None, **extra: Any):
+    """vLLM's connector config with raykv's spec (None: no offloading at all)."""
+    from vllm.config import KVTransferConfig
+
+    if raykv is None:
+        return None
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={**SPEC, "raykv": raykv, **extra},
+    )
+
+
+@contextlib.contextmanager
+def engine(model: Path, raykv: dict[str, Any] | None, prefix_caching: bool = True) -> Iterator:
+    """A vLLM engine on ``model`` with raykv's tiers configured by ``raykv``; shut down after."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        kv_cache_memory_bytes=64 << 20,
+        kv_transfer_config=transfer_config(raykv),
+        enable_prefix_caching=prefix_caching,
+        max_model_len=2048,
+        seed=0,
+    )
+    try:
+        yield llm
+    finally:
+        del llm
+        ensure_kv_transfer_shutdown()  # vLLM's worker connector is process-global
+        cleanup_dist_env_and_memory()
+        gc.collect()
+
+
+def manager_of(llm):
+    """raykv's manager inside ``llm``'s scheduler (one process)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
+
+
+def worker_of(llm):
+    """raykv's worker inside ``llm``'s (only) worker (one process)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    return get_kv_transfer_group().connector_worker.worker
+
+
+def prompt_text(seed: int, words: int = 170) -> str:
+    """A prompt of real words (about 2.7 tokens a word with SmolLM2's tokenizer)."""
+    vocabulary = [
+        *("river", "stone", "lantern", "quiet", "orbit", "maple", "copper", "signal", "harbor"),
+        *("violet", "thunder", "meadow", "saddle", "glacier", "ember", "puzzle", "falcon"),
+        *("cinder", "willow", "beacon"),
+    ]
+    return " ".join(
+        f"{vocabulary[(seed * 7 + i * 3) % len(vocabulary)]}{(seed + i) % 11}" for i in range(words)
+    )
+
+
+def answer(llm, prompt: str, max_tokens: int = 4) -> tuple[list[int], list[float], int]:
+    """Greedy tokens, each one's logprob, and the prompt tokens vLLM did not compute."""
+    from vllm import SamplingParams
+
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1), use_tqdm=False
+    )[0]
+    tokens = list(out.outputs[0].token_ids)
+    logprobs = [
+        step[token].logprob for step, token in zip(out.outputs[0].logprobs, tokens, strict=True)
+    ]
+    return tokens, logprobs, out.num_cached_tokens or 0
+
+
+def settle(llm) -> None:
+    """Run one more request: a store is submitted the step after its blocks fill, and lands
+    while a later step runs."""
+    from vllm import SamplingParams
+
+    llm.generate(["settle " * 40], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.generate(["again " * 40], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def drain(llm, rounds: int = 200) -> None:
+    """Run small requests until no store of raykv's is in flight (each tier's writes land only
+    as later steps poll them; the disk's run on threads of the lowest priority)."""
+    import time
+
+    manager = manager_of(llm)
+    tiers = [manager.cpu] if manager.disk is None else [manager.cpu, manager.disk]
+    for _ in range(rounds):
+        if all(tier.stats().writing == 0 for tier in tiers):
+            return
+        settle(llm)
+        time.sleep(0.01)
+    raise AssertionError("raykv's stores did not land")

@@ -1,0 +1,54 @@
+"""raykv's settings inside vLLM: the offload section's keys, defaults and checks, errors naming
+``raykv.<key>``; a vLLM outside the supported range refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from raykv.config import ConfigError
+from raykv.vllm.settings import offload_settings
+from raykv.vllm.versions import UnsupportedVllm, check_version
+
+
+def test_the_inline_section_takes_raykv_run_s_keys_and_defaults() -> None:
+    settings = offload_settings({"raykv": {"cpu_bytes": "2GiB", "disk": {"enabled": False}}})
+    assert settings.cpu_bytes == 2 * 2**30
+    assert settings.policy == "recall" and settings.take_hits == "faster"
+
+
+@pytest.mark.parametrize(
+    ("raykv", "named"),
+    [
+        ({"cpu_bytes": "lots"}, "raykv.cpu_bytes"),
+        ({"cpu_bytes": "1GiB", "polcy": "lru"}, "raykv.polcy: unknown key"),
+        ({"cpu_bytes": "1GiB", "disk": {"io_threads": 0}}, "raykv.disk.io_threads"),
+        ({}, "raykv.cpu_bytes: set the CPU tier's size"),
+        ({"cpu_slots": 8, "blocks_per_chunk": 2}, "raykv.blocks_per_chunk"),
+        ({"cpu_slots": 8, "shared": {"enabled": True}}, "raykv.shared.enabled"),
+    ],
+)
+def test_a_bad_setting_is_named(raykv, named) -> None:
+    with pytest.raises(ConfigError) as caught:
+        offload_settings({"raykv": raykv})
+    assert named in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_raykv_config_file_gives_its_offload_section(tmp_path) -> None:
+    path = tmp_path / "raykv.yaml"
+    path.write_text("offload:\n  cpu_slots: 12\n  policy: lru\n")
+    settings = offload_settings({"raykv_config": str(path)})
+    assert (settings.cpu_slots, settings.policy) == (12, "lru")
+    with pytest.raises(ConfigError, match="not both"):
+        offload_settings({"raykv_config": str(path), "raykv": {"cpu_slots": 1}})
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "garbage"])
+def test_vllm_outside_the_supported_minors_is_refused(version) -> None:
+    with pytest.raises(UnsupportedVllm, match=f"supports vLLM 0.32.x; this is vLLM {version}"):
+        check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu"])
+def test_supported_versions_pass(version) -> None:
+    check_version(version)
