@@ -152,16 +152,23 @@ class RaykvConfig(_Strict):
         return max(1, 4 * self.cache.num_gpu_blocks // o.blocks_per_chunk)
 
 
-def _format_errors(exc: ValidationError, source: str) -> ConfigError:
+def error_lines(exc: ValidationError, prefix: str = "") -> list[str]:
+    """One line per mistake, each naming its key path (after ``prefix``) and the value given."""
     lines = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"])
+        path = prefix + ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         got = err.get("input")
+        path = path.rstrip(".")
         line = f"{path}: {msg}" if path else msg  # cross-field checks name their own keys
         lines.append(line if isinstance(got, dict) else f"{line} (got {got!r})")
+    return lines
+
+
+def _format_errors(exc: ValidationError, source: str) -> ConfigError:
+    lines = error_lines(exc)
     head = f"invalid configuration{f' in {source}' if source else ''}"
     if len(lines) == 1:  # one mistake, one line
         return ConfigError(f"{head}: {lines[0]}")

@@ -24,10 +24,11 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 
 from raykv.core.kv_events import MEDIUM_CPU, BlockStored
-from raykv.offload.directory import HIT, HIT_PENDING, Directory
+from raykv.offload.directory import HIT, HIT_PENDING, MISS, Directory
 from raykv.vllm.failures import CPU_TIER, DISK_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
@@ -63,30 +64,37 @@ class RaykvOffloadingManager(OffloadingManager):
         self._names: dict[int, OffloadKey] = {}
         # keys whose store writes their file too (until complete_store)
         self._writing_disk: set[int] = set()
-        # keys a load promotes from disk (until complete_load)
-        self._promoting: set[int] = set()
+        # what each request's load pinned and promoted (vLLM runs one load per request at a
+        # time): complete_load undoes exactly that, whatever else happened to the keys since
+        self._loads: dict[str, tuple[list[int], list[int]]] = {}
+        # keys found bad that could not leave their tier yet (being written or read): kept
+        # until they can, and a store or promotion of one completes as failed
+        self._bad_cpu: set[int] = set()
+        self._bad_disk: set[int] = set()
         self.loads_refused = 0
 
     # ---- lookups and loads -------------------------------------------------------------------
 
     def _forget_bad(self) -> None:
-        bad = self.bad_keys.take()
-        if bad:
-            log.warning("raykv: %d chunks found bad leave their tiers", len(bad))
-            self.cpu.discard(k for tiers, k in bad if tiers != DISK_TIER)
-            if self.disk is not None:
-                self.disk.discard(k for tiers, k in bad if tiers != CPU_TIER)
+        for tiers, key in self.bad_keys.take():
+            if tiers != DISK_TIER:
+                self._bad_cpu.add(key)
+            if tiers != CPU_TIER and self.disk is not None:
+                self._bad_disk.add(key)
+        for tier, bad in ((self.cpu, self._bad_cpu), (self.disk, self._bad_disk)):
+            if tier is None or not bad:
+                continue
+            tier.discard(bad)
+            # what left (or was never there) is done with; the rest waits for its readers
+            bad.intersection_update(k for k in bad if k in tier)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._forget_bad()
         k = raykv_key(key)
         self._names[k] = key
-        if k in self.cpu:
-            found = self.cpu.lookup(k)
-        elif self.disk is not None and k in self.disk:
+        # every tier counts the lookup (its frequency filter admits on asks, hits or not)
+        found = self.cpu.lookup(k)
+        if found == MISS and self.disk is not None:
             found = self.disk.lookup(k)
-        else:
-            return LookupResult.MISS
         if found == HIT:
             return LookupResult.HIT
         return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
@@ -98,20 +106,23 @@ class RaykvOffloadingManager(OffloadingManager):
         slot_of: dict[int, int] = dict(zip(in_cpu, self.cpu.prepare_load(in_cpu), strict=True))
         refused = False
         if below:
-            assert self.disk is not None, "a key neither tier holds was looked up as a hit"
-            self.disk.prepare_load(below)
-            plan = self.cpu.prepare_store(below, admit_all=True, keep=in_cpu)
+            plan = None
+            if self.disk is not None and all(self.disk.is_readable(k) for k in below):
+                plan = self.cpu.prepare_store(below, admit_all=True, keep=in_cpu)
             if plan is None or len(plan.keys) != len(below):
-                # no CPU room for the promotion: the job fails, and vLLM recomputes
+                # no CPU room for the promotion (or the chunks left the disk tier since the
+                # lookup): the job fails, and vLLM recomputes
                 refused = True
                 self.loads_refused += 1
                 if plan is not None:
                     self.cpu.complete_store(plan.keys, success=False)
-                self.disk.complete_load(below)
-                below = []
+                self.cpu.complete_load(in_cpu)
+                in_cpu, below = [], []
             else:
+                assert self.disk is not None
+                self.disk.prepare_load(below)
                 slot_of.update(zip(plan.keys, plan.slots, strict=True))
-                self._promoting.update(below)
+        self._loads[req_context.req_id] = (in_cpu, below)
         from_disk = set(below)
         return ChunkLoad(
             keys=ks,
@@ -128,15 +139,17 @@ class RaykvOffloadingManager(OffloadingManager):
             self.disk.touch(ks)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        ks = [raykv_key(key) for key in keys]
-        promoted = [k for k in ks if k in self._promoting]
-        read = [k for k in ks if k not in self._promoting]
+        self._forget_bad()  # the workers named the chunks a failed load found bad first
+        pinned, promoted = self._loads.pop(req_context.req_id, ([], []))
         if promoted:
-            self._promoting.difference_update(promoted)
-            self.cpu.complete_store(promoted, success=True)
+            bad = self._bad_cpu.intersection(promoted)
+            good = [k for k in promoted if k not in bad]
+            self.cpu.complete_store(good, success=True)
+            self.cpu.complete_store(list(bad), success=False)  # its slot holds nothing sure
+            self._bad_cpu.difference_update(bad)
             assert self.disk is not None
             self.disk.complete_load(promoted)
-        self.cpu.complete_load([k for k in read if k in self.cpu])
+        self.cpu.complete_load(pinned)
         self._forget_bad()
 
     # ---- stores ------------------------------------------------------------------------------
@@ -144,7 +157,6 @@ class RaykvOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        self._forget_bad()
         ks = [raykv_key(key) for key in keys]
         for k, key in zip(ks, keys, strict=True):
             self._names[k] = key
@@ -183,14 +195,22 @@ class RaykvOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        self._forget_bad()
         ks = [raykv_key(key) for key in keys]
-        self.cpu.complete_store(ks, success=success)
+        self._complete(self.cpu, ks, success, self._bad_cpu)
         on_disk = [k for k in ks if k in self._writing_disk]
         if on_disk:
             self._writing_disk.difference_update(on_disk)
             assert self.disk is not None
-            self.disk.complete_store(on_disk, success=success)
-        self._forget_bad()
+            self._complete(self.disk, on_disk, success, self._bad_disk)
+
+    @staticmethod
+    def _complete(tier: Directory, keys: list[int], success: bool, bad: set[int]) -> None:
+        failed = bad.intersection(keys) if success else set(keys)
+        tier.complete_store([k for k in keys if k not in failed], success=True)
+        if failed:
+            tier.complete_store(list(failed), success=False)
+            bad.difference_update(failed)
 
     # ---- requests, events, lifecycle ---------------------------------------------------------
 
@@ -219,6 +239,9 @@ class RaykvOffloadingManager(OffloadingManager):
                 k: v for k, v in self._names.items() if k in cpu or (disk is not None and k in disk)
             }
 
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
+
     def has_pending_work(self) -> bool:
         return False
 
@@ -226,6 +249,14 @@ class RaykvOffloadingManager(OffloadingManager):
         self.bad_keys.remove()
 
     def reset_cache(self) -> None:
+        # vLLM drops the completions of every job started before a reset: both tiers forget
+        # what was in flight (a disk key left "being written" would be HIT_PENDING for ever),
+        # and the disk tier what it held (a reset may follow new weights); files left behind
+        # are written over as their keys come again
         self.cpu.reset()
+        if self.disk is not None:
+            self.disk.reset()
         self._writing_disk.clear()
-        self._promoting.clear()
+        self._loads.clear()
+        self._bad_cpu.clear()
+        self._bad_disk.clear()

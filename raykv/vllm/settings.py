@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from raykv.config import ConfigError
-from raykv.config.loading import load_config
+from raykv.config.loading import error_lines, load_config
 from raykv.config.sections import OffloadConfig
 
 # where raykv's settings sit in kv_connector_extra_config
@@ -27,19 +27,6 @@ DECIDED_BY_VLLM = {
     "copy_thread": "nothing: the copies always run on raykv's own thread beside vLLM's",
 }
 NOT_YET = {"shared": "the shared tier (Mooncake Store)"}
-
-
-def _describe(exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        path = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            message = "unknown key"
-        got = error.get("input")
-        where = f"{INLINE}.{path}" if path else INLINE
-        lines.append(f"{where}: {message}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
-    return "; ".join(lines)
 
 
 def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
@@ -61,7 +48,7 @@ def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
         try:
             settings = OffloadConfig.model_validate(dict(inline))
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            raise ConfigError("; ".join(error_lines(exc, f"{INLINE}."))) from None
         tree = dict(inline)
     for key, decider in DECIDED_BY_VLLM.items():
         if key in tree:

@@ -155,7 +155,9 @@ class RaykvOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         deadline = time.monotonic() + WAIT_S
-        while any(j in self._jobs for j in job_ids):
+        # vLLM waits to reuse the jobs' GPU blocks: done once no copy of theirs may still run
+        # (a store's write to disk reads its CPU slot, never the GPU blocks)
+        while any(j in self._jobs and self._jobs[j].stage != "write" for j in job_ids):
             copying = [j for j in job_ids if j in self._jobs and self._jobs[j].stage == "copy"]
             if copying:
                 self.copies.flush(copying)
@@ -163,12 +165,17 @@ class RaykvOffloadingWorker(OffloadingWorker):
                 self.disk.wait(0.01)
             self._advance()
             if time.monotonic() > deadline:
-                stuck = sorted(j for j in job_ids if j in self._jobs)
+                stuck = sorted(
+                    j for j in job_ids if j in self._jobs and self._jobs[j].stage != "write"
+                )
                 log.error(
                     "raykv rank %d: jobs %s unfinished after %.0f s", self.rank, stuck, WAIT_S
                 )
                 for job_id in stuck:
-                    self._end(self._jobs[job_id], ok=False)
+                    job = self._jobs[job_id]
+                    if job.is_store:  # what it stored is not sure in any tier
+                        self.bad_keys.append(self.rank, list(job.spec.keys), EVERY_TIER)
+                    self._end(job, ok=False)
                 break
 
     def shutdown(self) -> None:
@@ -185,8 +192,10 @@ class RaykvOffloadingWorker(OffloadingWorker):
     ) -> TierMove:
         keys = [spec.keys[i] for i in positions]
         slots = [spec.slots[i] for i in positions]
-        # a promotion records the checksums it verified, for the loads that follow it to check
-        return TierMove.of(job_id, promote, keys, slots, check=True)
+        # with verify, a promotion records the checksums it verified for the load that follows
+        # and a write checks the slot against its store's; without, neither (a checksum left
+        # by a promotion would fail a later store's write of the same slot)
+        return TierMove.of(job_id, promote, keys, slots, check=spec.check_sums)
 
     def _copy_out(self, job: _Job) -> None:
         job.stage = "copy"
@@ -202,9 +211,12 @@ class RaykvOffloadingWorker(OffloadingWorker):
             if job is None or job.stage != "copy":
                 continue
             if not ok:
-                # a corrupt CPU chunk leaves the CPU tier; a copy that failed otherwise says
-                # nothing about the chunks
-                if job_id in corrupt or job.is_store:
+                # a corrupt CPU chunk leaves the CPU tier; a store that failed leaves every
+                # tier it was going to (its file is never written); a load that failed
+                # otherwise says nothing about the chunks
+                if job.is_store:
+                    self.bad_keys.append(self.rank, list(job.spec.keys), EVERY_TIER)
+                elif job_id in corrupt:
                     self.bad_keys.append(self.rank, list(job.spec.keys), CPU_TIER)
                 self._end(job, ok=False)
             elif job.is_store and job.spec.to_disk and self.disk is not None:
@@ -232,9 +244,11 @@ class RaykvOffloadingWorker(OffloadingWorker):
                 if ok:
                     self._copy_out(job)
                     continue
-                sources = bad.get(job_id, [])
-                self.bad_keys.append(self.rank, sources, EVERY_TIER)
                 promoted = [job.spec.keys[i] for i in job.spec.from_disk]
+                # files that failed their checks leave the disk tier; a read that failed
+                # otherwise (an I/O error) names none, and all of the job's files leave it
+                sources = bad.get(job_id) or promoted
+                self.bad_keys.append(self.rank, sources, EVERY_TIER)
                 self.bad_keys.append(self.rank, [k for k in promoted if k not in sources], CPU_TIER)
                 self._end(job, ok=False)
 

@@ -11,19 +11,22 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama(out: Path, tokenizer, context: int, seed: int) -> Path:
-    """Random two-layer Llama weights for ``tokenizer``'s vocabulary, saved with it in ``out``."""
+def tiny_llama(
+    out: Path, tokenizer, context: int, seed: int, hidden_size: int = 64, kv_heads: int = 2
+) -> Path:
+    """Random two-layer Llama weights (four heads) for ``tokenizer``'s vocabulary, saved with
+    it in ``out``."""
     import torch
 
     tokenizer.save_pretrained(out)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from tests.serve.conftest import tiny_llama
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make vllm installs its CPU build)")
-transformers = pytest.importorskip("transformers")
 
 # one process; one OpenMP thread (more oversubscribe the 2 cores: 30x slower, measured)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -28,25 +29,8 @@ BLOCK_TOKENS = 128  # what vLLM's CPU attention picks for these models
 def vllm_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -> Path:
     """Random two-layer Llama weights (heads of 32) with SmolLM2's tokenizer, as vLLM reads a
     Hugging Face directory."""
-    import torch
-
     out = tmp_path_factory.mktemp("vllm-tiny-llama")
-    smollm2_hf_tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(smollm2_hf_tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        eos_token_id=smollm2_hf_tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return tiny_llama(out, smollm2_hf_tokenizer, context=4096, seed=0, hidden_size=128)
 
 
 def transfer_config(raykv: dict[str, Any] | None, **extra: Any):
@@ -112,18 +96,26 @@ def prompt_text(seed: int, words: int = 170) -> str:
     )
 
 
-def answer(llm, prompt: str, max_tokens: int = 4) -> tuple[list[int], list[float], int]:
-    """Greedy tokens, each one's logprob, and the prompt tokens vLLM did not compute."""
+def answers(
+    llm, prompts: list[str], max_tokens: int = 4
+) -> list[tuple[list[int], list[float], int]]:
+    """Per prompt (all in one batch, so their lookups, loads and stores interleave): greedy
+    tokens, each one's logprob, and the prompt tokens vLLM did not compute."""
     from vllm import SamplingParams
 
-    out = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1), use_tqdm=False
-    )[0]
-    tokens = list(out.outputs[0].token_ids)
-    logprobs = [
-        step[token].logprob for step, token in zip(out.outputs[0].logprobs, tokens, strict=True)
-    ]
-    return tokens, logprobs, out.num_cached_tokens or 0
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1)
+    found = []
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        tokens = list(out.outputs[0].token_ids)
+        steps = out.outputs[0].logprobs
+        logprobs = [step[token].logprob for step, token in zip(steps, tokens, strict=True)]
+        found.append((tokens, logprobs, out.num_cached_tokens or 0))
+    return found
+
+
+def answer(llm, prompt: str, max_tokens: int = 4) -> tuple[list[int], list[float], int]:
+    """Greedy tokens, each one's logprob, and the prompt tokens vLLM did not compute."""
+    return answers(llm, [prompt], max_tokens)[0]
 
 
 def settle(llm) -> None:
