@@ -9,8 +9,9 @@ connector's ``get_transfer_results`` name those loads' requests as failed (a cha
 method, made when this module is imported, that does nothing for other specs).
 
 The manager (in the scheduler process) learns which chunks were bad from :class:`BadKeys`: each
-worker appends their keys to a small file of its own, which the manager reads before it answers
-a lookup, so a bad chunk is looked up as a miss from then on.
+worker appends their keys to a small file of its own, which the manager reads at the end of
+each scheduler step and before it completes a job, so a bad chunk is looked up as a miss from
+the next step on (one still being read or written leaves as soon as it is not).
 """
 
 from __future__ import annotations

@@ -71,16 +71,20 @@ class RaykvOffloadingManager(OffloadingManager):
         # until they can, and a store or promotion of one completes as failed
         self._bad_cpu: set[int] = set()
         self._bad_disk: set[int] = set()
-        self.loads_refused = 0
 
     # ---- lookups and loads -------------------------------------------------------------------
 
     def _forget_bad(self) -> None:
+        """Take the workers' new reports of bad chunks, then let go what can go."""
         for tiers, key in self.bad_keys.take():
             if tiers != DISK_TIER:
                 self._bad_cpu.add(key)
             if tiers != CPU_TIER and self.disk is not None:
                 self._bad_disk.add(key)
+        self._discard_bad()
+
+    def _discard_bad(self) -> None:
+        """Bad chunks nobody reads or writes any more leave their tier."""
         for tier, bad in ((self.cpu, self._bad_cpu), (self.disk, self._bad_disk)):
             if tier is None or not bad:
                 continue
@@ -90,7 +94,6 @@ class RaykvOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = raykv_key(key)
-        self._names[k] = key
         # every tier counts the lookup (its frequency filter admits on asks, hits or not)
         found = self.cpu.lookup(k)
         if found == MISS and self.disk is not None:
@@ -100,7 +103,7 @@ class RaykvOffloadingManager(OffloadingManager):
         return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ChunkLoad:
-        ks = [raykv_key(key) for key in keys]
+        ks = self._named(keys)  # a promotion's BlockStored event names them
         in_cpu = [k for k in ks if self.cpu.is_readable(k)]
         below = [k for k in ks if not self.cpu.is_readable(k)]
         slot_of: dict[int, int] = dict(zip(in_cpu, self.cpu.prepare_load(in_cpu), strict=True))
@@ -113,7 +116,6 @@ class RaykvOffloadingManager(OffloadingManager):
                 # no CPU room for the promotion (or the chunks left the disk tier since the
                 # lookup): the job fails, and vLLM recomputes
                 refused = True
-                self.loads_refused += 1
                 if plan is not None:
                     self.cpu.complete_store(plan.keys, success=False)
                 self.cpu.complete_load(in_cpu)
@@ -150,16 +152,14 @@ class RaykvOffloadingManager(OffloadingManager):
             assert self.disk is not None
             self.disk.complete_load(promoted)
         self.cpu.complete_load(pinned)
-        self._forget_bad()
+        self._discard_bad()  # the bad chunks this load held may go now
 
     # ---- stores ------------------------------------------------------------------------------
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        ks = [raykv_key(key) for key in keys]
-        for k, key in zip(ks, keys, strict=True):
-            self._names[k] = key
+        ks = self._named(keys)
         plan = self.cpu.prepare_store(ks)
         if plan is None:
             # no room for all: the prefix there is room for (vLLM does not offer the rest
@@ -229,10 +229,16 @@ class RaykvOffloadingManager(OffloadingManager):
                         medium=_MEDIUM.get(event.medium, Medium.STORAGE),
                         removed=not isinstance(event, BlockStored),
                     )
-        self._trim_names()
+
+    def _named(self, keys: Collection[OffloadKey]) -> list[int]:
+        """raykv's keys of ``keys``, each remembered with vLLM's name for the events."""
+        ks = [raykv_key(key) for key in keys]
+        self._names.update(zip(ks, keys, strict=True))
+        return ks
 
     def _trim_names(self) -> None:
         # names of keys no tier holds any more are dropped once the map outgrows the tiers
+        # (once a step, whether or not vLLM takes events)
         if len(self._names) > 2 * (self.cpu.capacity + (self.disk.capacity if self.disk else 0)):
             cpu, disk = self.cpu, self.disk
             self._names = {
@@ -241,6 +247,7 @@ class RaykvOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
+        self._trim_names()
 
     def has_pending_work(self) -> bool:
         return False

@@ -53,7 +53,6 @@ class _Job:
     is_store: bool
     stage: str  # "promote", "copy" or "write"
     started: float = field(default_factory=time.perf_counter)
-    ok: bool = True
 
 
 def page_pieces_of(kv_caches: CanonicalKVCaches) -> list[torch.Tensor]:
