@@ -105,7 +105,7 @@ def aligned_pool(layout: KVLayout) -> tuple[torch.Tensor, mmap.mmap]:
     return pool, memory
 
 
-class _PlainFile:
+class PlainFile:
     """The baseline: the same bytes as one file, written and read in order, ``PLAIN_IO_BYTES``
     an I/O on one thread, from and into the pool's own memory."""
 
@@ -147,7 +147,7 @@ class _PlainFile:
             os.unlink(self.path)
 
 
-def _settle(paths: list[str], drop: bool) -> None:
+def settle_files(paths: list[str], drop: bool) -> None:
     """``fsync`` each file, and with ``drop`` its pages leave the page cache too (only clean
     pages can: hence the fsync first). Cold mode where O_DIRECT is refused."""
     for path in paths:
@@ -187,7 +187,7 @@ def _bench_mode(
         max_free_files=len(keys),
     )
     nbytes = len(keys) * layout.chunk_bytes
-    plain = _PlainFile(os.path.join(run_dir, "plain.bin"), memory, nbytes, direct)
+    plain = PlainFile(os.path.join(run_dir, "plain.bin"), memory, nbytes, direct)
     files = [engine.files.path(key) for key in keys]
     slots = list(range(len(keys)))
     job_ids = itertools.count(1)
@@ -204,7 +204,7 @@ def _bench_mode(
     def engine_store() -> None:
         run_job(False)
         if drop:
-            _settle(files, drop=False)  # on the device, as O_DIRECT's would be
+            settle_files(files, drop=False)  # on the device, as O_DIRECT's would be
 
     def before_store(which: int) -> None:
         # a full tier's demotion writes over an evicted chunk's file; the plain file is new
@@ -215,7 +215,7 @@ def _bench_mode(
 
     def before_load(which: int) -> None:
         if drop:
-            _settle(files if which == 0 else [plain.path], drop=True)
+            settle_files(files if which == 0 else [plain.path], drop=True)
 
     timed: dict[str, tuple[Callable[[], None], Callable[[], None], Callable[[int], None]]] = {
         "store": (engine_store, lambda: plain.write(sync=drop), before_store),

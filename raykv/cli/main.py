@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from raykv.cli import bench_engine, bench_serving, config, generate, run, serve
+from raykv.cli import bench_engine, bench_serving, bench_vllm, config, generate, run, serve
 from raykv.config import ConfigError
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench_engine.register(bench)
     bench_serving.register(bench)
+    bench_vllm.register(bench)
     run.register(sub)
     generate.register(sub)
     serve.register(sub)

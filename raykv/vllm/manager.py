@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -32,6 +35,7 @@ from raykv.offload.directory import HIT, HIT_PENDING, MISS, Directory
 from raykv.vllm.failures import CPU_TIER, DISK_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
+from raykv.vllm.metrics import TierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +75,23 @@ class RaykvOffloadingManager(OffloadingManager):
         # until they can, and a store or promotion of one completes as failed
         self._bad_cpu: set[int] = set()
         self._bad_disk: set[int] = set()
+        self.metrics = TierMetrics()
 
     # ---- lookups and loads -------------------------------------------------------------------
 
     def _forget_bad(self) -> None:
         """Take the workers' new reports of bad chunks, then let go what can go."""
+        counts = self.metrics.bad
         for tiers, key in self.bad_keys.take():
-            if tiers != DISK_TIER:
-                self._bad_cpu.add(key)
-            if tiers != CPU_TIER and self.disk is not None:
-                self._bad_disk.add(key)
+            for tier, pending, name, marker in (
+                (self.cpu, self._bad_cpu, "cpu", DISK_TIER),
+                (self.disk, self._bad_disk, "disk", CPU_TIER),
+            ):
+                if tiers == marker or tier is None:
+                    continue
+                if key in tier and key not in pending:  # each chunk counted once
+                    counts[name] = counts.get(name, 0) + 1
+                pending.add(key)
         self._discard_bad()
 
     def _discard_bad(self) -> None:
@@ -116,6 +127,7 @@ class RaykvOffloadingManager(OffloadingManager):
                 # no CPU room for the promotion (or the chunks left the disk tier since the
                 # lookup): the job fails, and vLLM recomputes
                 refused = True
+                self.metrics.refused += 1
                 if plan is not None:
                     self.cpu.complete_store(plan.keys, success=False)
                 self.cpu.complete_load(in_cpu)
@@ -251,6 +263,12 @@ class RaykvOffloadingManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         return False
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        tiers = {"cpu": self.cpu.stats()}
+        if self.disk is not None:
+            tiers["disk"] = self.disk.stats()
+        return self.metrics.report(tiers)
 
     def shutdown(self) -> None:
         self.bad_keys.remove()

@@ -28,7 +28,7 @@ from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.disk_files import ChunkFormat, RankDirectory, private_directory
 from raykv.transfer.layout import KVLayout, allocate_pool
-from raykv.vllm import namespace
+from raykv.vllm import metrics, namespace
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.settings import offload_settings
@@ -76,7 +76,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return {}
+        return metrics.metric_definitions()
 
     # ---- sizes and places --------------------------------------------------------------------
 

@@ -95,3 +95,22 @@ def test_the_tokenizer_converted_once_is_read_back_from_the_cache(
         assert tok.encode(text) == smollm2_hf_tokenizer.encode(text, add_special_tokens=False)
         assert tok.chat(messages) == chat_ids(smollm2_hf_tokenizer, text)
         assert tok.eos_token_id == smollm2_hf_tokenizer.eos_token_id
+
+
+def test_hf_directory_loads_in_transformers_as_the_gguf_does(smollm2, tmp_path) -> None:
+    """The Hugging Face directory made for vLLM (``raykv bench vllm --model <preset>``): its
+    config, tensor names, unpermuted rotary weights and tokenizer give transformers the same
+    model it reads from the GGUF file."""
+    from raykv.model.hf_directory import hf_directory
+
+    _, tokenizer, theirs, gguf = smollm2
+    directory = hf_directory(gguf, tmp_path)
+    assert hf_directory(gguf, tmp_path) == directory  # made once
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    prompt = chat_ids(tokenizer, "Name three rivers of Europe.")
+    assert chat_ids(their_tokenizer, "Name three rivers of Europe.") == prompt
+    with torch.no_grad():
+        got = loaded(torch.tensor([prompt])).logits
+        want = theirs(torch.tensor([prompt])).logits
+    assert (got - want).abs().max().item() < 1e-4

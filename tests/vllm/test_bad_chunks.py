@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 
 from tests.vllm.conftest import answer, answers, drain, engine, manager_of, prompt_text, worker_of
 from tests.vllm.test_tiers import same
@@ -32,6 +35,26 @@ def swap_contents(files: list[Path]) -> None:
         path.write_bytes(data)
 
 
+def every_report(manager):
+    """Keep every report vLLM takes from the manager; the returned call sums them with a last."""
+    taken = []
+    report = manager.get_stats
+
+    def keep():
+        taken.append(report())
+        return taken[-1]
+
+    manager.get_stats = keep
+
+    def total():
+        summed = OffloadingConnectorStats()
+        for one in [*taken, report()]:
+            summed.aggregate(one)
+        return summed
+
+    return total
+
+
 @pytest.fixture(scope="module")
 def reference(vllm_model) -> tuple[list[int], list[float]]:
     with engine(vllm_model, None) as llm:
@@ -42,6 +65,7 @@ def reference(vllm_model) -> tuple[list[int], list[float]]:
 def test_a_bad_disk_chunk_is_recomputed(vllm_model, reference, tmp_path, spoil) -> None:
     settings = {"cpu_slots": 2, "disk": {"enabled": True, "path": str(tmp_path)}}
     with engine(vllm_model, settings) as llm:
+        reports = every_report(manager_of(llm))
         answer(llm, PROMPT)
         drain(llm)
         answer(llm, EVICTOR)  # the CPU tier gives PROMPT's chunks up; the disk keeps them
@@ -60,6 +84,9 @@ def test_a_bad_disk_chunk_is_recomputed(vllm_model, reference, tmp_path, spoil) 
         same(answer(llm, PROMPT), reference)  # recomputed again or loaded: never the bad bytes
         drain(llm)
         assert len(manager.disk) < held, "the bad chunks stayed in the disk tier"
+        reported = reports().reduce()
+        assert reported["raykv:bad_chunks:('disk',)"] >= held - len(manager.disk)
+        assert reported["raykv:tier_chunks:('disk',)"] == len(manager.disk)
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["unverified", "verified"])

@@ -1,0 +1,112 @@
+"""``raykv bench vllm``: raykv's tiers inside vLLM against vLLM's own recompute (the method is
+in ``raykv/vllm/bench.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from raykv.cli.common import check_output, int_list, non_negative_int, positive_int, write_json
+from raykv.config import ConfigError
+
+
+def model_directory(model: str) -> str:
+    """A Hugging Face directory for ``model``: itself, or a preset's or GGUF file's, made once
+    in raykv's weights cache (vLLM reads directories)."""
+    from raykv.model.checkpoint import resolve
+    from raykv.model.hf_directory import hf_directory
+    from raykv.model.spec import UnsupportedModel
+
+    try:
+        path = resolve(model)
+    except UnsupportedModel as exc:
+        raise ConfigError(f"--model: {exc}") from None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {model}: no config.json (a Hugging Face directory?)")
+        return str(path)
+    cache = os.environ.get("RAYKV_WEIGHTS_CACHE") or str(Path.home() / ".cache" / "raykv")
+    return str(hf_directory(path, cache))
+
+
+def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
+    check_output("--json", args.json)
+    try:
+        import raykv.vllm  # noqa: F401  (refuses an unsupported vLLM in one line)
+    except ImportError as exc:
+        raise ConfigError(f"raykv bench vllm needs vLLM ({exc}); make vllm installs it") from None
+    from raykv.vllm.bench import VllmBenchOptions, format_vllm_table, run_vllm_bench
+
+    if args.disk_path is not None and not os.path.isdir(args.disk_path):
+        raise ConfigError(f"--disk-path {args.disk_path}: no such directory")
+    options = VllmBenchOptions(
+        model=model_directory(args.model),
+        prompt_tokens=args.prompt_tokens,
+        repeat=args.repeat,
+        block_tokens=args.block_tokens,
+        dtype=args.dtype,
+        disk_path=args.disk_path,
+        throughput_requests=args.throughput_requests,
+        throughput_prompt_tokens=args.throughput_prompt_tokens,
+        throughput_output_tokens=args.throughput_output_tokens,
+    )
+    err = Console(stderr=True)
+    with err.status("starting") as status:
+        report = run_vllm_bench(options, progress=lambda text: status.update(text))
+    cells = format_vllm_table(report)
+    table = Table(title=f"TTFT through vLLM {report.vllm_version} ({report.dtype})")
+    for header in cells[0]:
+        table.add_column(header, justify="right")
+    for row in cells[1:]:
+        table.add_row(*row)
+    console.print(table)
+    if report.throughput is not None:
+        t = report.throughput
+        console.print(
+            f"no reuse ({t.requests} requests of {t.prompt_tokens}+{t.output_tokens} tokens): "
+            f"{t.without_tokens_per_s:,.0f} tokens/s without raykv, "
+            f"{t.with_tokens_per_s:,.0f} with: {t.ratio:.3f}x"
+        )
+    console.print(f"shared tier: {report.shared_tier}")
+    if args.json:
+        write_json(args.json, report.as_dict(), console)
+    return 0
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    """``raykv bench vllm``."""
+    bv = bench.add_parser(
+        "vllm", help="TTFT through vLLM: recomputed against loaded from raykv's tiers"
+    )
+    bv.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a Hugging Face directory, a .gguf file or a preset (made into a directory once)",
+    )
+    bv.add_argument(
+        "--prompt-tokens", type=int_list, default=[256, 1024, 2048], help="prompt lengths"
+    )
+    bv.add_argument("--repeat", type=positive_int, default=3, help="runs per way; fastest kept")
+    bv.add_argument(
+        "--block-tokens",
+        type=positive_int,
+        default=32,
+        help="vLLM's block size (a multiple of 32 on CPU): the tail of a prompt after its last "
+        "whole block is computed in every loaded run",
+    )
+    bv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    bv.add_argument("--disk-path", help="where the disk tier's files go (default: a temp dir)")
+    bv.add_argument(
+        "--throughput-requests",
+        type=non_negative_int,
+        default=8,
+        help="requests of the no-reuse throughput workload (0: not measured)",
+    )
+    bv.add_argument("--throughput-prompt-tokens", type=positive_int, default=512)
+    bv.add_argument("--throughput-output-tokens", type=positive_int, default=32)
+    bv.add_argument("--json", help="write the results to this JSON file")
+    bv.set_defaults(func=_cmd_bench_vllm)

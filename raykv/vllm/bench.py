@@ -1,0 +1,452 @@
+"""``raykv bench vllm``: time to first token of one prompt through vLLM, recomputed against
+loaded from raykv's tiers, beside the copy limit of the same bytes; and vLLM's throughput with
+no reuse, with raykv's spec and without.
+
+Everything runs in this process, one vLLM engine at a time (vLLM's connector is global to a
+process), on the same model and settings, with vLLM's prefix cache on as vLLM runs by default:
+
+1. **vLLM alone.** Each prompt (random token ids, ``max_tokens`` 1) is computed from scratch
+   (``recompute_s``), the prefix cache emptied after it. Then the throughput workload.
+2. **vLLM with raykv (the writer).** The same throughput workload (``with``: every lookup
+   misses, every full block is stored and written through to the disk tier). Then each prompt
+   is run once (its KV stored), its stores waited for, vLLM's prefix cache emptied, and run
+   again: raykv's CPU tier is the only place its KV is (``cpu_tier_s``).
+3. **A second vLLM with raykv on the same disk path (the reader):** its CPU tier empty, the
+   files' pages out of the page cache; each prompt's KV is read from its files, promoted into
+   the CPU tier and loaded (``disk_tier_s``: cold).
+
+The copy limit of a prompt's KV bytes (what a tier load moves) is measured in the same run:
+``limit_s`` one ``memcpy`` of them (the CPU tier's floor), ``disk_limit_s`` one cold sequential
+read of them from a file on the disk tier's path (``O_DIRECT`` where allowed) plus that
+``memcpy``. ``cpu_load_s`` and ``disk_load_s`` are the tier's own load jobs, from vLLM's submit
+to the step that found them done. The fastest of the repeats is kept each way.
+
+Only whole blocks are offloaded: a prompt's tail after its last whole block, and at least its
+last token, is computed in every loaded run (``--block-tokens`` sets vLLM's block size).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raykv.bench.disk_transfer import PlainFile, settle_files
+from raykv.transfer.disk_files import align_up, probe_direct_io
+from raykv.vllm.local import local_engine, manager_of, worker_of
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class VllmBenchOptions:
+    """What one ``raykv bench vllm`` run measures."""
+
+    model: str  # a Hugging Face directory
+    prompt_tokens: list[int]
+    repeat: int = 3
+    block_tokens: int = 32
+    dtype: str = "float32"
+    disk_path: str | None = None  # None: a fresh directory under the system's temporary one
+    throughput_requests: int = 8  # 0: no throughput rows
+    throughput_prompt_tokens: int = 512
+    throughput_output_tokens: int = 32
+    kv_cache_bytes: int = 1 << 30
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class VllmTTFTRow:
+    """One prompt length: each way's fastest TTFT, and the copy limit of its KV bytes."""
+
+    prompt_tokens: int
+    recompute_s: float
+    cpu_tier_s: float
+    disk_tier_s: float | None
+    shared_tier_s: float | None
+    limit_s: float
+    disk_limit_s: float | None
+    cpu_load_s: float
+    disk_load_s: float | None
+    kv_bytes: int
+    cpu_hit_tokens: int
+    disk_hit_tokens: int
+    cpu_speedup: float
+    disk_speedup: float | None
+
+
+@dataclass(slots=True)
+class VllmThroughput:
+    """vLLM's tokens per second (prompt and output) on prompts that share nothing."""
+
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    without_tokens_per_s: float
+    with_tokens_per_s: float
+    ratio: float
+
+
+@dataclass(slots=True)
+class VllmBenchReport:
+    model: str
+    vllm_version: str
+    dtype: str
+    block_tokens: int
+    threads: int
+    disk_io: str
+    repeat: int
+    rows: list[VllmTTFTRow] = field(default_factory=list)
+    throughput: VllmThroughput | None = None
+    shared_tier: str = "not available inside vLLM yet (shared_tier_s is null)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> int:
+    """A token's KV bytes on one rank, from the model's ``config.json``."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * size
+
+
+def memcpy_s(nbytes: int, repeat: int = 5) -> float:
+    """The fastest of ``repeat`` copies of ``nbytes`` between two tensors in memory."""
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)  # both touched: no page faults in the timings
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cold_read_s(directory: str, nbytes: int, repeat: int = 3) -> tuple[float, str]:
+    """The fastest of ``repeat`` cold sequential reads of ``nbytes`` from one file in
+    ``directory`` (``O_DIRECT`` where the file system allows, else its pages dropped first),
+    and which of the two it was."""
+    direct = probe_direct_io(directory)
+    memory = mmap.mmap(-1, align_up(nbytes))
+    plain = PlainFile(
+        os.path.join(directory, f".raykv-bench-limit-{os.getpid()}"), memory, nbytes, direct
+    )
+    best = float("inf")
+    try:
+        plain.write(sync=True)
+        for _ in range(repeat):
+            settle_files([plain.path], drop=not direct)
+            start = time.perf_counter()
+            plain.read()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        plain.remove()  # the mapping goes with the file's views of it
+    return best, "direct" if direct else "buffered, dropped"
+
+
+class _Prompts:
+    """Random token ids: the same ones for every engine of a run."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.seed, self.vocab = seed, vocab
+
+    def make(self, name: str, tokens: int) -> list[int]:
+        rng = random.Random(f"{self.seed}:{name}")
+        return [rng.randrange(self.vocab) for _ in range(tokens)]
+
+
+def _first_token(llm: Any, tokens: list[int]) -> tuple[float, int]:
+    """The prompt's TTFT alone (its one token's whole request) and the tokens vLLM did not
+    compute."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=1)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+    return time.perf_counter() - start, out.num_cached_tokens or 0
+
+
+def _throughput_s(llm: Any, prompts: list[list[int]], output_tokens: int) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def _drain(llm: Any, prompts: _Prompts, rounds: int = 500) -> None:
+    """Step the engine (one-token requests, too short to store) until no store of raykv's is
+    in flight: a store lands only as later steps poll it."""
+    manager = manager_of(llm)
+    tiers = [manager.cpu] if manager.disk is None else [manager.cpu, manager.disk]
+    for i in range(rounds):
+        if all(tier.stats().writing == 0 for tier in tiers):
+            return
+        _first_token(llm, prompts.make(f"drain-{i}", 1))
+        time.sleep(0.002)
+    raise RuntimeError("raykv's stores did not land within the bench's wait")
+
+
+def _last_load(llm: Any) -> Any:
+    records = [r for r in worker_of(llm).records if not r.is_store]
+    if not records or not records[-1].ok:
+        raise RuntimeError("the loaded run's load job did not finish well")
+    return records[-1]
+
+
+def _vocab(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
+Timed = tuple[float, int, float]  # a loaded run's TTFT, tokens loaded, its load job's time
+
+
+class _Run:
+    """The three engines of one bench run, each in a call of its own."""
+
+    def __init__(
+        self,
+        options: VllmBenchOptions,
+        prompts: _Prompts,
+        engine_args: dict[str, Any],
+        raykv: dict[str, Any],
+        extra: dict[str, Any],
+        throughput_sets: list[list[list[int]]],
+        say: Progress,
+    ) -> None:
+        self.options, self.prompts, self.engine_args = options, prompts, engine_args
+        self.raykv, self.extra, self.throughput_sets, self.say = raykv, extra, throughput_sets, say
+
+    def _throughput(self, llm: Any, who: str) -> float:
+        best = float("inf")
+        for r, batch in enumerate(self.throughput_sets):
+            self.say(f"{who}: throughput {r + 1}/{len(self.throughput_sets)}")
+            best = min(best, _throughput_s(llm, batch, self.options.throughput_output_tokens))
+        return best
+
+    def alone(self) -> tuple[dict[int, float], float]:
+        """vLLM without raykv: each length's fastest recompute, and the throughput run's time."""
+        options, prompts = self.options, self.prompts
+        recompute: dict[int, float] = {}
+        self.say("vLLM alone")
+        with local_engine(options.model, None, **self.engine_args) as llm:
+            _first_token(llm, prompts.make("warm-up", 64))
+            for n in options.prompt_tokens:
+                for r in range(options.repeat):
+                    self.say(f"vLLM alone: {n} tokens, repeat {r + 1}/{options.repeat}")
+                    seconds, _ = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
+                    recompute[n] = min(recompute.get(n, float("inf")), seconds)
+                    llm.reset_prefix_cache()
+            return recompute, self._throughput(llm, "vLLM alone")
+
+    def writer(self) -> tuple[dict[int, Timed], float, int]:
+        """vLLM with raykv: the throughput run's time, then each length loaded from the CPU
+        tier; and a block's page bytes."""
+        options, prompts = self.options, self.prompts
+        cpu: dict[int, Timed] = {}
+        self.say("vLLM with raykv")
+        with local_engine(options.model, self.raykv, self.extra, **self.engine_args) as llm:
+            _first_token(llm, prompts.make("warm-up", 64))
+            with_spec = self._throughput(llm, "vLLM with raykv")
+            for n in options.prompt_tokens:
+                for r in range(options.repeat):
+                    self.say(f"vLLM with raykv: {n} tokens, repeat {r + 1}/{options.repeat}")
+                    tokens = prompts.make(f"ttft-{n}-{r}", n)
+                    _first_token(llm, tokens)  # stores it
+                    _drain(llm, prompts)
+                    if not llm.reset_prefix_cache():
+                        raise RuntimeError("vLLM did not empty its prefix cache")
+                    seconds, hit = _first_token(llm, tokens)
+                    if hit == 0:
+                        raise RuntimeError(f"{n} tokens: nothing was loaded from raykv's CPU tier")
+                    load = _last_load(llm)
+                    if n not in cpu or seconds < cpu[n][0]:
+                        cpu[n] = (seconds, hit, load.seconds)
+            _drain(llm, prompts)
+            return cpu, with_spec, worker_of(llm).page_bytes
+
+    def reader(self) -> dict[int, Timed]:
+        """A second vLLM with raykv on the writer's disk tier: each length loaded from it."""
+        options, prompts = self.options, self.prompts
+        disk: dict[int, Timed] = {}
+        self.say("a second vLLM on the same disk tier")
+        with local_engine(options.model, self.raykv, self.extra, **self.engine_args) as llm:
+            _first_token(llm, prompts.make("warm-up-reader", 64))
+            for n in options.prompt_tokens:
+                for r in range(options.repeat):
+                    self.say(f"second vLLM: {n} tokens from disk, repeat {r + 1}/{options.repeat}")
+                    seconds, hit = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
+                    if hit == 0:
+                        raise RuntimeError(f"{n} tokens: nothing was loaded from raykv's disk tier")
+                    load = _last_load(llm)
+                    if load.promoted == 0:
+                        raise RuntimeError(f"{n} tokens: the load read nothing from disk")
+                    if n not in disk or seconds < disk[n][0]:
+                        disk[n] = (seconds, hit, load.seconds)
+        return disk
+
+
+def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) -> VllmBenchReport:
+    """Every way for every length (see the module's docstring)."""
+    import vllm
+
+    say = progress or (lambda _: None)
+    lengths, repeat = options.prompt_tokens, options.repeat
+    prompts = _Prompts(options.seed, _vocab(options.model))
+    per_token = kv_bytes_per_token(options.model, options.dtype)
+    stored_tokens = sum(lengths) * repeat + options.throughput_requests * repeat * (
+        options.throughput_prompt_tokens + options.throughput_output_tokens
+    )
+    tier_bytes = int(stored_tokens * per_token * 1.25) + (64 << 20)
+    engine_args = dict(
+        dtype=options.dtype,
+        kv_cache_memory_bytes=options.kv_cache_bytes,
+        max_model_len=max(max(lengths), options.throughput_prompt_tokens) + 64,
+        block_size=options.block_tokens,
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    own_directory = options.disk_path is None
+    disk_root = options.disk_path or tempfile.mkdtemp(prefix="raykv-bench-vllm-")
+    directory = tempfile.mkdtemp(prefix="run-", dir=disk_root)
+    raykv = {
+        "cpu_bytes": tier_bytes,
+        "take_hits": "always",  # the tiers are measured, not the choice
+        "disk": {"enabled": True, "path": directory, "capacity": tier_bytes},
+    }
+    extra = {"block_size": options.block_tokens}  # one offloaded chunk: one vLLM block
+    throughput_sets = (
+        [
+            [
+                prompts.make(f"throughput-{r}-{i}", options.throughput_prompt_tokens)
+                for i in range(options.throughput_requests)
+            ]
+            for r in range(repeat)
+        ]
+        if options.throughput_requests
+        else []
+    )
+    run = _Run(options, prompts, engine_args, raykv, extra, throughput_sets, say)
+    try:
+        # one engine a call: an engine's last reference must go before the next one starts
+        # (freeing it tears down vLLM's process-wide state)
+        recompute, without = run.alone()
+        gc.collect()
+        cpu, with_spec, page_bytes = run.writer()
+        gc.collect()
+        files = [str(p) for p in Path(directory).rglob("*") if p.is_file()]
+        settle_files(files, drop=True)  # cold: whatever the disk engine's I/O mode was
+        disk = run.reader()
+        gc.collect()
+        say("copy limits")
+        rows = []
+        disk_io = ""
+        for n in lengths:
+            hit = cpu[n][1]
+            nbytes = hit // options.block_tokens * page_bytes
+            limit = memcpy_s(nbytes)
+            read, disk_io = cold_read_s(directory, nbytes)
+            rows.append(
+                VllmTTFTRow(
+                    prompt_tokens=n,
+                    recompute_s=recompute[n],
+                    cpu_tier_s=cpu[n][0],
+                    disk_tier_s=disk[n][0],
+                    shared_tier_s=None,
+                    limit_s=limit,
+                    disk_limit_s=read + limit,
+                    cpu_load_s=cpu[n][2],
+                    disk_load_s=disk[n][2],
+                    kv_bytes=nbytes,
+                    cpu_hit_tokens=hit,
+                    disk_hit_tokens=disk[n][1],
+                    cpu_speedup=recompute[n] / cpu[n][0],
+                    disk_speedup=recompute[n] / disk[n][0],
+                )
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        if own_directory:
+            shutil.rmtree(disk_root, ignore_errors=True)
+    throughput = None
+    if throughput_sets:
+        tokens = options.throughput_requests * (
+            options.throughput_prompt_tokens + options.throughput_output_tokens
+        )
+        throughput = VllmThroughput(
+            requests=options.throughput_requests,
+            prompt_tokens=options.throughput_prompt_tokens,
+            output_tokens=options.throughput_output_tokens,
+            without_tokens_per_s=tokens / without,
+            with_tokens_per_s=tokens / with_spec,
+            ratio=without / with_spec,
+        )
+    return VllmBenchReport(
+        model=options.model,
+        vllm_version=vllm.__version__,
+        dtype=options.dtype,
+        block_tokens=options.block_tokens,
+        threads=torch.get_num_threads(),
+        disk_io=disk_io,
+        repeat=repeat,
+        rows=rows,
+        throughput=throughput,
+    )
+
+
+def format_vllm_table(report: VllmBenchReport) -> list[list[str]]:
+    """The report's rows as text cells (header first), for the CLI's table."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f}"
+
+    def times(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}x"
+
+    cells = [
+        [
+            "prompt tokens",
+            "recompute ms",
+            "CPU tier ms",
+            "speedup",
+            "disk tier ms",
+            "speedup",
+            "shared ms",
+            "CPU load / limit ms",
+            "disk load / limit ms",
+        ]
+    ]
+    for row in report.rows:
+        cells.append(
+            [
+                f"{row.prompt_tokens:,}",
+                ms(row.recompute_s),
+                ms(row.cpu_tier_s),
+                times(row.cpu_speedup),
+                ms(row.disk_tier_s),
+                times(row.disk_speedup),
+                ms(row.shared_tier_s),
+                f"{ms(row.cpu_load_s)} / {ms(row.limit_s)}",
+                f"{ms(row.disk_load_s)} / {ms(row.disk_limit_s)}",
+            ]
+        )
+    return cells
