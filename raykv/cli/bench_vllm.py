@@ -39,8 +39,26 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
         import raykv.vllm  # noqa: F401  (refuses an unsupported vLLM in one line)
     except ImportError as exc:
         raise ConfigError(f"raykv bench vllm needs vLLM ({exc}); make vllm installs it") from None
-    from raykv.vllm.bench import VllmBenchOptions, format_vllm_table, run_vllm_bench
+    from raykv.vllm.bench import (
+        VllmBenchError,
+        VllmBenchOptions,
+        format_vllm_table,
+        run_vllm_bench,
+    )
 
+    if len(set(args.prompt_tokens)) != len(args.prompt_tokens):
+        raise ConfigError(f"--prompt-tokens {args.prompt_tokens}: each length once")
+    if min(args.prompt_tokens) <= args.block_tokens:
+        raise ConfigError(
+            f"--prompt-tokens {min(args.prompt_tokens)}: a prompt needs more than one block "
+            f"(--block-tokens {args.block_tokens}) to have a block to load"
+        )
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and args.block_tokens % 32:
+        raise ConfigError(
+            f"--block-tokens {args.block_tokens}: vLLM's CPU attention takes multiples of 32"
+        )
     if args.disk_path is not None and not os.path.isdir(args.disk_path):
         raise ConfigError(f"--disk-path {args.disk_path}: no such directory")
     options = VllmBenchOptions(
@@ -55,8 +73,12 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
         throughput_output_tokens=args.throughput_output_tokens,
     )
     err = Console(stderr=True)
-    with err.status("starting") as status:
-        report = run_vllm_bench(options, progress=lambda text: status.update(text))
+    try:
+        with err.status("starting") as status:
+            report = run_vllm_bench(options, progress=lambda text: status.update(text))
+    except VllmBenchError as exc:
+        err.print(f"raykv bench vllm: {exc}", markup=False, highlight=False)
+        return 1
     cells = format_vllm_table(report)
     table = Table(title=f"TTFT through vLLM {report.vllm_version} ({report.dtype})")
     for header in cells[0]:

@@ -32,8 +32,10 @@ def hf_directory(gguf: Path, cache_dir: str | Path) -> Path:
     from raykv.model.weights import cached_gguf_path, load_gguf_weights
 
     target = Path(cache_dir) / "hf" / f"{gguf.stem}-{gguf_identity(gguf)}"
-    if (target / "config.json").is_file():
-        return target
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target  # whole, its weights link not left dangling by a cleared weights cache
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
     config = dict(cached_gguf_config(gguf, cache_dir))
     architecture = ARCHITECTURES.get(str(config.get("model_type")))
     if architecture is None:
@@ -52,7 +54,7 @@ def hf_directory(gguf: Path, cache_dir: str | Path) -> Path:
         partial.mkdir(parents=True)
         for file in tokenizer.iterdir():
             shutil.copy2(file, partial / file.name)
-        os.symlink(weights, partial / "model.safetensors")
+        os.symlink(weights.resolve(), partial / "model.safetensors")
         (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         os.rename(partial, target)  # a process that got there first keeps its own
     except OSError:

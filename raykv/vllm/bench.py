@@ -49,6 +49,10 @@ from raykv.vllm.local import local_engine, manager_of, worker_of
 Progress = Callable[[str], None]
 
 
+class VllmBenchError(RuntimeError):
+    """A run that could not measure what it was asked to (nothing loaded, stores not landed)."""
+
+
 @dataclass(slots=True)
 class VllmBenchOptions:
     """What one ``raykv bench vllm`` run measures."""
@@ -203,13 +207,13 @@ def _drain(llm: Any, prompts: _Prompts, rounds: int = 500) -> None:
             return
         _first_token(llm, prompts.make(f"drain-{i}", 1))
         time.sleep(0.002)
-    raise RuntimeError("raykv's stores did not land within the bench's wait")
+    raise VllmBenchError("raykv's stores did not land within the bench's wait")
 
 
 def _last_load(llm: Any) -> Any:
     records = [r for r in worker_of(llm).records if not r.is_store]
     if not records or not records[-1].ok:
-        raise RuntimeError("the loaded run's load job did not finish well")
+        raise VllmBenchError("the loaded run's load job did not finish well")
     return records[-1]
 
 
@@ -274,10 +278,12 @@ class _Run:
                     _first_token(llm, tokens)  # stores it
                     _drain(llm, prompts)
                     if not llm.reset_prefix_cache():
-                        raise RuntimeError("vLLM did not empty its prefix cache")
+                        raise VllmBenchError("vLLM did not empty its prefix cache")
                     seconds, hit = _first_token(llm, tokens)
                     if hit == 0:
-                        raise RuntimeError(f"{n} tokens: nothing was loaded from raykv's CPU tier")
+                        raise VllmBenchError(
+                            f"{n} tokens: nothing was loaded from raykv's CPU tier"
+                        )
                     load = _last_load(llm)
                     if n not in cpu or seconds < cpu[n][0]:
                         cpu[n] = (seconds, hit, load.seconds)
@@ -290,16 +296,18 @@ class _Run:
         disk: dict[int, Timed] = {}
         self.say("a second vLLM on the same disk tier")
         with local_engine(options.model, self.raykv, self.extra, **self.engine_args) as llm:
-            _first_token(llm, prompts.make("warm-up-reader", 64))
+            _first_token(llm, prompts.make("warm-up", 64))  # the writer's: loaded as well
             for n in options.prompt_tokens:
                 for r in range(options.repeat):
                     self.say(f"second vLLM: {n} tokens from disk, repeat {r + 1}/{options.repeat}")
                     seconds, hit = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
                     if hit == 0:
-                        raise RuntimeError(f"{n} tokens: nothing was loaded from raykv's disk tier")
+                        raise VllmBenchError(
+                            f"{n} tokens: nothing was loaded from raykv's disk tier"
+                        )
                     load = _last_load(llm)
                     if load.promoted == 0:
-                        raise RuntimeError(f"{n} tokens: the load read nothing from disk")
+                        raise VllmBenchError(f"{n} tokens: the load read nothing from disk")
                     if n not in disk or seconds < disk[n][0]:
                         disk[n] = (seconds, hit, load.seconds)
         return disk
@@ -320,7 +328,10 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     engine_args = dict(
         dtype=options.dtype,
         kv_cache_memory_bytes=options.kv_cache_bytes,
-        max_model_len=max(max(lengths), options.throughput_prompt_tokens) + 64,
+        max_model_len=max(
+            max(lengths) + 64,
+            options.throughput_prompt_tokens + options.throughput_output_tokens + 64,
+        ),
         block_size=options.block_tokens,
         enable_prefix_caching=True,
         seed=0,

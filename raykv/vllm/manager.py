@@ -89,7 +89,9 @@ class RaykvOffloadingManager(OffloadingManager):
             ):
                 if tiers == marker or tier is None:
                     continue
-                if key in tier and key not in pending:  # each chunk counted once
+                # a chunk once readable, counted once: a store or promotion still writing
+                # it is a failed store (counted as that), not a bad chunk
+                if tier.is_readable(key) and key not in pending:
                     counts[name] = counts.get(name, 0) + 1
                 pending.add(key)
         self._discard_bad()

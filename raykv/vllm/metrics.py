@@ -51,8 +51,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         labelnames=TIER,
     )
     found[REFUSED_LOADS] = OffloadingCounterMetadata(
-        documentation="Loads refused for want of CPU room to promote their disk chunks "
-        "(recomputed)."
+        documentation="Loads refused (recomputed): no CPU room to promote their disk chunks, "
+        "or a chunk left the disk tier after its lookup."
     )
     for name, (_, text) in GAUGES.items():
         found[name] = OffloadingGaugeMetadata(documentation=text, labelnames=TIER)

@@ -281,4 +281,5 @@ class RaykvOffloadingWorker(OffloadingWorker):
         promoted = 0 if job.is_store else len(job.spec.from_disk)
         self.records.append(JobRecord(job.is_store, ok, blocks, promoted, seconds))
         # vLLM's connector asserts success: a failure travels by take_failed_loads
-        self._finished.append(TransferResult(job.job_id, True, blocks * self.page_bytes, seconds))
+        moved = blocks * self.page_bytes if ok else 0  # vLLM's byte counters: bytes moved
+        self._finished.append(TransferResult(job.job_id, True, moved, seconds))

@@ -86,7 +86,8 @@ def test_a_bad_disk_chunk_is_recomputed(vllm_model, reference, tmp_path, spoil) 
         assert len(manager.disk) < held, "the bad chunks stayed in the disk tier"
         reported = reports().reduce()
         assert reported["raykv:bad_chunks:('disk',)"] >= held - len(manager.disk)
-        assert reported["raykv:tier_chunks:('disk',)"] == len(manager.disk)
+        # the CPU copies a failed promotion was writing are failed stores, not bad chunks
+        assert "raykv:bad_chunks:('cpu',)" not in reported
 
 
 @pytest.mark.parametrize("verify", [False, True], ids=["unverified", "verified"])

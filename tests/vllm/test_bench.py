@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from raykv.cli.main import main
 
 BLOCK = 32
@@ -44,16 +46,33 @@ def test_bench_reports_each_tier_loaded(vllm_model, tmp_path, capsys) -> None:
     assert row["cpu_hit_tokens"] == row["disk_hit_tokens"] == whole_blocks
     for key in ("recompute_s", "cpu_tier_s", "disk_tier_s", "limit_s", "disk_limit_s"):
         assert row[key] > 0, key
+    # a loaded run's load job is part of its first token's time
+    assert 0 < row["cpu_load_s"] < row["cpu_tier_s"]
+    assert 0 < row["disk_load_s"] < row["disk_tier_s"]
     assert row["shared_tier_s"] is None
-    assert row["cpu_speedup"] == row["recompute_s"] / row["cpu_tier_s"]
-    assert row["kv_bytes"] > 0 and row["kv_bytes"] % (whole_blocks // BLOCK) == 0
+    config = json.loads((vllm_model / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_bytes = head_dim * 4  # float32
+    per_token = 2 * config["num_hidden_layers"] * heads * head_bytes  # K and V of every layer
+    assert row["kv_bytes"] == whole_blocks * per_token
     assert report["throughput"]["ratio"] > 0
     assert "CPU tier" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [out]  # the run's files are gone
 
 
-def test_bench_refuses_a_model_that_is_not_there(tmp_path, capsys) -> None:
-    code = main(["bench", "vllm", "--model", str(tmp_path / "nothing")])
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (["--model", "nothing"], "--model"),
+        (["--prompt-tokens", "32", "--block-tokens", "32"], "--prompt-tokens"),
+        (["--prompt-tokens", "256,256"], "--prompt-tokens"),
+        (["--block-tokens", "48"], "--block-tokens"),
+    ],
+    ids=["no-model", "no-whole-block", "twice", "block-size"],
+)
+def test_bench_refuses_what_it_cannot_measure(vllm_model, arguments, named, capsys) -> None:
+    code = main(["bench", "vllm", "--model", str(vllm_model), *arguments])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert len(err) == 1 and "--model" in err[0]
+    assert len(err) == 1 and named in err[0]
