@@ -43,6 +43,7 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
         VllmBenchError,
         VllmBenchOptions,
         format_vllm_table,
+        platform_block_size_problem,
         run_vllm_bench,
     )
 
@@ -53,12 +54,9 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
             f"--prompt-tokens {min(args.prompt_tokens)}: a prompt needs more than one block "
             f"(--block-tokens {args.block_tokens}) to have a block to load"
         )
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() and args.block_tokens % 32:
-        raise ConfigError(
-            f"--block-tokens {args.block_tokens}: vLLM's CPU attention takes multiples of 32"
-        )
+    block_size_problem = platform_block_size_problem(args.block_tokens)
+    if block_size_problem:
+        raise ConfigError(f"--block-tokens {args.block_tokens}: {block_size_problem}")
     if args.disk_path is not None and not os.path.isdir(args.disk_path):
         raise ConfigError(f"--disk-path {args.disk_path}: no such directory")
     options = VllmBenchOptions(

@@ -119,6 +119,15 @@ class VllmBenchReport:
         return asdict(self)
 
 
+def platform_block_size_problem(block_tokens: int) -> str | None:
+    """Why this platform's vLLM cannot run blocks of ``block_tokens`` tokens, or None."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and block_tokens % 32:
+        return "vLLM's CPU attention takes multiples of 32"
+    return None
+
+
 def kv_bytes_per_token(model: str, dtype: str) -> int:
     """A token's KV bytes on one rank, from the model's ``config.json``."""
     config = json.loads((Path(model) / "config.json").read_text())
