@@ -27,9 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 log = logging.getLogger(__name__)
 
 _RECORD = 20  # the tiers it leaves, 18 hex digits (a 72-bit key) and a newline
-# which tiers a bad key leaves: both (its source was bad), the CPU tier only (a promotion that
-# failed left its slot half written), the disk tier only (its file could not be written)
-EVERY_TIER, CPU_TIER, DISK_TIER = "a", "c", "d"
+# which tiers a bad key leaves: every one (its source was bad), the CPU tier only (a promotion
+# that failed left its slot half written), the disk tier only (its file could not be written),
+# the shared tier only (its parts could not be put)
+EVERY_TIER, CPU_TIER, DISK_TIER, SHARED_TIER = "a", "c", "d", "s"
 
 
 class BadKeys:
@@ -37,6 +38,7 @@ class BadKeys:
     rank and read, each file from where it was last read, by the manager."""
 
     def __init__(self, directory: str, ranks: int) -> None:
+        self.directory = directory
         self.paths = [os.path.join(directory, f"bad-keys.rank{rank}") for rank in range(ranks)]
         self._offsets = [0] * ranks
         self._lock = threading.Lock()

@@ -3,11 +3,13 @@ holds, in which slot, and what a load or a store must do. It never touches a byt
 move them, each its own shard, and ack each job to vLLM, which counts every rank's ack.
 
 The tiers are raykv's own directories (``offload/directory.py``): the CPU tier's slots, with
-its policy and frequency filter, and, under it, the disk tier's files. The disk tier is written
-through: a chunk the CPU tier stores is written to its file in the same job (where the disk
-tier admits it), so the CPU tier evicts without a copy and a later vLLM on the same path finds
-every chunk (a warm restart). A chunk found only on disk is promoted into a CPU slot by the load
-that needs it, in the same job.
+its policy and frequency filter, and, under it, the disk tier's files and the shared tier's
+index of Mooncake Store. Both are written through: a chunk the CPU tier stores is written to its
+file and put into the store in the same job (where each tier admits it), so the CPU tier evicts
+without a copy, a later vLLM on the same path finds every chunk (a warm restart), and every
+other engine on the same store can load it. A chunk found only on disk or in the store is
+promoted into a CPU slot by the load that needs it, in the same job. The store is asked (one
+round trip) for a chunk no tier of this engine knows: what another engine published.
 """
 
 from __future__ import annotations
@@ -32,14 +34,23 @@ from vllm.v1.kv_offload.base import (
 
 from raykv.core.kv_events import MEDIUM_CPU, BlockStored
 from raykv.offload.directory import HIT, HIT_PENDING, MISS, Directory
-from raykv.vllm.failures import CPU_TIER, DISK_TIER, BadKeys
+from raykv.transfer.shared_store import SharedStoreError
+from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, SHARED_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
 from raykv.vllm.metrics import TierMetrics
+from raykv.vllm.shared import StoreView, stop_embedded
 
 log = logging.getLogger(__name__)
 
-_MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk) is vLLM's STORAGE
+_MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk, the store) is vLLM's STORAGE
+# which tiers a worker's report of a bad chunk concerns
+_LEAVES = {
+    EVERY_TIER: ("cpu", "disk", "shared"),
+    CPU_TIER: ("cpu",),
+    DISK_TIER: ("disk",),
+    SHARED_TIER: ("shared",),
+}
 
 
 class RaykvOffloadingManager(OffloadingManager):
@@ -50,6 +61,9 @@ class RaykvOffloadingManager(OffloadingManager):
         disk: the disk tier's directory, or None without a disk tier.
         bad_keys: where the workers say which chunks they found bad.
         check_sums: loads check each CPU page's checksum (``offload.verify``).
+        shared: the shared tier's index of the store, or None without a shared tier.
+        store: asks the store what it holds (another engine's chunks); None: never asked.
+        retry_steps: steps the shared tier stays out of use after the store failed.
     """
 
     def __init__(
@@ -58,37 +72,62 @@ class RaykvOffloadingManager(OffloadingManager):
         disk: Directory | None,
         bad_keys: BadKeys,
         check_sums: bool,
+        shared: Directory | None = None,
+        store: StoreView | None = None,
+        retry_steps: int = 512,
     ) -> None:
         self.cpu = cpu
         self.disk = disk
+        self.shared = shared
+        self.store = store
+        self.retry_steps = retry_steps
         self.bad_keys = bad_keys
         self.check_sums = check_sums
         # vLLM's key of every key a tier holds that this process saw (events and evictions
         # name vLLM's keys; chunks found on disk at start are known by raykv's key only)
         self._names: dict[int, OffloadKey] = {}
-        # keys whose store writes their file too (until complete_store)
+        # keys whose store writes their file, or puts their parts, too (until complete_store)
         self._writing_disk: set[int] = set()
+        self._writing_shared: set[int] = set()
+        self._step = 0
+        self._shared_paused_until = 0  # the store failed: no questions, no puts, until then
+        self._absent: set[int] = set()  # asked of the store this step and not there
+        # chunks found bad in the store, by the step until which it is not asked for them
+        # again (their parts may stay there: another reader's lease keeps them from removal)
+        self._shunned: dict[int, int] = {}
         # what each request's load pinned and promoted (vLLM runs one load per request at a
         # time): complete_load undoes exactly that, whatever else happened to the keys since
-        self._loads: dict[str, tuple[list[int], list[int]]] = {}
+        self._loads: dict[str, tuple[list[int], list[int], list[int]]] = {}
         # keys found bad that could not leave their tier yet (being written or read): kept
         # until they can, and a store or promotion of one completes as failed
         self._bad_cpu: set[int] = set()
         self._bad_disk: set[int] = set()
+        self._bad_shared: set[int] = set()
         self.metrics = TierMetrics()
 
     # ---- lookups and loads -------------------------------------------------------------------
 
+    def _tiers(self) -> list[tuple[str, Directory, set[int]]]:
+        """Each tier this engine has: its name, directory and bad chunks waiting to leave."""
+        found = [("cpu", self.cpu, self._bad_cpu)]
+        if self.disk is not None:
+            found.append(("disk", self.disk, self._bad_disk))
+        if self.shared is not None:
+            found.append(("shared", self.shared, self._bad_shared))
+        return found
+
     def _forget_bad(self) -> None:
         """Take the workers' new reports of bad chunks, then let go what can go."""
         counts = self.metrics.bad
-        for tiers, key in self.bad_keys.take():
-            for tier, pending, name, marker in (
-                (self.cpu, self._bad_cpu, "cpu", DISK_TIER),
-                (self.disk, self._bad_disk, "disk", CPU_TIER),
-            ):
-                if tiers == marker or tier is None:
+        tiers = self._tiers()
+        for marker, key in self.bad_keys.take():
+            if marker == SHARED_TIER:  # a put failed: the store is full or not answering
+                self._pause_shared("a publish failed")
+            for name, tier, pending in tiers:
+                if name not in _LEAVES.get(marker, ()):
                     continue
+                if name == "shared":
+                    self._shunned[key] = self._step + self.retry_steps
                 # a chunk once readable, counted once: a store or promotion still writing
                 # it is a failed store (counted as that), not a bad chunk
                 if tier.is_readable(key) and key not in pending:
@@ -98,12 +137,44 @@ class RaykvOffloadingManager(OffloadingManager):
 
     def _discard_bad(self) -> None:
         """Bad chunks nobody reads or writes any more leave their tier."""
-        for tier, bad in ((self.cpu, self._bad_cpu), (self.disk, self._bad_disk)):
-            if tier is None or not bad:
+        for _, tier, bad in self._tiers():
+            if not bad:
                 continue
             tier.discard(bad)
             # what left (or was never there) is done with; the rest waits for its readers
             bad.intersection_update(k for k in bad if k in tier)
+
+    def _shared_usable(self) -> bool:
+        return self.shared is not None and self._step >= self._shared_paused_until
+
+    def _pause_shared(self, why: str) -> None:
+        if self._step >= self._shared_paused_until:
+            log.warning("raykv: the shared tier pauses for %d steps: %s", self.retry_steps, why)
+        self._shared_paused_until = self._step + self.retry_steps
+
+    def _find_in_store(self, key: int) -> bool:
+        """Whether another engine published ``key`` (every rank's part is in the store); if so
+        the shared tier's index takes it in."""
+        if self.store is None or self.shared is None or key in self._absent:
+            return False
+        if self._shunned.get(key, -1) > self._step:
+            return False
+        if not self._shared_usable():
+            return False
+        try:
+            there = self.store.present([key])[0]
+        except SharedStoreError as exc:
+            self._pause_shared(f"the store did not say what it holds ({exc})")
+            return False
+        if not there:
+            self._absent.add(key)
+            return False
+        plan = self.shared.prepare_store([key], admit_all=True)
+        if plan is None or not plan.keys:
+            return False
+        self.shared.complete_store(plan.keys, success=True)
+        self.metrics.found += 1
+        return True
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = raykv_key(key)
@@ -111,60 +182,77 @@ class RaykvOffloadingManager(OffloadingManager):
         found = self.cpu.lookup(k)
         if found == MISS and self.disk is not None:
             found = self.disk.lookup(k)
+        if found == MISS and self.shared is not None:
+            found = self.shared.lookup(k)
+            if found == MISS and self._find_in_store(k):
+                found = HIT
         if found == HIT:
             return LookupResult.HIT
         return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ChunkLoad:
         ks = self._named(keys)  # a promotion's BlockStored event names them
-        in_cpu = [k for k in ks if self.cpu.is_readable(k)]
-        below = [k for k in ks if not self.cpu.is_readable(k)]
-        slot_of: dict[int, int] = dict(zip(in_cpu, self.cpu.prepare_load(in_cpu), strict=True))
+        cpu, disk, shared = self.cpu, self.disk, self.shared
+        in_cpu = [k for k in ks if cpu.is_readable(k)]
+        below = [k for k in ks if not cpu.is_readable(k)]
+        on_disk = [k for k in below if disk is not None and disk.is_readable(k)]
+        taken = set(on_disk)
+        in_store = [
+            k for k in below if k not in taken and shared is not None and shared.is_readable(k)
+        ]
+        slot_of: dict[int, int] = dict(zip(in_cpu, cpu.prepare_load(in_cpu), strict=True))
         refused = False
         if below:
             plan = None
-            if self.disk is not None and all(self.disk.is_readable(k) for k in below):
-                plan = self.cpu.prepare_store(below, admit_all=True, keep=in_cpu)
+            if len(on_disk) + len(in_store) == len(below):
+                plan = cpu.prepare_store(below, admit_all=True, keep=in_cpu)
             if plan is None or len(plan.keys) != len(below):
-                # no CPU room for the promotion (or the chunks left the disk tier since the
+                # no CPU room for the promotion (or the chunks left their tier since the
                 # lookup): the job fails, and vLLM recomputes
                 refused = True
                 self.metrics.refused += 1
                 if plan is not None:
-                    self.cpu.complete_store(plan.keys, success=False)
-                self.cpu.complete_load(in_cpu)
-                in_cpu, below = [], []
+                    cpu.complete_store(plan.keys, success=False)
+                cpu.complete_load(in_cpu)
+                in_cpu, on_disk, in_store = [], [], []
             else:
-                assert self.disk is not None
-                self.disk.prepare_load(below)
+                if disk is not None:
+                    disk.prepare_load(on_disk)
+                if shared is not None:
+                    shared.prepare_load(in_store)
                 slot_of.update(zip(plan.keys, plan.slots, strict=True))
-        self._loads[req_context.req_id] = (in_cpu, below)
-        from_disk = set(below)
+        self._loads[req_context.req_id] = (in_cpu, on_disk, in_store)
+        from_disk, from_shared = set(on_disk), set(in_store)
         return ChunkLoad(
             keys=ks,
             slots=[slot_of.get(k, -1) for k in ks],
             from_disk=[i for i, k in enumerate(ks) if k in from_disk],
+            from_shared=[i for i, k in enumerate(ks) if k in from_shared],
             check_sums=self.check_sums,
             refused=refused,
         )
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         ks = [raykv_key(key) for key in keys]
-        self.cpu.touch(ks)
-        if self.disk is not None:
-            self.disk.touch(ks)
+        for _, tier, _ in self._tiers():
+            tier.touch(ks)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._forget_bad()  # the workers named the chunks a failed load found bad first
-        pinned, promoted = self._loads.pop(req_context.req_id, ([], []))
+        pinned, from_disk, from_shared = self._loads.pop(req_context.req_id, ([], [], []))
+        promoted = from_disk + from_shared
         if promoted:
             bad = self._bad_cpu.intersection(promoted)
             good = [k for k in promoted if k not in bad]
             self.cpu.complete_store(good, success=True)
             self.cpu.complete_store(list(bad), success=False)  # its slot holds nothing sure
             self._bad_cpu.difference_update(bad)
+        if from_disk:
             assert self.disk is not None
-            self.disk.complete_load(promoted)
+            self.disk.complete_load(from_disk)
+        if from_shared:
+            assert self.shared is not None
+            self.shared.complete_load(from_shared)
         self.cpu.complete_load(pinned)
         self._discard_bad()  # the bad chunks this load held may go now
 
@@ -192,11 +280,22 @@ class RaykvOffloadingManager(OffloadingManager):
                 to_disk = [i for i, k in enumerate(plan.keys) if k in chosen]
                 drops = list(lower.evicted)
                 self._writing_disk.update(lower.keys)
+        to_shared: list[int] = []
+        if self.shared is not None and plan.keys and self._shared_usable():
+            new = [k for k in plan.keys if k not in self.shared]
+            # the index's evictions stay in the store (it evicts on its own, and other
+            # engines may read them): only this engine's index forgets them
+            published = self.shared.prepare_store(new) if new else None
+            if published is not None:
+                chosen = set(published.keys)
+                to_shared = [i for i, k in enumerate(plan.keys) if k in chosen]
+                self._writing_shared.update(published.keys)
         names = self._names
         spec = ChunkStore(
             keys=list(plan.keys),
             slots=list(plan.slots),
             to_disk=to_disk,
+            to_shared=to_shared,
             disk_drops=drops,
             check_sums=self.check_sums,
         )
@@ -212,11 +311,15 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()
         ks = [raykv_key(key) for key in keys]
         self._complete(self.cpu, ks, success, self._bad_cpu)
-        on_disk = [k for k in ks if k in self._writing_disk]
-        if on_disk:
-            self._writing_disk.difference_update(on_disk)
-            assert self.disk is not None
-            self._complete(self.disk, on_disk, success, self._bad_disk)
+        for tier, writing, bad in (
+            (self.disk, self._writing_disk, self._bad_disk),
+            (self.shared, self._writing_shared, self._bad_shared),
+        ):
+            written = [k for k in ks if k in writing]
+            if written:
+                writing.difference_update(written)
+                assert tier is not None
+                self._complete(tier, written, success, bad)
 
     @staticmethod
     def _complete(tier: Directory, keys: list[int], success: bool, bad: set[int]) -> None:
@@ -232,9 +335,8 @@ class RaykvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        tiers = [self.cpu] if self.disk is None else [self.cpu, self.disk]
         names = self._names
-        for tier in tiers:
+        for _, tier, _ in self._tiers():
             for event in tier.take_events():
                 keys = [names[k] for k in event.keys if k in names]
                 if keys:
@@ -253,37 +355,39 @@ class RaykvOffloadingManager(OffloadingManager):
     def _trim_names(self) -> None:
         # names of keys no tier holds any more are dropped once the map outgrows the tiers
         # (once a step, whether or not vLLM takes events)
-        if len(self._names) > 2 * (self.cpu.capacity + (self.disk.capacity if self.disk else 0)):
-            cpu, disk = self.cpu, self.disk
-            self._names = {
-                k: v for k, v in self._names.items() if k in cpu or (disk is not None and k in disk)
-            }
+        tiers = [tier for _, tier, _ in self._tiers()]
+        if len(self._names) > 2 * sum(tier.capacity for tier in tiers):
+            self._names = {k: v for k, v in self._names.items() if any(k in t for t in tiers)}
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
         self._trim_names()
+        self._step += 1
+        if self.shared is not None and len(self._shunned) > self.shared.capacity:
+            self._shunned = {k: s for k, s in self._shunned.items() if s > self._step}
+        self._absent.clear()  # the next step asks the store again: another engine may publish
 
     def has_pending_work(self) -> bool:
         return False
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        tiers = {"cpu": self.cpu.stats()}
-        if self.disk is not None:
-            tiers["disk"] = self.disk.stats()
-        return self.metrics.report(tiers)
+        return self.metrics.report({name: tier.stats() for name, tier, _ in self._tiers()})
 
     def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        stop_embedded(self.bad_keys.directory)  # where this process started the master
         self.bad_keys.remove()
 
     def reset_cache(self) -> None:
-        # vLLM drops the completions of every job started before a reset: both tiers forget
+        # vLLM drops the completions of every job started before a reset: every tier forgets
         # what was in flight (a disk key left "being written" would be HIT_PENDING for ever),
-        # and the disk tier what it held (a reset may follow new weights); files left behind
-        # are written over as their keys come again
-        self.cpu.reset()
-        if self.disk is not None:
-            self.disk.reset()
+        # and what it held (a reset may follow new weights); files left behind are written
+        # over as their keys come again, and the store's parts stay for the other engines
+        for _, tier, bad in self._tiers():
+            tier.reset()
+            bad.clear()
         self._writing_disk.clear()
+        self._writing_shared.clear()
         self._loads.clear()
-        self._bad_cpu.clear()
-        self._bad_disk.clear()

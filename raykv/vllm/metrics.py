@@ -4,7 +4,7 @@ of every load and store, which vLLM takes from the workers' job results).
 
 The manager reports through vLLM's ``get_stats`` (counters as increments since the last call,
 gauges as snapshots); vLLM's logger turns them into the metrics ``metric_definitions`` names,
-each labelled with the tier (``cpu``, ``disk``).
+each labelled with the tier (``cpu``, ``disk``, ``shared``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ COUNTERS = {
 }
 BAD_CHUNKS = "raykv:bad_chunks"
 REFUSED_LOADS = "raykv:refused_loads"
+FOUND_IN_STORE = "raykv:shared_found"
 # gauge name -> (DirectoryStats field, what it holds)
 GAUGES = {
     "raykv:tier_chunks": ("used", "Chunks the tier holds or is writing."),
@@ -54,6 +55,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         documentation="Loads refused (recomputed): no CPU room to promote their disk chunks, "
         "or a chunk left the disk tier after its lookup."
     )
+    found[FOUND_IN_STORE] = OffloadingCounterMetadata(
+        documentation="Chunks another engine published that lookups found in the shared tier's "
+        "store."
+    )
     for name, (_, text) in GAUGES.items():
         found[name] = OffloadingGaugeMetadata(documentation=text, labelnames=TIER)
     return found
@@ -66,6 +71,7 @@ class TierMetrics:
         self._last: dict[str, DirectoryStats] = {}
         self.bad: dict[str, int] = {}
         self.refused = 0
+        self.found = 0
 
     def report(self, tiers: dict[str, DirectoryStats]) -> OffloadingConnectorStats:
         stats = OffloadingConnectorStats()
@@ -83,5 +89,7 @@ class TierMetrics:
                 stats.increase_counter(BAD_CHUNKS, count, (tier,))
         if self.refused:
             stats.increase_counter(REFUSED_LOADS, self.refused)
-        self.bad, self.refused = {}, 0
+        if self.found:
+            stats.increase_counter(FOUND_IN_STORE, self.found)
+        self.bad, self.refused, self.found = {}, 0, 0
         return stats

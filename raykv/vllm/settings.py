@@ -26,7 +26,11 @@ DECIDED_BY_VLLM = {
     "load_in_step": "vLLM's scheduler (a load always lands before its request runs)",
     "copy_thread": "nothing: the copies always run on raykv's own thread beside vLLM's",
 }
-NOT_YET = {"shared": "the shared tier (Mooncake Store)"}
+# what raykv's engine has and the spec does not, with why
+NOT_INSIDE_VLLM = {
+    ("shared", "publish", "back"): "the shared tier publishes as the CPU tier stores (through): "
+    "vLLM's manager hands its CPU evictions over without a job that could publish them first",
+}
 
 
 def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
@@ -53,11 +57,11 @@ def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
     for key, decider in DECIDED_BY_VLLM.items():
         if key in tree:
             raise ConfigError(f"{INLINE}.{key}: decided by {decider} inside vLLM; leave it out")
-    for key, what in NOT_YET.items():
-        if getattr(settings, key).enabled:
+    for (section, key, value), why in NOT_INSIDE_VLLM.items():
+        part = getattr(settings, section)
+        if part.enabled and getattr(part, key) == value:
             raise ConfigError(
-                f"{INLINE}.{key}.enabled: {what} is not available inside vLLM yet "
-                "(raykv's own engine has it: raykv run / raykv serve)"
+                f"{INLINE}.{section}.{key}: {value} is not available inside vLLM; {why}"
             )
     if settings.cpu_bytes is None and settings.cpu_slots is None:
         raise ConfigError(f"{INLINE}.cpu_bytes: set the CPU tier's size (e.g. 4GiB)")

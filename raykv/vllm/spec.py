@@ -21,14 +21,17 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from raykv.config import ConfigError
 from raykv.config.sections import OffloadConfig
-from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, EventLog
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, EventLog
 from raykv.offload.directory import Directory
+from raykv.transfer.chunk_jobs import ChunkJobEngine
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.disk_files import ChunkFormat, RankDirectory, private_directory
 from raykv.transfer.layout import KVLayout, allocate_pool
-from raykv.vllm import metrics, namespace
+from raykv.transfer.shared_store import StoreEndpoint
+from raykv.vllm import metrics, namespace, shared
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.settings import offload_settings
@@ -60,7 +63,8 @@ def page_layout(page_bytes: int, num_blocks: int, blocks_per_chunk: int, slots: 
 
 
 class RaykvOffloadingSpec(OffloadingSpec):
-    """raykv's CPU tier and, under it, its disk tier, as a vLLM offloading spec."""
+    """raykv's CPU tier and, under it, its disk tier and its shared tier (Mooncake Store), as
+    a vLLM offloading spec."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -70,7 +74,9 @@ class RaykvOffloadingSpec(OffloadingSpec):
         self.chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.num_slots = self._cpu_slots()
         self.parts = namespace.namespace_parts(config, self._device())
-        self.bad_keys = BadKeys(self._run_directory(), self.world_size)
+        self.run_directory = self._run_directory()
+        self.bad_keys = BadKeys(self.run_directory, self.world_size)
+        self.shared = shared.shared_settings(self.settings)
         self._manager: RaykvOffloadingManager | None = None
         self._worker: RaykvOffloadingWorker | None = None
 
@@ -88,6 +94,32 @@ class RaykvOffloadingSpec(OffloadingSpec):
         if self.chunk_bytes <= 0:
             return 1
         return max(1, settings.cpu_bytes // (self.chunk_bytes * self.world_size))
+
+    def _chunk_format(self) -> ChunkFormat:
+        return ChunkFormat(self.config.worker_kv_bytes_per_block, self.blocks_per_chunk)
+
+    def _shared_slots(self) -> int:
+        """Chunks the shared tier's index holds: as many as ``segment`` holds of every rank's
+        parts (the store evicts on its own: a chunk gone is found out by its read)."""
+        assert self.shared is not None
+        fmt = self._chunk_format()
+        object_bytes = (fmt.header_bytes + fmt.data_bytes) * self.world_size
+        slots = self.shared.segment // object_bytes
+        if slots < 1:
+            raise ConfigError(
+                f"raykv.shared.segment ({self.shared.segment}) is smaller than one chunk in the "
+                f"store ({object_bytes} bytes on all ranks)"
+            )
+        return slots
+
+    def store_endpoint(self) -> StoreEndpoint:
+        """Where this process joins the shared tier's store, for one user (the manager or the
+        worker: each lets go of an embedded master as it shuts down)."""
+        assert self.shared is not None
+        return shared.endpoint(self.shared, self.run_directory)
+
+    def store_namespace(self) -> str:
+        return namespace.directory_name(self.parts)
 
     def _disk_slots(self) -> int:
         file_bytes = ChunkFormat(
@@ -142,7 +174,27 @@ class RaykvOffloadingSpec(OffloadingSpec):
                 taken = disk.adopt(found)
                 if taken:
                     log.info("raykv: %d chunks found in the disk tier (warm start)", len(taken))
-            self._manager = RaykvOffloadingManager(cpu, disk, self.bad_keys, settings.verify)
+            index = store = None
+            if self.shared is not None:
+                index = Directory(
+                    self._shared_slots(),
+                    "lru",
+                    max_tracker_size=settings.max_tracker_size,
+                    events=events,
+                    medium=MEDIUM_SHARED,
+                )
+                store = shared.StoreView(
+                    self.shared, self.store_endpoint(), self.store_namespace(), self.world_size
+                )
+            self._manager = RaykvOffloadingManager(
+                cpu,
+                disk,
+                self.bad_keys,
+                settings.verify,
+                shared=index,
+                store=store,
+                retry_steps=settings.shared.retry_steps,
+            )
         return self._manager
 
     def _keys_on_disk(self) -> list[int]:
@@ -169,10 +221,10 @@ class RaykvOffloadingSpec(OffloadingSpec):
         layout = page_layout(page_bytes, pieces[0].shape[0], self.blocks_per_chunk, self.num_slots)
         pool = allocate_pool(layout)
         copies = CpuTransferEngine(pieces, pool, layout)
-        disk = None
+        lower: dict[str, ChunkJobEngine] = {}
         disk_settings = self.settings.disk
         if disk_settings.enabled:
-            disk = DiskTransferEngine(
+            lower["disk"] = disk = DiskTransferEngine(
                 self.disk_root(self.rank),
                 pool,
                 layout,
@@ -183,7 +235,19 @@ class RaykvOffloadingSpec(OffloadingSpec):
                 identity=namespace.identity(self.parts, self.rank),
             )
             disk.index()  # sweeps what a crashed writer left, takes in older directories
-        return RaykvOffloadingWorker(self.rank, copies, disk, self.bad_keys, self.blocks_per_chunk)
+        if self.shared is not None:
+            from raykv.transfer.shared import SharedTransferEngine
+
+            lower["shared"] = SharedTransferEngine(
+                self.store_endpoint(),
+                self.store_namespace(),
+                self.rank,
+                pool,
+                layout,
+                sums=copies.checksums,
+                identity=namespace.identity(self.parts, self.rank),
+            )
+        return RaykvOffloadingWorker(self.rank, copies, lower, self.bad_keys, self.blocks_per_chunk)
 
     def take_failed_loads(self) -> list[int]:
         """Failed loads of this rank's worker, for ``failures.report_failed_loads``."""

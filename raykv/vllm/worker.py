@@ -4,10 +4,13 @@ moves its own shard of every chunk and nothing else.
 Its CPU-pool shard is raykv's pool (``transfer/layout.py``), its copies raykv's CPU engine
 (``transfer/cpu.py``) reading and writing vLLM's canonical per-layer views in place (a pool
 page is the block's pages of every layer, one after the other), its disk files raykv's disk
-engine's (``transfer/disk.py``: the same format, namespace, checksums and I/O threads). A job
-vLLM submits may take two steps here: a store copies the pages into their slots and then writes
-the slots the disk tier admitted to their files; a load first promotes the chunks only the disk
-holds into their slots, then copies the pages out. vLLM hears of the job when both are done.
+engine's (``transfer/disk.py``: the same format, namespace, checksums and I/O threads), its
+parts in the shared tier raykv's shared engine's (``transfer/shared.py``: Mooncake Store,
+sealed). A job vLLM submits may take two steps here: a store copies the pages into their slots,
+then writes the slots the disk tier admitted to their files and puts those the shared tier
+admitted into the store (both at once); a load first promotes the chunks only the disk or the
+store holds into their slots, then copies the pages out. vLLM hears of the job when all of it
+is done.
 
 A load that fails (a chunk whose checksum fails, a file missing or forged, no room for a
 promotion) is reported done to vLLM, whose 0.32 connector cannot take a failure, and named to
@@ -33,10 +36,11 @@ from vllm.v1.kv_offload.base import (
 )
 
 from raykv.core.step import BlockCopy, TierMove, TransferSpec
+from raykv.transfer.chunk_jobs import ChunkJobEngine
 from raykv.transfer.cpu import CpuTransferEngine
-from raykv.transfer.disk import DiskTransferEngine
-from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, BadKeys
+from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, SHARED_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
+from raykv.vllm.shared import stop_embedded
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,17 @@ class _Job:
     copy: BlockCopy
     is_store: bool
     stage: str  # "promote", "copy" or "write"
+    waiting: set[str] = field(default_factory=set)  # lower tiers whose part of the stage runs
+    failed: list[str] = field(default_factory=list)  # lower tiers whose part of it failed
+    bad: list[int] = field(default_factory=list)  # chunks a promotion found bad at the source
     started: float = field(default_factory=time.perf_counter)
+
+    def positions(self, tier: str) -> list[int]:
+        """Which of the job's chunks ``tier`` (disk or shared) moves in this job."""
+        spec = self.spec
+        if isinstance(spec, ChunkStore):
+            return spec.to_disk if tier == "disk" else spec.to_shared
+        return spec.from_disk if tier == "disk" else spec.from_shared
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,7 +78,7 @@ class JobRecord:
     is_store: bool
     ok: bool
     blocks: int  # GPU blocks it copied
-    promoted: int  # chunks a load read from disk first
+    promoted: int  # chunks a load read from disk or the store first
     seconds: float
 
 
@@ -107,13 +121,15 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self,
         rank: int,
         copies: CpuTransferEngine,
-        disk: DiskTransferEngine | None,
+        lower: dict[str, ChunkJobEngine],
         bad_keys: BadKeys,
         blocks_per_chunk: int,
     ) -> None:
+        """``lower``: the engines of the tiers under the CPU tier this rank has (``disk``,
+        ``shared``)."""
         self.rank = rank
         self.copies = copies
-        self.disk = disk
+        self.lower = lower
         self.bad_keys = bad_keys
         self.blocks_per_chunk = blocks_per_chunk
         self.page_bytes = copies.layout.page_bytes
@@ -129,8 +145,9 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, ChunkStore)
-        if self.disk is not None and dst_spec.disk_drops:
-            self.disk.drop(dst_spec.disk_drops)
+        disk = self.lower.get("disk")
+        if disk is not None and dst_spec.disk_drops:
+            disk.drop(dst_spec.disk_drops)  # type: ignore[attr-defined]
         copy = block_copy(src_spec, dst_spec.slots, self.blocks_per_chunk)
         job = _Job(job_id, dst_spec, copy, is_store=True, stage="copy")
         self._jobs[job_id] = job
@@ -142,13 +159,12 @@ class RaykvOffloadingWorker(OffloadingWorker):
         copy = block_copy(dst_spec, src_spec.slots, self.blocks_per_chunk)
         job = _Job(job_id, src_spec, copy, is_store=False, stage="copy")
         self._jobs[job_id] = job
-        if src_spec.refused:
-            self._end(job, ok=False)
-        elif src_spec.from_disk and self.disk is not None:
+        sources = [tier for tier in ("disk", "shared") if job.positions(tier)]
+        if src_spec.refused or any(tier not in self.lower for tier in sources):
+            self._end(job, ok=False)  # no room, or no such tier on this rank: never garbage
+        elif sources:
             job.stage = "promote"
-            self.disk.submit(self._move(job_id, src_spec, src_spec.from_disk, promote=True))
-        elif src_spec.from_disk:
-            self._end(job, ok=False)  # no disk engine on this rank: never loads garbage
+            self._submit_lower(job, sources, promote=True)
         else:
             self._copy_out(job)
         return True
@@ -181,8 +197,9 @@ class RaykvOffloadingWorker(OffloadingWorker):
             copying = [j for j in job_ids if j in self._jobs and self._jobs[j].stage == "copy"]
             if copying:
                 self.copies.flush(copying)
-            elif self.disk is not None:
-                self.disk.wait(0.01)
+            else:
+                for engine in self.lower.values():
+                    engine.wait(0.01 / len(self.lower))
             self._advance()
             if time.monotonic() > deadline:
                 stuck = sorted(
@@ -201,9 +218,10 @@ class RaykvOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self.copies.shutdown(wait=True)
-        if self.disk is not None:
+        for engine in self.lower.values():
             with contextlib.suppress(Exception):
-                self.disk.shutdown(wait=True)
+                engine.shutdown(wait=True)
+        stop_embedded(self.bad_keys.directory)  # where this process started the master
 
     # ---- the stages of a job -----------------------------------------------------------------
 
@@ -216,6 +234,12 @@ class RaykvOffloadingWorker(OffloadingWorker):
         # and a write checks the slot against its store's; without, neither (a checksum left
         # by a promotion would fail a later store's write of the same slot)
         return TierMove.of(job_id, promote, keys, slots, check=spec.check_sums)
+
+    def _submit_lower(self, job: _Job, tiers: list[str], promote: bool) -> None:
+        job.waiting.update(tiers)
+        for tier in tiers:
+            move = self._move(job.job_id, job.spec, job.positions(tier), promote=promote)
+            self.lower[tier].submit(move)
 
     def _copy_out(self, job: _Job) -> None:
         job.stage = "copy"
@@ -239,38 +263,53 @@ class RaykvOffloadingWorker(OffloadingWorker):
                 elif job_id in corrupt:
                     self.bad_keys.append(self.rank, list(job.spec.keys), CPU_TIER)
                 self._end(job, ok=False)
-            elif job.is_store and job.spec.to_disk and self.disk is not None:
+            elif job.is_store and (writes := [t for t in self.lower if job.positions(t)]):
                 job.stage = "write"
-                self.disk.submit(self._move(job_id, job.spec, job.spec.to_disk, promote=False))
+                self._submit_lower(job, writes, promote=False)
             else:
                 self._end(job, ok=True)
-        if self.disk is None:
-            return
-        moved, not_moved = self.disk.poll()
-        bad = self.disk.take_bad_keys()
-        self.disk.take_corrupt()
-        self.disk.take_full()
-        self.disk.take_unsettled()
-        for job_id, ok in [(j, True) for j in moved] + [(j, False) for j in not_moved]:
-            job = self._jobs.get(job_id)
-            if job is None:
-                continue
-            if job.stage == "write":
-                if not ok:  # the CPU copy stands; the file does not
-                    written = [job.spec.keys[i] for i in job.spec.to_disk]
-                    self.bad_keys.append(self.rank, written, DISK_TIER)
-                self._end(job, ok=True)
-            elif job.stage == "promote":
-                if ok:
-                    self._copy_out(job)
+        for tier, engine in self.lower.items():
+            moved, not_moved = engine.poll()
+            bad = engine.take_bad_keys()
+            engine.take_corrupt()
+            engine.take_full()
+            engine.take_unsettled()
+            for job_id, ok in [(j, True) for j in moved] + [(j, False) for j in not_moved]:
+                job = self._jobs.get(job_id)
+                if job is None or tier not in job.waiting:
                     continue
-                promoted = [job.spec.keys[i] for i in job.spec.from_disk]
-                # files that failed their checks leave the disk tier; a read that failed
-                # otherwise (an I/O error) names none, and all of the job's files leave it
-                sources = bad.get(job_id) or promoted
-                self.bad_keys.append(self.rank, sources, EVERY_TIER)
-                self.bad_keys.append(self.rank, [k for k in promoted if k not in sources], CPU_TIER)
-                self._end(job, ok=False)
+                job.waiting.discard(tier)
+                if not ok:
+                    job.failed.append(tier)
+                    if job.stage == "promote":
+                        # files or parts that failed their checks leave every tier; a read that
+                        # failed otherwise (an I/O error, the store not answering) names none,
+                        # and all of this tier's chunks of the job leave it
+                        read = [job.spec.keys[i] for i in job.positions(tier)]
+                        job.bad.extend(bad.get(job_id) or read)
+                if not job.waiting:
+                    self._lower_done(job)
+
+    def _lower_done(self, job: _Job) -> None:
+        """Every lower tier's part of the job's stage ended."""
+        keys = job.spec.keys
+        if job.stage == "write":
+            # the CPU copy stands; the file or the parts that failed do not
+            for tier in job.failed:
+                written = [keys[i] for i in job.positions(tier)]
+                self.bad_keys.append(
+                    self.rank, written, DISK_TIER if tier == "disk" else SHARED_TIER
+                )
+            self._end(job, ok=True)
+        elif not job.failed:
+            self._copy_out(job)
+        else:
+            promoted = [keys[i] for t in ("disk", "shared") for i in job.positions(t)]
+            sources = set(job.bad)
+            self.bad_keys.append(self.rank, [k for k in promoted if k in sources], EVERY_TIER)
+            # the other promotions' slots hold what may be half of a chunk
+            self.bad_keys.append(self.rank, [k for k in promoted if k not in sources], CPU_TIER)
+            self._end(job, ok=False)
 
     def _end(self, job: _Job, ok: bool) -> None:
         self._jobs.pop(job.job_id, None)
@@ -278,7 +317,7 @@ class RaykvOffloadingWorker(OffloadingWorker):
             self._failed_loads.append(job.job_id)
         blocks = len(job.copy.gpu_blocks)
         seconds = time.perf_counter() - job.started
-        promoted = 0 if job.is_store else len(job.spec.from_disk)
+        promoted = 0 if job.is_store else len(job.spec.from_disk) + len(job.spec.from_shared)
         self.records.append(JobRecord(job.is_store, ok, blocks, promoted, seconds))
         # vLLM's connector asserts success: a failure travels by take_failed_loads
         moved = blocks * self.page_bytes if ok else 0  # vLLM's byte counters: bytes moved

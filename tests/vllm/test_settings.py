@@ -24,7 +24,7 @@ def test_the_inline_section_takes_raykv_run_s_keys_and_defaults() -> None:
         ({"cpu_bytes": "1GiB", "disk": {"io_threads": 0}}, "raykv.disk.io_threads"),
         ({}, "raykv.cpu_bytes: set the CPU tier's size"),
         ({"cpu_slots": 8, "blocks_per_chunk": 2}, "raykv.blocks_per_chunk"),
-        ({"cpu_slots": 8, "shared": {"enabled": True}}, "raykv.shared.enabled"),
+        ({"cpu_slots": 8, "shared": {"enabled": True, "publish": "back"}}, "raykv.shared.publish"),
     ],
 )
 def test_a_bad_setting_is_named(raykv, named) -> None:

@@ -1,6 +1,7 @@
 """Hits from raykv's tiers inside vLLM give what vLLM computes itself: the same greedy tokens and
 logprobs within 1e-4 of the same engine without offloading, with vLLM's GPU prefix cache on and
-off; a chunk found bad is recomputed, never served."""
+off, from each tier: CPU, disk (after the CPU tier evicted, and in a second process) and shared
+(Mooncake Store: published by one engine, loaded by another)."""
 
 from __future__ import annotations
 
@@ -105,3 +106,64 @@ def test_a_second_vllm_process_loads_the_first_ones_disk_tier(
         assert got[2] >= BLOCK_TOKENS
         assert manager.disk.stats().loads > 0
         same(got, reference[prompt])
+
+
+SECRET = "raykv-test-cluster-secret-0123456789"
+
+
+def publish(model, settings: dict, prompt: str) -> int:
+    """One engine answers ``prompt`` and its stores land; the chunks it published. (An engine
+    per function: a caller's name still bound to a shut-down ``LLM`` frees it, and vLLM's
+    process-global state with it, only when the next engine takes the name.)"""
+    with engine(model, settings) as llm:
+        answer(llm, prompt)
+        drain(llm)
+        return manager_of(llm).shared.stats().keys_stored
+
+
+def load(model, settings: dict, prompt: str) -> tuple[tuple[list[int], list[float], int], int]:
+    """A fresh engine (its CPU tier empty) answers ``prompt``: the answer, and the chunks it
+    loaded from the shared tier."""
+    with engine(model, settings) as llm:
+        got = answer(llm, prompt)
+        return got, manager_of(llm).shared.stats().loads
+
+
+def test_a_second_engine_loads_what_the_first_published_to_the_shared_tier(
+    vllm_model, reference, shared_store, monkeypatch
+) -> None:
+    # the store's master and its pool's memory are this session's: neither engine gives any
+    monkeypatch.setenv("RAYKV_SHARED_SECRET", SECRET)
+    settings = {
+        "cpu_bytes": "16MiB",
+        "shared": {"enabled": True, "master": shared_store, "mount": False, "segment": "64MiB"},
+    }
+    prompt = PROMPTS[2]
+    assert publish(vllm_model, settings, prompt) >= 2, "nothing was published"
+    got, loads = load(vllm_model, settings, prompt)
+    assert got[2] >= BLOCK_TOKENS and loads > 0, "nothing was loaded from the shared tier"
+    same(got, reference[prompt])
+    # an engine without the cluster's secret finds the parts, and never serves them: their
+    # seals do not check, and it recomputes
+    monkeypatch.setenv("RAYKV_SHARED_SECRET", "another-secret-of-sixteen-bytes-or-more")
+    got, _ = load(vllm_model, settings, prompt)
+    assert got[2] == 0
+    same(got, reference[prompt])
+
+
+def test_an_engine_s_own_master_serves_what_its_cpu_tier_evicted(vllm_model, reference) -> None:
+    # four CPU slots, so each prompt evicts the one before; the store (a master and a segment of
+    # the engine's own) keeps them
+    settings = {"cpu_slots": 4, "shared": {"enabled": True, "segment": "32MiB"}}
+    with engine(vllm_model, settings) as llm:
+        for prompt in PROMPTS:
+            answer(llm, prompt)
+            drain(llm)
+        manager = manager_of(llm)
+        assert manager.cpu.stats().evictions > 0
+        llm.reset_prefix_cache()
+        loads = manager.shared.stats().loads
+        for prompt, got in zip(PROMPTS, answers(llm, PROMPTS), strict=True):
+            assert got[2] >= BLOCK_TOKENS
+            same(got, reference[prompt])
+        assert manager.shared.stats().loads > loads, "no hit came from the shared tier"

@@ -1,0 +1,170 @@
+"""The shared tier (Mooncake Store) inside vLLM: where this engine's processes join the store,
+the memory it gives the store's pool, and the scheduler's index of what the store holds.
+
+``raykv.shared.master`` is ``host:port`` of a running ``mooncake_master`` (the deployment: every
+replica of the model joins the same master, and each loads what any other published), or
+``embedded``: a master for this engine alone, started by the first of its processes to need it
+(vLLM builds its workers before its scheduler, each in a process of its own where it runs more
+than one) and found by the others through the engine's private run directory, which also holds
+the master's address and the secret that seals every part. ``mount: true`` has the scheduler's
+process give ``segment`` bytes of its DRAM to the pool for as long as the engine runs (in
+process: vLLM's engine processes are daemons, which may not start processes of their own);
+``mount: false`` leaves the pool's memory to others (a store service, another replica).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+
+from raykv.config import ConfigError
+from raykv.config.sections import OffloadConfig
+from raykv.config.shared import EMBEDDED, SharedTierConfig, cluster_secret
+from raykv.transfer.seal import new_secret
+from raykv.transfer.shared_master import EmbeddedMaster
+from raykv.transfer.shared_store import (
+    SegmentHolder,
+    SharedStoreError,
+    SharedUnavailable,
+    StoreEndpoint,
+    StoreIndex,
+    reachable,
+)
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_FILE = "shared-endpoint"  # the embedded master's address and the run's secret
+CLAIM_FILE = "shared-master.claim"  # created by the one process that starts the master
+START_WAIT_S = 60.0  # how long another process waits for that one to say where the master is
+
+# embedded masters this process started, by run directory, with how many of this process's
+# halves of the engine (its manager, its worker) use them: stopped when the last one closes
+# (a client that leaves a dead master, the segment's above all, retries for many seconds)
+_masters: dict[str, EmbeddedMaster] = {}
+_users: dict[str, int] = {}
+_masters_lock = threading.Lock()
+
+
+def shared_settings(settings: OffloadConfig) -> SharedTierConfig | None:
+    """The shared tier's section where it is enabled (None: no shared tier)."""
+    return settings.shared if settings.shared.enabled else None
+
+
+def endpoint(shared: SharedTierConfig, run_directory: str) -> StoreEndpoint:
+    """Where this process joins the store: the configured master with the cluster's secret, or
+    this engine's embedded master (started here if no other process of the engine has).
+    ``SharedUnavailable`` naming ``raykv.shared.master`` where it cannot be had."""
+    if shared.master != EMBEDDED:
+        try:
+            secret = cluster_secret(shared)
+        except ConfigError as exc:
+            raise ConfigError(f"raykv.shared.{str(exc).removeprefix('offload.shared.')}") from None
+        return StoreEndpoint.of(shared, shared.master, secret)
+    try:
+        address, secret = _embedded(run_directory)
+    except SharedStoreError as exc:
+        raise SharedUnavailable(f"raykv.shared.master: {exc}") from None
+    with _masters_lock:
+        if run_directory in _masters:
+            _users[run_directory] = _users.get(run_directory, 0) + 1
+    return StoreEndpoint.of(shared, address, secret)
+
+
+def _embedded(run_directory: str) -> tuple[str, bytes]:
+    path = os.path.join(run_directory, ENDPOINT_FILE)
+    claim = os.path.join(run_directory, CLAIM_FILE)
+    try:
+        os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return _wait_for(path)
+    master = EmbeddedMaster()
+    try:
+        address = master.start()
+    except SharedStoreError as exc:
+        _publish(path, f"failed {exc}")  # the others say why at once, not after a wait
+        raise
+    with _masters_lock:
+        _masters[run_directory] = master
+    secret = new_secret()
+    _publish(path, f"{address} {secret.hex()}")
+    log.info("raykv: an embedded Mooncake master for this engine at %s", address)
+    return address, secret
+
+
+def _publish(path: str, line: str) -> None:
+    partial = f"{path}.{os.getpid()}"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(line + "\n")
+    os.replace(partial, path)  # whole or absent: a reader never sees half of it
+
+
+def _wait_for(path: str) -> tuple[str, bytes]:
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            with open(path) as handle:
+                first, _, rest = handle.read().strip().partition(" ")
+            if first == "failed":
+                raise SharedStoreError(rest)
+            return first, bytes.fromhex(rest)
+        time.sleep(0.05)
+    raise SharedStoreError(
+        f"the engine's embedded master was not started within {START_WAIT_S:g} s"
+    )
+
+
+def stop_embedded(run_directory: str) -> None:
+    """One user of the embedded master this process started for the engine (if it did) is
+    done with it: the last one stops it."""
+    with _masters_lock:
+        left = _users.get(run_directory, 0) - 1
+        if left > 0:
+            _users[run_directory] = left
+            return
+        _users.pop(run_directory, None)
+        master = _masters.pop(run_directory, None)
+    if master is not None:
+        master.stop()
+    for name in (ENDPOINT_FILE, CLAIM_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(run_directory, name))
+
+
+class StoreView:
+    """The scheduler's side of the store: its index of what every rank's parts are there for,
+    and the segment this engine gives the pool (``mount``)."""
+
+    def __init__(
+        self, shared: SharedTierConfig, where: StoreEndpoint, namespace: str, ranks: int
+    ) -> None:
+        self.segment: SegmentHolder | None = None
+        self._master = where.master
+        try:
+            if shared.mount:
+                self.segment = SegmentHolder(where, shared.segment)
+            self.index = StoreIndex(where, namespace, ranks)
+        except SharedStoreError as exc:
+            self.close()
+            raise SharedUnavailable(f"raykv.shared.master: {exc}") from None
+
+    def present(self, keys: list[int]) -> list[bool]:
+        """Whether every rank's part of each chunk is in the store (``SharedStoreError`` when
+        the store cannot say)."""
+        return self.index.present(keys)
+
+    def close(self) -> None:
+        index = getattr(self, "index", None)
+        if index is not None:
+            index.close()
+        segment, self.segment = self.segment, None
+        if segment is not None:
+            # against a master already gone (another process of the engine stopped it first),
+            # Mooncake's unmount retries for many seconds: the segment goes with this process
+            if reachable(self._master, 0.2):
+                segment.close()
+            else:
+                log.info("raykv: the store's master is gone; its segment is left to the exit")
