@@ -91,7 +91,7 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
             f"{t.without_tokens_per_s:,.0f} tokens/s without raykv, "
             f"{t.with_tokens_per_s:,.0f} with: {t.ratio:.3f}x"
         )
-    console.print(f"shared tier: {report.shared_tier}")
+    console.print(f"shared tier: Mooncake Store, {report.shared_transport}")
     if args.json:
         write_json(args.json, report.as_dict(), console)
     return 0

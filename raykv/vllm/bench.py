@@ -1,25 +1,32 @@
 """``raykv bench vllm``: time to first token of one prompt through vLLM, recomputed against
-loaded from raykv's tiers, beside the copy limit of the same bytes; and vLLM's throughput with
-no reuse, with raykv's spec and without.
+loaded from each of raykv's tiers, beside the copy limit of the same bytes; and vLLM's
+throughput with no reuse, with raykv's spec (all three tiers) and without.
 
 Everything runs in this process, one vLLM engine at a time (vLLM's connector is global to a
 process), on the same model and settings, with vLLM's prefix cache on as vLLM runs by default:
 
 1. **vLLM alone.** Each prompt (random token ids, ``max_tokens`` 1) is computed from scratch
    (``recompute_s``), the prefix cache emptied after it. Then the throughput workload.
-2. **vLLM with raykv (the writer).** The same throughput workload (``with``: every lookup
-   misses, every full block is stored and written through to the disk tier). Then each prompt
-   is run once (its KV stored), its stores waited for, vLLM's prefix cache emptied, and run
-   again: raykv's CPU tier is the only place its KV is (``cpu_tier_s``).
-3. **A second vLLM with raykv on the same disk path (the reader):** its CPU tier empty, the
-   files' pages out of the page cache; each prompt's KV is read from its files, promoted into
-   the CPU tier and loaded (``disk_tier_s``: cold).
+2. **vLLM with raykv (the writer):** its CPU tier, a disk tier and the shared tier on a
+   Mooncake master the bench runs on loopback (its pool's memory given by a process of the
+   bench's, so it outlives the engines). The same throughput workload (``with``: every lookup
+   misses, every full block is stored, written through to the disk and put into the store).
+   Then each prompt is run once (its KV stored), its stores waited for, vLLM's prefix cache
+   emptied, and run again: raykv's CPU tier is the only place its KV is (``cpu_tier_s``).
+3. **A second vLLM with raykv on the same disk path:** its CPU tier empty, the files' pages out
+   of the page cache; each prompt's KV is read from its files, promoted into the CPU tier and
+   loaded (``disk_tier_s``: cold).
+4. **A third vLLM with raykv on the same store** (no disk tier), its CPU tier empty: each
+   prompt's KV is what the writer published, read from the store, promoted and loaded
+   (``shared_tier_s``: computed by one engine, loaded by another).
 
 The copy limit of a prompt's KV bytes (what a tier load moves) is measured in the same run:
 ``limit_s`` one ``memcpy`` of them (the CPU tier's floor), ``disk_limit_s`` one cold sequential
 read of them from a file on the disk tier's path (``O_DIRECT`` where allowed) plus that
-``memcpy``. ``cpu_load_s`` and ``disk_load_s`` are the tier's own load jobs, from vLLM's submit
-to the step that found them done. The fastest of the repeats is kept each way.
+``memcpy``, ``shared_limit_s`` one read of them from the store as a single object (the
+transport's floor: TCP on loopback here) plus that ``memcpy``. ``cpu_load_s``, ``disk_load_s``
+and ``shared_load_s`` are the tier's own load jobs, from vLLM's submit to the step that found
+them done. The fastest of the repeats is kept each way.
 
 Only whole blocks are offloaded: a prompt's tail after its last whole block, and at least its
 last token, is computed in every loaded run (``--block-tokens`` sets vLLM's block size).
@@ -27,6 +34,7 @@ last token, is computed in every loaded run (``--block-tokens`` sets vLLM's bloc
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import mmap
@@ -43,7 +51,12 @@ from typing import Any
 import torch
 
 from raykv.bench.disk_transfer import PlainFile, settle_files
+from raykv.config.shared import SECRET_ENV
 from raykv.transfer.disk_files import align_up, probe_direct_io
+from raykv.transfer.seal import new_secret
+from raykv.transfer.segment_process import HeldSegment
+from raykv.transfer.shared_master import EmbeddedMaster
+from raykv.transfer.shared_store import LOCAL_BUFFER, StoreEndpoint, connect
 from raykv.vllm.local import local_engine, manager_of, worker_of
 
 Progress = Callable[[str], None]
@@ -81,13 +94,17 @@ class VllmTTFTRow:
     shared_tier_s: float | None
     limit_s: float
     disk_limit_s: float | None
+    shared_limit_s: float | None
     cpu_load_s: float
     disk_load_s: float | None
+    shared_load_s: float | None
     kv_bytes: int
     cpu_hit_tokens: int
     disk_hit_tokens: int
+    shared_hit_tokens: int
     cpu_speedup: float
     disk_speedup: float | None
+    shared_speedup: float | None
 
 
 @dataclass(slots=True)
@@ -113,7 +130,7 @@ class VllmBenchReport:
     repeat: int
     rows: list[VllmTTFTRow] = field(default_factory=list)
     throughput: VllmThroughput | None = None
-    shared_tier: str = "not available inside vLLM yet (shared_tier_s is null)"
+    shared_transport: str = "tcp on loopback"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -173,6 +190,37 @@ def cold_read_s(directory: str, nbytes: int, repeat: int = 3) -> tuple[float, st
     return best, "direct" if direct else "buffered, dropped"
 
 
+def store_read_s(master: str, nbytes: int, repeat: int = 3) -> float:
+    """The fastest of ``repeat`` reads of ``nbytes`` as one object from the store at
+    ``master`` (put once by this process, removed after)."""
+    client = connect(StoreEndpoint(master), 0, LOCAL_BUFFER)
+    buffers = [mmap.mmap(-1, nbytes) for _ in range(2)]
+    pointers = [ctypes.addressof(ctypes.c_char.from_buffer(b)) for b in buffers]
+    name = f"raykv-bench-limit/{os.getpid()}"
+    best = float("inf")
+    try:
+        for pointer in pointers:
+            if client.register_buffer(pointer, nbytes) != 0:
+                raise VllmBenchError("the store refused the bench's buffer for its limit")
+        if client.put_from(name, pointers[0], nbytes) != 0:
+            raise VllmBenchError("the store refused the bench's object for its limit")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            got = client.get_into(name, pointers[1], nbytes)
+            seconds = time.perf_counter() - start
+            if got != nbytes:
+                raise VllmBenchError("the store did not give back the bench's object")
+            best = min(best, seconds)
+        client.remove(name, True)
+    finally:
+        for pointer in pointers:
+            client.unregister_buffer(pointer)
+        client.close()
+        for buffer in buffers:
+            buffer.close()
+    return best
+
+
 class _Prompts:
     """Random token ids: the same ones for every engine of a run."""
 
@@ -209,8 +257,7 @@ def _throughput_s(llm: Any, prompts: list[list[int]], output_tokens: int) -> flo
 def _drain(llm: Any, prompts: _Prompts, rounds: int = 500) -> None:
     """Step the engine (one-token requests, too short to store) until no store of raykv's is
     in flight: a store lands only as later steps poll it."""
-    manager = manager_of(llm)
-    tiers = [manager.cpu] if manager.disk is None else [manager.cpu, manager.disk]
+    tiers = [tier for _, tier, _ in manager_of(llm)._tiers()]
     for i in range(rounds):
         if all(tier.stats().writing == 0 for tier in tiers):
             return
@@ -241,13 +288,15 @@ class _Run:
         options: VllmBenchOptions,
         prompts: _Prompts,
         engine_args: dict[str, Any],
-        raykv: dict[str, Any],
+        tiers: dict[str, dict[str, Any]],
         extra: dict[str, Any],
         throughput_sets: list[list[list[int]]],
         say: Progress,
     ) -> None:
+        """``tiers``: raykv's settings of the writer (``all``), the disk reader (``disk``) and
+        the store's reader (``shared``)."""
         self.options, self.prompts, self.engine_args = options, prompts, engine_args
-        self.raykv, self.extra, self.throughput_sets, self.say = raykv, extra, throughput_sets, say
+        self.tiers, self.extra, self.throughput_sets, self.say = tiers, extra, throughput_sets, say
 
     def _throughput(self, llm: Any, who: str) -> float:
         best = float("inf")
@@ -277,7 +326,7 @@ class _Run:
         options, prompts = self.options, self.prompts
         cpu: dict[int, Timed] = {}
         self.say("vLLM with raykv")
-        with local_engine(options.model, self.raykv, self.extra, **self.engine_args) as llm:
+        with local_engine(options.model, self.tiers["all"], self.extra, **self.engine_args) as llm:
             _first_token(llm, prompts.make("warm-up", 64))
             with_spec = self._throughput(llm, "vLLM with raykv")
             for n in options.prompt_tokens:
@@ -299,27 +348,55 @@ class _Run:
             _drain(llm, prompts)
             return cpu, with_spec, worker_of(llm).page_bytes
 
-    def reader(self) -> dict[int, Timed]:
-        """A second vLLM with raykv on the writer's disk tier: each length loaded from it."""
+    def reader(self, tier: str) -> dict[int, Timed]:
+        """A second vLLM with raykv on the writer's disk tier or store (``tier``), its CPU
+        tier empty: each length loaded from there."""
         options, prompts = self.options, self.prompts
-        disk: dict[int, Timed] = {}
-        self.say("a second vLLM on the same disk tier")
-        with local_engine(options.model, self.raykv, self.extra, **self.engine_args) as llm:
+        found: dict[int, Timed] = {}
+        where = "disk tier" if tier == "disk" else "shared tier's store"
+        self.say(f"another vLLM on the same {where}")
+        with local_engine(options.model, self.tiers[tier], self.extra, **self.engine_args) as llm:
             _first_token(llm, prompts.make("warm-up", 64))  # the writer's: loaded as well
             for n in options.prompt_tokens:
                 for r in range(options.repeat):
-                    self.say(f"second vLLM: {n} tokens from disk, repeat {r + 1}/{options.repeat}")
+                    self.say(f"another vLLM: {n} tokens from the {where}, {r + 1}/{options.repeat}")
                     seconds, hit = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
                     if hit == 0:
-                        raise VllmBenchError(
-                            f"{n} tokens: nothing was loaded from raykv's disk tier"
-                        )
+                        raise VllmBenchError(f"{n} tokens: nothing was loaded from the {where}")
                     load = _last_load(llm)
                     if load.promoted == 0:
-                        raise VllmBenchError(f"{n} tokens: the load read nothing from disk")
-                    if n not in disk or seconds < disk[n][0]:
-                        disk[n] = (seconds, hit, load.seconds)
-        return disk
+                        raise VllmBenchError(f"{n} tokens: the load read nothing from the {where}")
+                    if n not in found or seconds < found[n][0]:
+                        found[n] = (seconds, hit, load.seconds)
+        return found
+
+
+class _Store:
+    """The shared tier's store for one bench run: a Mooncake master on loopback, a process of
+    the bench's giving the pool ``segment`` bytes (so the pool outlives each engine), and the
+    run's secret in this process's environment (where the engines read it)."""
+
+    def __init__(self, segment: int) -> None:
+        self.master = EmbeddedMaster()
+        self.holder: HeldSegment | None = None
+        self._secret_before = os.environ.get(SECRET_ENV)
+        self.address = self.master.start()
+        try:
+            self.holder = HeldSegment(self.address, segment)
+            self.holder.start()
+        except Exception:
+            self.master.stop()
+            raise
+        os.environ[SECRET_ENV] = new_secret().hex()
+
+    def close(self) -> None:
+        if self._secret_before is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = self._secret_before
+        if self.holder is not None:
+            self.holder.stop()
+        self.master.stop()
 
 
 def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) -> VllmBenchReport:
@@ -348,10 +425,15 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     own_directory = options.disk_path is None
     disk_root = options.disk_path or tempfile.mkdtemp(prefix="raykv-bench-vllm-")
     directory = tempfile.mkdtemp(prefix="run-", dir=disk_root)
-    raykv = {
-        "cpu_bytes": tier_bytes,
-        "take_hits": "always",  # the tiers are measured, not the choice
-        "disk": {"enabled": True, "path": directory, "capacity": tier_bytes},
+    say("the shared tier's store (a Mooncake master on loopback)")
+    store = _Store(tier_bytes + max(lengths) * per_token + (64 << 20))  # and the limit's object
+    cpu = {"cpu_bytes": tier_bytes, "take_hits": "always"}  # the tiers, not the choice
+    disk_tier = {"enabled": True, "path": directory, "capacity": tier_bytes}
+    shared_tier = {"enabled": True, "master": store.address, "mount": False, "segment": tier_bytes}
+    tiers = {
+        "all": {**cpu, "disk": disk_tier, "shared": shared_tier},
+        "disk": {**cpu, "disk": disk_tier},
+        "shared": {**cpu, "shared": shared_tier},
     }
     extra = {"block_size": options.block_tokens}  # one offloaded chunk: one vLLM block
     throughput_sets = (
@@ -365,7 +447,7 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         if options.throughput_requests
         else []
     )
-    run = _Run(options, prompts, engine_args, raykv, extra, throughput_sets, say)
+    run = _Run(options, prompts, engine_args, tiers, extra, throughput_sets, say)
     try:
         # one engine a call: an engine's last reference must go before the next one starts
         # (freeing it tears down vLLM's process-wide state)
@@ -375,7 +457,9 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         gc.collect()
         files = [str(p) for p in Path(directory).rglob("*") if p.is_file()]
         settle_files(files, drop=True)  # cold: whatever the disk engine's I/O mode was
-        disk = run.reader()
+        disk = run.reader("disk")
+        gc.collect()
+        shared = run.reader("shared")
         gc.collect()
         say("copy limits")
         rows = []
@@ -385,25 +469,31 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
             nbytes = hit // options.block_tokens * page_bytes
             limit = memcpy_s(nbytes)
             read, disk_io = cold_read_s(directory, nbytes)
+            fetched = store_read_s(store.address, nbytes)
             rows.append(
                 VllmTTFTRow(
                     prompt_tokens=n,
                     recompute_s=recompute[n],
                     cpu_tier_s=cpu[n][0],
                     disk_tier_s=disk[n][0],
-                    shared_tier_s=None,
+                    shared_tier_s=shared[n][0],
                     limit_s=limit,
                     disk_limit_s=read + limit,
+                    shared_limit_s=fetched + limit,
                     cpu_load_s=cpu[n][2],
                     disk_load_s=disk[n][2],
+                    shared_load_s=shared[n][2],
                     kv_bytes=nbytes,
                     cpu_hit_tokens=hit,
                     disk_hit_tokens=disk[n][1],
+                    shared_hit_tokens=shared[n][1],
                     cpu_speedup=recompute[n] / cpu[n][0],
                     disk_speedup=recompute[n] / disk[n][0],
+                    shared_speedup=recompute[n] / shared[n][0],
                 )
             )
     finally:
+        store.close()
         shutil.rmtree(directory, ignore_errors=True)
         if own_directory:
             shutil.rmtree(disk_root, ignore_errors=True)
@@ -450,9 +540,11 @@ def format_vllm_table(report: VllmBenchReport) -> list[list[str]]:
             "speedup",
             "disk tier ms",
             "speedup",
-            "shared ms",
+            "shared tier ms",
+            "speedup",
             "CPU load / limit ms",
             "disk load / limit ms",
+            "shared load / limit ms",
         ]
     ]
     for row in report.rows:
@@ -465,8 +557,10 @@ def format_vllm_table(report: VllmBenchReport) -> list[list[str]]:
                 ms(row.disk_tier_s),
                 times(row.disk_speedup),
                 ms(row.shared_tier_s),
+                times(row.shared_speedup),
                 f"{ms(row.cpu_load_s)} / {ms(row.limit_s)}",
                 f"{ms(row.disk_load_s)} / {ms(row.disk_limit_s)}",
+                f"{ms(row.shared_load_s)} / {ms(row.shared_limit_s)}",
             ]
         )
     return cells

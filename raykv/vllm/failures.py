@@ -24,6 +24,8 @@ import threading
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from raykv.vllm.run_directory import LOCK, release
+
 log = logging.getLogger(__name__)
 
 _RECORD = 20  # the tiers it leaves, 18 hex digits (a 72-bit key) and a newline
@@ -58,11 +60,12 @@ class BadKeys:
 
     def remove(self) -> None:
         """Delete the files and their directory (the engine is shutting down)."""
-        for path in self.paths:
+        for path in [*self.paths, os.path.join(self.directory, LOCK)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        release(self.directory)
         with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(self.paths[0]))
+            os.rmdir(self.directory)
 
     def take(self) -> list[tuple[str, int]]:
         """``(tiers, key)`` appended since the last call, by any rank."""

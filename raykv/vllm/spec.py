@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -28,12 +27,13 @@ from raykv.offload.directory import Directory
 from raykv.transfer.chunk_jobs import ChunkJobEngine
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.disk import DiskTransferEngine
-from raykv.transfer.disk_files import ChunkFormat, RankDirectory, private_directory
+from raykv.transfer.disk_files import ChunkFormat, RankDirectory
 from raykv.transfer.layout import KVLayout, allocate_pool
 from raykv.transfer.shared_store import StoreEndpoint
 from raykv.vllm import metrics, namespace, shared
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
+from raykv.vllm.run_directory import engine_run_directory
 from raykv.vllm.settings import offload_settings
 from raykv.vllm.worker import RaykvOffloadingWorker, page_pieces_of
 
@@ -135,11 +135,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
 
     def _run_directory(self) -> str:
         # where the workers tell the manager of bad chunks: this user's, one per engine
-        base = os.path.join(tempfile.gettempdir(), f"raykv-{os.getuid()}")
-        path = os.path.join(base, f"vllm-{self.config.engine_id}")
-        private_directory(base)
-        private_directory(path)
-        return path
+        return engine_run_directory(self.config.engine_id)
 
     def disk_root(self, rank: int) -> str:
         assert self.settings.disk.path is not None
