@@ -243,6 +243,16 @@ def release(endpoint: StoreEndpoint, client: Any, failed: bool = False) -> None:
     client.close()
 
 
+def close_idle(master: str) -> None:
+    """Close the idle clients kept for the store at ``master`` (it is about to stop: nobody
+    would take them up, and each would go on beating against a dead master)."""
+    with _idle_lock:
+        gone = [key for key in _idle if key.master == master]
+        clients = [client for key in gone for client in _idle.pop(key)]
+    for client in clients:
+        client.close()
+
+
 def object_key(namespace: str, key: int, rank: int) -> str:
     """A rank's part of chunk ``key`` in the store."""
     return f"{namespace}/{key:x}/{rank}"

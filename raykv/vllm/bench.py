@@ -56,7 +56,13 @@ from raykv.transfer.disk_files import align_up, probe_direct_io
 from raykv.transfer.seal import new_secret
 from raykv.transfer.segment_process import HeldSegment
 from raykv.transfer.shared_master import EmbeddedMaster
-from raykv.transfer.shared_store import LOCAL_BUFFER, StoreEndpoint, connect
+from raykv.transfer.shared_store import (
+    LOCAL_BUFFER,
+    SharedStoreError,
+    StoreEndpoint,
+    connect,
+    mooncake_problem,
+)
 from raykv.vllm.local import local_engine, manager_of, worker_of
 
 Progress = Callable[[str], None]
@@ -425,16 +431,9 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     own_directory = options.disk_path is None
     disk_root = options.disk_path or tempfile.mkdtemp(prefix="raykv-bench-vllm-")
     directory = tempfile.mkdtemp(prefix="run-", dir=disk_root)
-    say("the shared tier's store (a Mooncake master on loopback)")
-    store = _Store(tier_bytes + max(lengths) * per_token + (64 << 20))  # and the limit's object
     cpu = {"cpu_bytes": tier_bytes, "take_hits": "always"}  # the tiers, not the choice
     disk_tier = {"enabled": True, "path": directory, "capacity": tier_bytes}
-    shared_tier = {"enabled": True, "master": store.address, "mount": False, "segment": tier_bytes}
-    tiers = {
-        "all": {**cpu, "disk": disk_tier, "shared": shared_tier},
-        "disk": {**cpu, "disk": disk_tier},
-        "shared": {**cpu, "shared": shared_tier},
-    }
+    tiers = {"all": {**cpu, "disk": disk_tier}, "disk": {**cpu, "disk": disk_tier}}
     extra = {"block_size": options.block_tokens}  # one offloaded chunk: one vLLM block
     throughput_sets = (
         [
@@ -448,7 +447,26 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         else []
     )
     run = _Run(options, prompts, engine_args, tiers, extra, throughput_sets, say)
+    store: _Store | None = None
+    transport = "tcp on loopback"
     try:
+        problem = mooncake_problem()
+        if problem is None:
+            say("the shared tier's store (a Mooncake master on loopback)")
+            try:  # and room for the limit's object
+                store = _Store(tier_bytes + max(lengths) * per_token + (64 << 20))
+            except SharedStoreError as exc:
+                raise VllmBenchError(f"the shared tier's store did not start: {exc}") from None
+            shared_tier = {
+                "enabled": True,
+                "master": store.address,
+                "mount": False,
+                "segment": tier_bytes,
+            }
+            tiers["all"]["shared"] = shared_tier
+            tiers["shared"] = {**cpu, "shared": shared_tier}
+        else:
+            transport = f"not measured ({problem})"
         # one engine a call: an engine's last reference must go before the next one starts
         # (freeing it tears down vLLM's process-wide state)
         recompute, without = run.alone()
@@ -459,7 +477,7 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         settle_files(files, drop=True)  # cold: whatever the disk engine's I/O mode was
         disk = run.reader("disk")
         gc.collect()
-        shared = run.reader("shared")
+        shared = run.reader("shared") if store is not None else {}
         gc.collect()
         say("copy limits")
         rows = []
@@ -469,31 +487,33 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
             nbytes = hit // options.block_tokens * page_bytes
             limit = memcpy_s(nbytes)
             read, disk_io = cold_read_s(directory, nbytes)
-            fetched = store_read_s(store.address, nbytes)
+            fetched = store_read_s(store.address, nbytes) if store is not None else None
+            loaded = shared.get(n)
             rows.append(
                 VllmTTFTRow(
                     prompt_tokens=n,
                     recompute_s=recompute[n],
                     cpu_tier_s=cpu[n][0],
                     disk_tier_s=disk[n][0],
-                    shared_tier_s=shared[n][0],
+                    shared_tier_s=loaded[0] if loaded else None,
                     limit_s=limit,
                     disk_limit_s=read + limit,
-                    shared_limit_s=fetched + limit,
+                    shared_limit_s=None if fetched is None else fetched + limit,
                     cpu_load_s=cpu[n][2],
                     disk_load_s=disk[n][2],
-                    shared_load_s=shared[n][2],
+                    shared_load_s=loaded[2] if loaded else None,
                     kv_bytes=nbytes,
                     cpu_hit_tokens=hit,
                     disk_hit_tokens=disk[n][1],
-                    shared_hit_tokens=shared[n][1],
+                    shared_hit_tokens=loaded[1] if loaded else 0,
                     cpu_speedup=recompute[n] / cpu[n][0],
                     disk_speedup=recompute[n] / disk[n][0],
-                    shared_speedup=recompute[n] / shared[n][0],
+                    shared_speedup=recompute[n] / loaded[0] if loaded else None,
                 )
             )
     finally:
-        store.close()
+        if store is not None:
+            store.close()
         shutil.rmtree(directory, ignore_errors=True)
         if own_directory:
             shutil.rmtree(disk_root, ignore_errors=True)
@@ -520,6 +540,7 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         repeat=repeat,
         rows=rows,
         throughput=throughput,
+        shared_transport=transport,
     )
 
 

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 _RECORD = 20  # the tiers it leaves, 18 hex digits (a 72-bit key) and a newline
 # which tiers a bad key leaves: every one (its source was bad), the CPU tier only (a promotion
 # that failed left its slot half written), the disk tier only (its file could not be written),
-# the shared tier only (its parts could not be put)
-EVERY_TIER, CPU_TIER, DISK_TIER, SHARED_TIER = "a", "c", "d", "s"
+# the shared tier only (its parts could not be put), the CPU tier with its slot held a while (a
+# read from the store that Mooncake gave up on: its bytes may still land there)
+EVERY_TIER, CPU_TIER, DISK_TIER, SHARED_TIER, HELD_SLOT = "a", "c", "d", "s", "h"
 
 
 class BadKeys:

@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.base import (
 from raykv.core.kv_events import MEDIUM_CPU, BlockStored
 from raykv.offload.directory import HIT, HIT_PENDING, MISS, Directory
 from raykv.transfer.shared_store import SharedStoreError
-from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, SHARED_TIER, BadKeys
+from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHARED_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
 from raykv.vllm.metrics import TierMetrics
@@ -43,11 +43,14 @@ from raykv.vllm.shared import StoreView, stop_embedded
 
 log = logging.getLogger(__name__)
 
+# how long the slot of a read that may still land stays out of use (raykv's engine's hold)
+LATE_READ_HOLD_S = 120.0
 _MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk, the store) is vLLM's STORAGE
 # which tiers a worker's report of a bad chunk concerns
 _LEAVES = {
     EVERY_TIER: ("cpu", "disk", "shared"),
     CPU_TIER: ("cpu",),
+    HELD_SLOT: ("cpu",),
     DISK_TIER: ("disk",),
     SHARED_TIER: ("shared",),
 }
@@ -103,6 +106,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self._bad_cpu: set[int] = set()
         self._bad_disk: set[int] = set()
         self._bad_shared: set[int] = set()
+        self._late_reads: set[int] = set()  # promoted keys whose slots must be held
         self.metrics = TierMetrics()
 
     # ---- lookups and loads -------------------------------------------------------------------
@@ -123,6 +127,8 @@ class RaykvOffloadingManager(OffloadingManager):
         for marker, key in self.bad_keys.take():
             if marker == SHARED_TIER:  # a put failed: the store is full or not answering
                 self._pause_shared("a publish failed")
+            elif marker == HELD_SLOT:
+                self._late_reads.add(key)
             for name, tier, pending in tiers:
                 if name not in _LEAVES.get(marker, ()):
                     continue
@@ -244,9 +250,13 @@ class RaykvOffloadingManager(OffloadingManager):
         if promoted:
             bad = self._bad_cpu.intersection(promoted)
             good = [k for k in promoted if k not in bad]
+            late = bad.intersection(self._late_reads)
             self.cpu.complete_store(good, success=True)
-            self.cpu.complete_store(list(bad), success=False)  # its slot holds nothing sure
+            # its slot holds nothing sure; where a read may still land there, not for a while
+            self.cpu.complete_store(list(bad - late), success=False)
+            self.cpu.complete_store(list(late), success=False, hold_s=LATE_READ_HOLD_S)
             self._bad_cpu.difference_update(bad)
+            self._late_reads.difference_update(promoted)
         if from_disk:
             assert self.disk is not None
             self.disk.complete_load(from_disk)
@@ -390,4 +400,5 @@ class RaykvOffloadingManager(OffloadingManager):
             bad.clear()
         self._writing_disk.clear()
         self._writing_shared.clear()
+        self._late_reads.clear()
         self._loads.clear()

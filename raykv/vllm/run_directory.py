@@ -26,17 +26,48 @@ _held: dict[str, int] = {}  # this process's locks, by directory: kept open whil
 
 def engine_run_directory(engine_id: str) -> str:
     """The engine's run directory (made 0700 where missing), held by this process; stale
-    siblings removed."""
+    siblings removed. The first live process of the engine clears what a dead engine of the
+    same id left there (vLLM's engine id may be set by the user)."""
     base = os.path.join(tempfile.gettempdir(), f"raykv-{os.getuid()}")
     path = os.path.join(base, f"{PREFIX}{engine_id}")
     private_directory(base)
-    private_directory(path)
     if path not in _held:
-        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        _held[path] = fd
+        _held[path] = _hold(path)
     sweep(base, keep=path)
     return path
+
+
+def _hold(path: str, tries: int = 5) -> int:
+    lock = os.path.join(path, LOCK)
+    for _ in range(tries):
+        private_directory(path)
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            first = True
+        except OSError:
+            first = False
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # a sweep removed it between our open and our lock: make it again
+            os.close(fd)
+            continue
+        os.utime(lock)  # young: no sweep takes it while this engine's processes set up
+        if first:
+            _clear(path)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+    raise OSError(f"cannot hold the engine's run directory {path}")
+
+
+def _clear(path: str) -> None:
+    for entry in os.listdir(path):
+        if entry != LOCK:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(path, entry))
 
 
 def sweep(base: str, keep: str) -> int:
@@ -62,10 +93,9 @@ def sweep(base: str, keep: str) -> int:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a live engine's
-            for entry in os.listdir(path):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(path, entry))
+            _clear(path)
             with contextlib.suppress(OSError):
+                os.unlink(lock)
                 os.rmdir(path)
                 removed += 1
         finally:

@@ -15,6 +15,7 @@ process: vLLM's engine processes are daemons, which may not start processes of t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from raykv.transfer.shared_store import (
     SharedUnavailable,
     StoreEndpoint,
     StoreIndex,
+    close_idle,
     reachable,
 )
 
@@ -61,16 +63,37 @@ def endpoint(shared: SharedTierConfig, run_directory: str) -> StoreEndpoint:
         try:
             secret = cluster_secret(shared)
         except ConfigError as exc:
-            raise ConfigError(f"raykv.shared.{str(exc).removeprefix('offload.shared.')}") from None
+            raise ConfigError(inside_vllm(str(exc))) from None
         return StoreEndpoint.of(shared, shared.master, secret)
+    if not shared.mount:
+        raise ConfigError(
+            "raykv.shared.mount: false with an embedded master: nothing could give its pool "
+            "memory (name a master at host:port that others give memory to, or mount)"
+        )
     try:
         address, secret = _embedded(run_directory)
-    except SharedStoreError as exc:
-        raise SharedUnavailable(f"raykv.shared.master: {exc}") from None
+    except (SharedStoreError, OSError, ValueError) as exc:
+        raise SharedUnavailable(
+            f"raykv.shared.master: the engine's embedded master: {exc}"
+        ) from None
     with _masters_lock:
         if run_directory in _masters:
             _users[run_directory] = _users.get(run_directory, 0) + 1
     return StoreEndpoint.of(shared, address, secret)
+
+
+def inside_vllm(message: str) -> str:
+    """raykv's message about one of its ``offload.shared`` keys, naming it as vLLM's config
+    has it (``raykv.shared.<key>``)."""
+    return message.replace("offload.shared.", "raykv.shared.")
+
+
+def namespace_of(base: str, where: StoreEndpoint) -> str:
+    """The store's namespace for chunks under ``base``, sealed with ``where``'s secret: engines
+    with other secrets never see each other's parts (rather than finding them, failing their
+    seals and removing them from the store, which would cost every other replica its hits)."""
+    mark = hashlib.blake2b(where.secret, key=b"raykv-secret-mark", digest_size=6).hexdigest()
+    return f"{base}-{mark}"
 
 
 def _embedded(run_directory: str) -> tuple[str, bytes]:
@@ -121,14 +144,16 @@ def stop_embedded(run_directory: str) -> None:
     """One user of the embedded master this process started for the engine (if it did) is
     done with it: the last one stops it."""
     with _masters_lock:
+        if run_directory not in _masters:
+            return  # another process's, or none
         left = _users.get(run_directory, 0) - 1
         if left > 0:
             _users[run_directory] = left
             return
         _users.pop(run_directory, None)
-        master = _masters.pop(run_directory, None)
-    if master is not None:
-        master.stop()
+        master = _masters.pop(run_directory)
+    close_idle(master.address)
+    master.stop()
     for name in (ENDPOINT_FILE, CLAIM_FILE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(run_directory, name))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -38,6 +39,8 @@ from raykv.vllm.settings import offload_settings
 from raykv.vllm.worker import RaykvOffloadingWorker, page_pieces_of
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 report_failed_loads()
 
@@ -118,8 +121,22 @@ class RaykvOffloadingSpec(OffloadingSpec):
         assert self.shared is not None
         return shared.endpoint(self.shared, self.run_directory)
 
-    def store_namespace(self) -> str:
-        return namespace.directory_name(self.parts)
+    def store_namespace(self, where: StoreEndpoint) -> str:
+        """The store's namespace of this engine's chunks, marked with the secret it seals with."""
+        return shared.namespace_of(namespace.directory_name(self.parts), where)
+
+    def _joined(self, build: Callable[[StoreEndpoint], T]) -> T:
+        """``build`` on where this process joins the store, as one of its users; an embedded
+        master is let go where it fails, and raykv's key names are vLLM's config's."""
+        where = self.store_endpoint()
+        try:
+            return build(where)
+        except ConfigError as exc:
+            shared.stop_embedded(self.run_directory)
+            raise type(exc)(shared.inside_vllm(str(exc))) from None
+        except BaseException:
+            shared.stop_embedded(self.run_directory)
+            raise
 
     def _disk_slots(self) -> int:
         file_bytes = ChunkFormat(
@@ -179,8 +196,11 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     events=events,
                     medium=MEDIUM_SHARED,
                 )
-                store = shared.StoreView(
-                    self.shared, self.store_endpoint(), self.store_namespace(), self.world_size
+                settings_shared = self.shared
+                store = self._joined(
+                    lambda where: shared.StoreView(
+                        settings_shared, where, self.store_namespace(where), self.world_size
+                    )
                 )
             self._manager = RaykvOffloadingManager(
                 cpu,
@@ -234,14 +254,16 @@ class RaykvOffloadingSpec(OffloadingSpec):
         if self.shared is not None:
             from raykv.transfer.shared import SharedTransferEngine
 
-            lower["shared"] = SharedTransferEngine(
-                self.store_endpoint(),
-                self.store_namespace(),
-                self.rank,
-                pool,
-                layout,
-                sums=copies.checksums,
-                identity=namespace.identity(self.parts, self.rank),
+            lower["shared"] = self._joined(
+                lambda where: SharedTransferEngine(
+                    where,
+                    self.store_namespace(where),
+                    self.rank,
+                    pool,
+                    layout,
+                    sums=copies.checksums,
+                    identity=namespace.identity(self.parts, self.rank),
+                )
             )
         return RaykvOffloadingWorker(self.rank, copies, lower, self.bad_keys, self.blocks_per_chunk)
 

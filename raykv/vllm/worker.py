@@ -38,7 +38,7 @@ from vllm.v1.kv_offload.base import (
 from raykv.core.step import BlockCopy, TierMove, TransferSpec
 from raykv.transfer.chunk_jobs import ChunkJobEngine
 from raykv.transfer.cpu import CpuTransferEngine
-from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, SHARED_TIER, BadKeys
+from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHARED_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.shared import stop_embedded
 
@@ -60,6 +60,7 @@ class _Job:
     waiting: set[str] = field(default_factory=set)  # lower tiers whose part of the stage runs
     failed: list[str] = field(default_factory=list)  # lower tiers whose part of it failed
     bad: list[int] = field(default_factory=list)  # chunks a promotion found bad at the source
+    held: list[int] = field(default_factory=list)  # chunks whose reads may still land
     started: float = field(default_factory=time.perf_counter)
 
     def positions(self, tier: str) -> list[int]:
@@ -212,7 +213,14 @@ class RaykvOffloadingWorker(OffloadingWorker):
                     job = self._jobs[job_id]
                     if job.is_store:  # what it stored is not sure in any tier
                         self.bad_keys.append(self.rank, list(job.spec.keys), EVERY_TIER)
-                    self._end(job, ok=False)
+                        self._end(job, ok=False)
+                    elif job.stage == "promote":  # its reads run on: their slots are held
+                        job.held.extend(
+                            job.spec.keys[i] for t in job.waiting for i in job.positions(t)
+                        )
+                        self._fail_promotion(job)
+                    else:
+                        self._end(job, ok=False)
                 break
 
     def shutdown(self) -> None:
@@ -273,7 +281,7 @@ class RaykvOffloadingWorker(OffloadingWorker):
             bad = engine.take_bad_keys()
             engine.take_corrupt()
             engine.take_full()
-            engine.take_unsettled()
+            unsettled = set(engine.take_unsettled())
             for job_id, ok in [(j, True) for j in moved] + [(j, False) for j in not_moved]:
                 job = self._jobs.get(job_id)
                 if job is None or tier not in job.waiting:
@@ -282,11 +290,16 @@ class RaykvOffloadingWorker(OffloadingWorker):
                 if not ok:
                     job.failed.append(tier)
                     if job.stage == "promote":
-                        # files or parts that failed their checks leave every tier; a read that
-                        # failed otherwise (an I/O error, the store not answering) names none,
-                        # and all of this tier's chunks of the job leave it
                         read = [job.spec.keys[i] for i in job.positions(tier)]
-                        job.bad.extend(bad.get(job_id) or read)
+                        if job_id in unsettled:
+                            # not delivered, not cancelled: the source may be sound, and the
+                            # bytes may land in the slots yet
+                            job.held.extend(read)
+                        else:
+                            # files or parts that failed their checks leave every tier; a read
+                            # that failed otherwise (an I/O error) names none, and all of this
+                            # tier's chunks of the job leave it
+                            job.bad.extend(bad.get(job_id) or read)
                 if not job.waiting:
                     self._lower_done(job)
 
@@ -304,12 +317,19 @@ class RaykvOffloadingWorker(OffloadingWorker):
         elif not job.failed:
             self._copy_out(job)
         else:
-            promoted = [keys[i] for t in ("disk", "shared") for i in job.positions(t)]
-            sources = set(job.bad)
-            self.bad_keys.append(self.rank, [k for k in promoted if k in sources], EVERY_TIER)
-            # the other promotions' slots hold what may be half of a chunk
-            self.bad_keys.append(self.rank, [k for k in promoted if k not in sources], CPU_TIER)
-            self._end(job, ok=False)
+            self._fail_promotion(job)
+
+    def _fail_promotion(self, job: _Job) -> None:
+        """Name a failed promotion's chunks to the manager, and fail its load."""
+        keys = job.spec.keys
+        promoted = [keys[i] for t in ("disk", "shared") for i in job.positions(t)]
+        sources, held = set(job.bad), set(job.held)
+        self.bad_keys.append(self.rank, [k for k in promoted if k in sources], EVERY_TIER)
+        self.bad_keys.append(self.rank, [k for k in promoted if k in held], HELD_SLOT)
+        # the other promotions' slots hold what may be half of a chunk
+        rest = [k for k in promoted if k not in sources and k not in held]
+        self.bad_keys.append(self.rank, rest, CPU_TIER)
+        self._end(job, ok=False)
 
     def _end(self, job: _Job, ok: bool) -> None:
         self._jobs.pop(job.job_id, None)

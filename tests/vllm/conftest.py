@@ -48,23 +48,29 @@ def transfer_config(raykv: dict[str, Any] | None, **extra: Any):
 
 
 @contextlib.contextmanager
-def engine(model: Path, raykv: dict[str, Any] | None, prefix_caching: bool = True) -> Iterator:
-    """A vLLM engine on ``model`` with raykv's tiers configured by ``raykv``; shut down after."""
+def engine(
+    model: Path, raykv: dict[str, Any] | None, prefix_caching: bool = True, **overrides: Any
+) -> Iterator:
+    """A vLLM engine on ``model`` with raykv's tiers configured by ``raykv``; shut down after.
+    ``overrides``: other arguments of ``LLM`` (the KV cache's size, the longest prompt)."""
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
-    llm = LLM(
-        model=str(model),
-        dtype="float32",
-        kv_cache_memory_bytes=64 << 20,
-        kv_transfer_config=transfer_config(raykv),
-        enable_prefix_caching=prefix_caching,
-        max_model_len=2048,
-        seed=0,
+    arguments: dict[str, Any] = {
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 64 << 20,
+        "max_model_len": 2048,
+        "seed": 0,
         # no torch.compile: 7 s less per engine, and the tiers move the same bytes (the
         # benchmark measures the compiled engine)
-        enforce_eager=True,
+        "enforce_eager": True,
+    }
+    llm = LLM(
+        model=str(model),
+        kv_transfer_config=transfer_config(raykv),
+        enable_prefix_caching=prefix_caching,
+        **{**arguments, **overrides},
     )
     try:
         yield llm

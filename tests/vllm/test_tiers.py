@@ -5,6 +5,7 @@ off, from each tier: CPU, disk (after the CPU tier evicted, and in a second proc
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -140,14 +141,15 @@ def test_a_second_engine_loads_what_the_first_published_to_the_shared_tier(
     }
     prompt = PROMPTS[2]
     assert publish(vllm_model, settings, prompt) >= 2, "nothing was published"
+    # an engine with another secret never sees the parts (its namespace is another), so it
+    # neither serves them nor takes them from the others
+    monkeypatch.setenv("RAYKV_SHARED_SECRET", "another-secret-of-sixteen-bytes-or-more")
+    got, loads = load(vllm_model, settings, prompt)
+    assert got[2] == 0 and loads == 0
+    same(got, reference[prompt])
+    monkeypatch.setenv("RAYKV_SHARED_SECRET", SECRET)
     got, loads = load(vllm_model, settings, prompt)
     assert got[2] >= BLOCK_TOKENS and loads > 0, "nothing was loaded from the shared tier"
-    same(got, reference[prompt])
-    # an engine without the cluster's secret finds the parts, and never serves them: their
-    # seals do not check, and it recomputes
-    monkeypatch.setenv("RAYKV_SHARED_SECRET", "another-secret-of-sixteen-bytes-or-more")
-    got, _ = load(vllm_model, settings, prompt)
-    assert got[2] == 0
     same(got, reference[prompt])
 
 
@@ -167,3 +169,37 @@ def test_an_engine_s_own_master_serves_what_its_cpu_tier_evicted(vllm_model, ref
             assert got[2] >= BLOCK_TOKENS
             same(got, reference[prompt])
         assert manager.shared.stats().loads > loads, "no hit came from the shared tier"
+
+
+def test_requests_preempted_for_want_of_kv_blocks_answer_as_vllm_does(
+    vllm_model, monkeypatch
+) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # room for ten blocks, where the three requests grow to five each: vLLM preempts, and a
+    # preempted request computes again what it lost, loading what raykv's CPU tier holds
+    config = json.loads((vllm_model / "config.json").read_text())
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * 32 * 4
+    small = {"kv_cache_memory_bytes": 10 * BLOCK_TOKENS * per_token, "max_model_len": 1024}
+    preempted: list[str] = []
+    preempt = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):  # observes vLLM's preemptions, changes none
+        preempted.append(request.request_id)
+        return preempt(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counted)
+
+    def run(raykv: dict | None) -> tuple[list, int]:  # an engine per call (see ``publish``)
+        with engine(vllm_model, raykv, **small) as llm:
+            found = answers(llm, PROMPTS, max_tokens=80)
+            return found, 0 if raykv is None else manager_of(llm).cpu.stats().loads
+
+    want, _ = run(None)
+    assert preempted, "vLLM alone preempted nothing: the cache is not small enough"
+    preempted.clear()
+    got, loads = run({"cpu_bytes": "16MiB"})
+    assert preempted, "nothing was preempted with raykv's spec"
+    for mine, theirs in zip(got, want, strict=True):
+        same(mine, theirs[:2])
+    assert loads > 0, "no preempted request loaded from the CPU tier"
