@@ -203,3 +203,24 @@ def test_requests_preempted_for_want_of_kv_blocks_answer_as_vllm_does(
     for mine, theirs in zip(got, want, strict=True):
         same(mine, theirs[:2])
     assert loads > 0, "no preempted request loaded from the CPU tier"
+
+
+def test_a_killed_master_costs_hits_never_answers(vllm_model, reference) -> None:
+    from raykv.vllm import shared
+
+    # the store's master dies mid-run (its process killed, as a node's failure would): lookups,
+    # publishes and promotions from the store fail, vLLM recomputes, and the engine serves on
+    settings = {"cpu_slots": 4, "shared": {"enabled": True, "segment": "32MiB", "timeout_s": 2}}
+    with engine(vllm_model, settings) as llm:
+        for prompt in PROMPTS:
+            answer(llm, prompt)
+            drain(llm)
+        manager = manager_of(llm)
+        assert len(manager.shared) >= 6, "the store holds too little for the test"
+        (master,) = shared._masters.values()
+        master.kill()
+        llm.reset_prefix_cache()
+        for prompt, got in zip(PROMPTS, answers(llm, PROMPTS), strict=True):
+            same(got, reference[prompt])
+        for prompt in PROMPTS:  # and again, once the tier has paused
+            same(answer(llm, prompt), reference[prompt])
