@@ -57,22 +57,28 @@ def test_cpu_tier_hits_answer_as_vllm_does(vllm_model, reference, prefix_caching
         assert manager_of(llm).cpu.stats().loads > loads_before
 
 
-def test_disk_tier_hits_after_the_cpu_tier_evicted(vllm_model, reference, tmp_path) -> None:
-    # four CPU slots: each prompt (three chunks) evicts the one before, which the disk keeps
-    settings = {"cpu_slots": 4, "disk": {"enabled": True, "path": str(tmp_path)}}
-    with engine(vllm_model, settings) as llm:
+def evicted_then_loaded(model, reference, settings: dict, tier: str) -> None:
+    """With four CPU slots each prompt (three chunks) evicts the one before, which ``tier``
+    keeps: all prompts again (the GPU copies gone) load from it, and answer as vLLM does."""
+    with engine(model, {"cpu_slots": 4, **settings}) as llm:
         for prompt in PROMPTS:
             answer(llm, prompt)
             drain(llm)
         manager = manager_of(llm)
         assert manager.cpu.stats().evictions > 0
         llm.reset_prefix_cache()
-        disk_loads = manager.disk.stats().loads
+        lower = getattr(manager, tier)
+        loads = lower.stats().loads
         # all at once: their lookups, promotions and loads interleave in vLLM's steps
         for prompt, got in zip(PROMPTS, answers(llm, PROMPTS), strict=True):
             assert got[2] >= BLOCK_TOKENS
             same(got, reference[prompt])
-        assert manager.disk.stats().loads > disk_loads, "no hit came from the disk tier"
+        assert lower.stats().loads > loads, f"no hit came from the {tier} tier"
+
+
+def test_disk_tier_hits_after_the_cpu_tier_evicted(vllm_model, reference, tmp_path) -> None:
+    settings = {"disk": {"enabled": True, "path": str(tmp_path)}}
+    evicted_then_loaded(vllm_model, reference, settings, "disk")
 
 
 WARM_RESTART = """
@@ -154,21 +160,9 @@ def test_a_second_engine_loads_what_the_first_published_to_the_shared_tier(
 
 
 def test_an_engine_s_own_master_serves_what_its_cpu_tier_evicted(vllm_model, reference) -> None:
-    # four CPU slots, so each prompt evicts the one before; the store (a master and a segment of
-    # the engine's own) keeps them
-    settings = {"cpu_slots": 4, "shared": {"enabled": True, "segment": "32MiB"}}
-    with engine(vllm_model, settings) as llm:
-        for prompt in PROMPTS:
-            answer(llm, prompt)
-            drain(llm)
-        manager = manager_of(llm)
-        assert manager.cpu.stats().evictions > 0
-        llm.reset_prefix_cache()
-        loads = manager.shared.stats().loads
-        for prompt, got in zip(PROMPTS, answers(llm, PROMPTS), strict=True):
-            assert got[2] >= BLOCK_TOKENS
-            same(got, reference[prompt])
-        assert manager.shared.stats().loads > loads, "no hit came from the shared tier"
+    # the store: a master and a segment of the engine's own
+    settings = {"shared": {"enabled": True, "segment": "32MiB"}}
+    evicted_then_loaded(vllm_model, reference, settings, "shared")
 
 
 def test_requests_preempted_for_want_of_kv_blocks_answer_as_vllm_does(
