@@ -89,8 +89,18 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"no reuse ({t.requests} requests of {t.prompt_tokens}+{t.output_tokens} tokens): "
             f"{t.without_tokens_per_s:,.0f} tokens/s without raykv, "
-            f"{t.with_tokens_per_s:,.0f} with: {t.ratio:.3f}x"
+            f"{t.with_tokens_per_s:,.0f} with its CPU and disk tiers: {t.ratio:.3f}x"
         )
+        if t.with_shared_tokens_per_s is not None and t.shared_ratio is not None:
+            pool = (
+                ""
+                if t.shared_pool_cpu_s is None
+                else f" (the store's pool process spent {t.shared_pool_cpu_s:.1f} s of CPU)"
+            )
+            console.print(
+                f"  with the shared tier too: {t.with_shared_tokens_per_s:,.0f} tokens/s, "
+                f"{t.shared_ratio:.3f}x{pool}"
+            )
     console.print(f"shared tier: Mooncake Store, {report.shared_transport}")
     if args.json:
         write_json(args.json, report.as_dict(), console)

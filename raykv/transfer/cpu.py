@@ -127,6 +127,12 @@ class CpuTransferEngine(TransferEngineBase):
 
     # ---------------------------------------------------------------- public API
 
+    @property
+    def threaded(self) -> bool:
+        """Whether a thread of the engine's own copies (otherwise :meth:`poll` and
+        :meth:`flush` do, on the caller's thread)."""
+        return self._thread is not None
+
     def submit(self, spec: TransferSpec) -> None:
         """Queue one job. A malformed job (mismatched lists, out-of-range block or slot) is not
         rejected here: it is reported as failed by :meth:`poll`, like a copy that fails."""

@@ -1,6 +1,6 @@
 """``raykv bench vllm``: time to first token of one prompt through vLLM, recomputed against
 loaded from each of raykv's tiers, beside the copy limit of the same bytes; and vLLM's
-throughput with no reuse, with raykv's spec (all three tiers) and without.
+throughput with no reuse, without raykv's spec, with its CPU and disk tiers, and with all three.
 
 Everything runs in this process, one vLLM engine at a time (vLLM's connector is global to a
 process), on the same model and settings, with vLLM's prefix cache on as vLLM runs by default:
@@ -9,13 +9,16 @@ process), on the same model and settings, with vLLM's prefix cache on as vLLM ru
    (``recompute_s``), the prefix cache emptied after it. Then the throughput workload.
 2. **vLLM with raykv (the writer):** its CPU tier, a disk tier and the shared tier on a
    Mooncake master the bench runs on loopback (its pool's memory given by a process of the
-   bench's, so it outlives the engines). The same throughput workload (``with``: every lookup
-   misses, every full block is stored, written through to the disk and put into the store).
+   bench's, so it outlives the engines). The same throughput workload (``with_shared``: every
+   lookup misses, every full block is stored, written through to the disk and put into the
+   store; the pool's process, which stands in for the memory of other nodes, receives every
+   put over TCP on the same cores, and the CPU it spends is reported beside).
    Then each prompt is run once (its KV stored), its stores waited for, vLLM's prefix cache
    emptied, and run again: raykv's CPU tier is the only place its KV is (``cpu_tier_s``).
 3. **A second vLLM with raykv on the same disk path:** its CPU tier empty, the files' pages out
    of the page cache; each prompt's KV is read from its files, promoted into the CPU tier and
-   loaded (``disk_tier_s``: cold).
+   loaded (``disk_tier_s``: cold). Then the throughput workload again (``with``: raykv's CPU
+   and disk tiers, every full block stored and written through to the disk).
 4. **A third vLLM with raykv on the same store** (no disk tier), its CPU tier empty: each
    prompt's KV is what the writer published, read from the store, promoted and loaded
    (``shared_tier_s``: computed by one engine, loaded by another).
@@ -121,8 +124,11 @@ class VllmThroughput:
     prompt_tokens: int
     output_tokens: int
     without_tokens_per_s: float
-    with_tokens_per_s: float
+    with_tokens_per_s: float  # raykv's CPU and disk tiers
     ratio: float
+    with_shared_tokens_per_s: float | None = None  # CPU, disk and shared tiers
+    shared_ratio: float | None = None
+    shared_pool_cpu_s: float | None = None  # the store's pool process, in that run
 
 
 @dataclass(slots=True)
@@ -296,18 +302,32 @@ class _Run:
         engine_args: dict[str, Any],
         tiers: dict[str, dict[str, Any]],
         extra: dict[str, Any],
-        throughput_sets: list[list[list[int]]],
         say: Progress,
     ) -> None:
         """``tiers``: raykv's settings of the writer (``all``), the disk reader (``disk``) and
         the store's reader (``shared``)."""
         self.options, self.prompts, self.engine_args = options, prompts, engine_args
-        self.tiers, self.extra, self.throughput_sets, self.say = tiers, extra, throughput_sets, say
+        self.tiers, self.extra, self.say = tiers, extra, say
 
-    def _throughput(self, llm: Any, who: str) -> float:
+    def throughput_sets(self, tag: str) -> list[list[list[int]]]:
+        """The throughput workload's batches (one a repeat), of prompts named by ``tag``: an
+        engine on a disk tier another one wrote must not find them there."""
+        options = self.options
+        if not options.throughput_requests:
+            return []
+        return [
+            [
+                self.prompts.make(f"throughput-{tag}-{r}-{i}", options.throughput_prompt_tokens)
+                for i in range(options.throughput_requests)
+            ]
+            for r in range(options.repeat)
+        ]
+
+    def _throughput(self, llm: Any, who: str, tag: str = "first") -> float:
         best = float("inf")
-        for r, batch in enumerate(self.throughput_sets):
-            self.say(f"{who}: throughput {r + 1}/{len(self.throughput_sets)}")
+        sets = self.throughput_sets(tag)
+        for r, batch in enumerate(sets):
+            self.say(f"{who}: throughput {r + 1}/{len(sets)}")
             best = min(best, _throughput_s(llm, batch, self.options.throughput_output_tokens))
         return best
 
@@ -326,15 +346,20 @@ class _Run:
                     llm.reset_prefix_cache()
             return recompute, self._throughput(llm, "vLLM alone")
 
-    def writer(self) -> tuple[dict[int, Timed], float, int]:
+    def writer(self, store: _Store | None) -> tuple[dict[int, Timed], float, int, float | None]:
         """vLLM with raykv: the throughput run's time, then each length loaded from the CPU
-        tier; and a block's page bytes."""
+        tier; a block's page bytes; the CPU seconds ``store``'s pool spent in the run."""
         options, prompts = self.options, self.prompts
         cpu: dict[int, Timed] = {}
         self.say("vLLM with raykv")
         with local_engine(options.model, self.tiers["all"], self.extra, **self.engine_args) as llm:
             _first_token(llm, prompts.make("warm-up", 64))
+            pool_before = store.pool_cpu_s() if store is not None else None
             with_spec = self._throughput(llm, "vLLM with raykv")
+            pool_cpu = None
+            if store is not None and pool_before is not None:
+                after = store.pool_cpu_s()
+                pool_cpu = None if after is None else after - pool_before
             for n in options.prompt_tokens:
                 for r in range(options.repeat):
                     self.say(f"vLLM with raykv: {n} tokens, repeat {r + 1}/{options.repeat}")
@@ -352,11 +377,12 @@ class _Run:
                     if n not in cpu or seconds < cpu[n][0]:
                         cpu[n] = (seconds, hit, load.seconds)
             _drain(llm, prompts)
-            return cpu, with_spec, worker_of(llm).page_bytes
+            return cpu, with_spec, worker_of(llm).page_bytes, pool_cpu
 
-    def reader(self, tier: str) -> dict[int, Timed]:
+    def reader(self, tier: str) -> tuple[dict[int, Timed], float | None]:
         """A second vLLM with raykv on the writer's disk tier or store (``tier``), its CPU
-        tier empty: each length loaded from there."""
+        tier empty: each length loaded from there; then, on the disk tier, the throughput
+        run's time."""
         options, prompts = self.options, self.prompts
         found: dict[int, Timed] = {}
         where = "disk tier" if tier == "disk" else "shared tier's store"
@@ -374,7 +400,10 @@ class _Run:
                         raise VllmBenchError(f"{n} tokens: the load read nothing from the {where}")
                     if n not in found or seconds < found[n][0]:
                         found[n] = (seconds, hit, load.seconds)
-        return found
+            if tier != "disk" or not self.options.throughput_requests:
+                return found, None
+            # prompts the writer never stored: nothing hits here either
+            return found, self._throughput(llm, "vLLM with raykv's CPU and disk tiers", "second")
 
 
 class _Store:
@@ -395,6 +424,15 @@ class _Store:
             raise
         os.environ[SECRET_ENV] = new_secret().hex()
 
+    def pool_cpu_s(self) -> float | None:
+        """The CPU seconds the pool's process has spent (None where it cannot be read)."""
+        pid = self.holder.pid if self.holder is not None else None
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         if self._secret_before is None:
             os.environ.pop(SECRET_ENV, None)
@@ -413,7 +451,9 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     lengths, repeat = options.prompt_tokens, options.repeat
     prompts = _Prompts(options.seed, _vocab(options.model))
     per_token = kv_bytes_per_token(options.model, options.dtype)
-    stored_tokens = sum(lengths) * repeat + options.throughput_requests * repeat * (
+    # the throughput workload runs in two engines with a disk tier (the writer's and the
+    # disk reader's), which write it to the same directory
+    stored_tokens = sum(lengths) * repeat + 2 * options.throughput_requests * repeat * (
         options.throughput_prompt_tokens + options.throughput_output_tokens
     )
     tier_bytes = int(stored_tokens * per_token * 1.25) + (64 << 20)
@@ -435,19 +475,9 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     disk_tier = {"enabled": True, "path": directory, "capacity": tier_bytes}
     tiers = {"all": {**cpu, "disk": disk_tier}, "disk": {**cpu, "disk": disk_tier}}
     extra = {"block_size": options.block_tokens}  # one offloaded chunk: one vLLM block
-    throughput_sets = (
-        [
-            [
-                prompts.make(f"throughput-{r}-{i}", options.throughput_prompt_tokens)
-                for i in range(options.throughput_requests)
-            ]
-            for r in range(repeat)
-        ]
-        if options.throughput_requests
-        else []
-    )
-    run = _Run(options, prompts, engine_args, tiers, extra, throughput_sets, say)
+    run = _Run(options, prompts, engine_args, tiers, extra, say)
     store: _Store | None = None
+    store_measured = False
     transport = "tcp on loopback"
     try:
         problem = mooncake_problem()
@@ -471,13 +501,14 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         # (freeing it tears down vLLM's process-wide state)
         recompute, without = run.alone()
         gc.collect()
-        cpu, with_spec, page_bytes = run.writer()
+        cpu, with_shared, page_bytes, pool_cpu = run.writer(store)
         gc.collect()
         files = [str(p) for p in Path(directory).rglob("*") if p.is_file()]
         settle_files(files, drop=True)  # cold: whatever the disk engine's I/O mode was
-        disk = run.reader("disk")
+        disk, with_spec = run.reader("disk")
         gc.collect()
-        shared = run.reader("shared") if store is not None else {}
+        store_measured = store is not None
+        shared = run.reader("shared")[0] if store is not None else {}
         gc.collect()
         say("copy limits")
         rows = []
@@ -518,10 +549,11 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         if own_directory:
             shutil.rmtree(disk_root, ignore_errors=True)
     throughput = None
-    if throughput_sets:
+    if options.throughput_requests and with_spec is not None:
         tokens = options.throughput_requests * (
             options.throughput_prompt_tokens + options.throughput_output_tokens
         )
+        shared_measured = store_measured and with_shared is not None
         throughput = VllmThroughput(
             requests=options.throughput_requests,
             prompt_tokens=options.throughput_prompt_tokens,
@@ -529,6 +561,9 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
             without_tokens_per_s=tokens / without,
             with_tokens_per_s=tokens / with_spec,
             ratio=without / with_spec,
+            with_shared_tokens_per_s=tokens / with_shared if shared_measured else None,
+            shared_ratio=without / with_shared if shared_measured else None,
+            shared_pool_cpu_s=pool_cpu if shared_measured else None,
         )
     return VllmBenchReport(
         model=options.model,

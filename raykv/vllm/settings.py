@@ -24,7 +24,6 @@ DECIDED_BY_VLLM = {
     "enabled": "the kv_transfer_config itself",
     "blocks_per_chunk": "kv_connector_extra_config's block_size (tokens per offloaded chunk)",
     "load_in_step": "vLLM's scheduler (a load always lands before its request runs)",
-    "copy_thread": "nothing: the copies always run on raykv's own thread beside vLLM's",
 }
 # what raykv's engine has and the spec does not, with why
 NOT_INSIDE_VLLM = {

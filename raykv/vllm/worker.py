@@ -171,12 +171,12 @@ class RaykvOffloadingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        if self._jobs:
+        if self._jobs and (self.copies.threaded or self._lower_busy()):
             # vLLM polls every step, and an idle engine steps in a tight Python loop that
-            # keeps the GIL: the copy thread, which takes it back after each copy and checksum,
-            # would wait out the interpreter's switch interval (5 ms) every time. Letting go
-            # of it here lets the copy thread go on at once (measured: a 32-block load 277 ms
-            # without this)
+            # keeps the GIL: a thread of raykv's (copies, disk reads and writes, the store's
+            # client), which takes it back after each copy, read or checksum, would wait out
+            # the interpreter's switch interval (5 ms) every time. Letting go of it here lets
+            # the thread go on at once (measured: a 32-block load 277 ms without this)
             time.sleep(0)
         self._advance()
         finished, self._finished = self._finished, []
@@ -184,6 +184,9 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self._reported_failures.extend(self._failed_loads)
         self._failed_loads = []
         return finished
+
+    def _lower_busy(self) -> bool:
+        return any(job.waiting for job in self._jobs.values())
 
     def take_failed_loads(self) -> list[int]:
         """Loads that failed, reported done to vLLM since the last call."""
@@ -255,7 +258,16 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self.copies.submit(TransferSpec(job.job_id, False, job.copy, check_sums=spec.check_sums))
 
     def _advance(self) -> None:
-        """Move every job whose stage ended on to its next stage, or to the finished list."""
+        """Move every job whose stage ended on to its next stage, or to the finished list.
+        Without a copy thread, the copies this call queued (a promotion that ended) run in it
+        too, so that a load is never a step late."""
+        queued = self._advance_once()
+        while queued and not self.copies.threaded:
+            queued = self._advance_once()
+
+    def _advance_once(self) -> bool:
+        """One pass of :meth:`_advance`: whether it queued a copy."""
+        queued = False
         completed, failed = self.copies.poll()
         corrupt = set(self.copies.take_corrupt())
         for job_id, ok in [(j, True) for j in completed] + [(j, False) for j in failed]:
@@ -301,10 +313,11 @@ class RaykvOffloadingWorker(OffloadingWorker):
                             # tier's chunks of the job leave it
                             job.bad.extend(bad.get(job_id) or read)
                 if not job.waiting:
-                    self._lower_done(job)
+                    queued |= self._lower_done(job)
+        return queued
 
-    def _lower_done(self, job: _Job) -> None:
-        """Every lower tier's part of the job's stage ended."""
+    def _lower_done(self, job: _Job) -> bool:
+        """Every lower tier's part of the job's stage ended: whether its copy was queued."""
         keys = job.spec.keys
         if job.stage == "write":
             # the CPU copy stands; the file or the parts that failed do not
@@ -316,8 +329,10 @@ class RaykvOffloadingWorker(OffloadingWorker):
             self._end(job, ok=True)
         elif not job.failed:
             self._copy_out(job)
+            return True
         else:
             self._fail_promotion(job)
+        return False
 
     def _fail_promotion(self, job: _Job) -> None:
         """Name a failed promotion's chunks to the manager, and fail its load."""

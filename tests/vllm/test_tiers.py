@@ -20,6 +20,7 @@ from tests.vllm.conftest import (
     engine,
     manager_of,
     prompt_text,
+    worker_of,
 )
 
 TOLERANCE = 1e-4
@@ -40,10 +41,17 @@ def same(got: tuple[list[int], list[float], int], want: tuple[list[int], list[fl
 
 
 @pytest.mark.parametrize(
-    "prefix_caching", [True, False], ids=["gpu-prefix-cache", "no-prefix-cache"]
+    ("prefix_caching", "copy_thread"),
+    [(True, None), (False, True)],
+    ids=["gpu-prefix-cache", "no-prefix-cache-copy-thread"],
 )
-def test_cpu_tier_hits_answer_as_vllm_does(vllm_model, reference, prefix_caching) -> None:
-    with engine(vllm_model, {"cpu_bytes": "64MiB"}, prefix_caching) as llm:
+def test_cpu_tier_hits_answer_as_vllm_does(
+    vllm_model, reference, prefix_caching, copy_thread
+) -> None:
+    """The copies run in vLLM's step (the default) or on raykv's thread beside it."""
+    settings = {"cpu_bytes": "64MiB", "copy_thread": copy_thread}
+    with engine(vllm_model, settings, prefix_caching) as llm:
+        assert worker_of(llm).copies.threaded is bool(copy_thread)
         for prompt in PROMPTS:
             same(answer(llm, prompt), reference[prompt])
         drain(llm)
