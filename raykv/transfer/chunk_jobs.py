@@ -2,18 +2,17 @@
 polled like the CPU engine's copies: the machinery the disk engine and the shared-store engine
 have in common.
 
-A job (a ``TierMove``: a promotion into CPU slots, or a demotion or publish out of them) is
-split into one run of chunks per I/O thread; promotions run on threads at the process's priority
-(a request waits for them), the rest only on cores nothing else wants (``SCHED_IDLE``; nice 19
-where that is refused), so that their checksums and system calls yield the cores to the model (a
-core taken from one of the model's threads stalls the others at the end of each parallel
-operation, and a nice thread still takes one each time it wakes). Each run reports its worst
-outcome, the job the worst of its runs: ``ok``, ``failed`` (an I/O error: the tier may be
-failing), ``full`` (the tier had no room), ``corrupt`` (the source was bad: the key leaves the
-tier it was read from) or ``unsettled`` (a read the tier gave up on without cancelling it: its
-bytes may still land in its CPU slots, which must not be reused for a while). A finished job is
-reported by the non-blocking :meth:`ChunkJobEngine.poll`; the step never waits on the tier but
-to flush a job the scheduler abandoned.
+A job (a ``TierMove``: a promotion into CPU slots, or a demotion or publish out of them) is split
+into one run of chunks per I/O thread; promotions run on threads at the process's priority (a
+request waits for them), the rest at the lowest (nice 19), so that their checksums and system
+calls yield the cores to the model (a core taken from one of the model's threads stalls the
+others at the end of each parallel operation). Each run reports its worst outcome, the job the
+worst of its runs: ``ok``, ``failed`` (an I/O error: the tier may be failing), ``full`` (the
+tier had no room), ``corrupt`` (the source was bad: the key leaves the tier it was read from) or
+``unsettled`` (a read the tier gave up on without cancelling it: its bytes may still land in its
+CPU slots, which must not be reused for a while). A finished job is reported by the non-blocking
+:meth:`ChunkJobEngine.poll`; the step never waits on the tier but to flush a job the scheduler
+abandoned.
 
 The threads are daemon threads of the engine's own (``IOThreads``), and a shutdown waits for them
 at most ``SHUTDOWN_WAIT_S``: a tier that hangs a system call (a file system that stops
@@ -315,12 +314,7 @@ class ChunkJobEngine:
 
 
 def lower_priority() -> None:
-    """Run this thread (Linux schedules threads one by one) only on cores nothing else wants
-    (``SCHED_IDLE``: it never preempts the model's threads, which a nice level still does
-    each time it wakes), or, where that is refused, ``WRITE_NICENESS`` levels below."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-        return
+    """Run this thread (Linux schedules threads one by one) ``WRITE_NICENESS`` levels below."""
     with contextlib.suppress(AttributeError, OSError):
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITE_NICENESS)

@@ -356,6 +356,7 @@ class _Run:
             _first_token(llm, prompts.make("warm-up", 64))
             pool_before = store.pool_cpu_s() if store is not None else None
             with_spec = self._throughput(llm, "vLLM with raykv")
+            _drain(llm, prompts)  # the puts still queued count in the pool's CPU too
             pool_cpu = None
             if store is not None and pool_before is not None:
                 after = store.pool_cpu_s()
