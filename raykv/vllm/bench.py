@@ -354,13 +354,11 @@ class _Run:
         self.say("vLLM with raykv")
         with local_engine(options.model, self.tiers["all"], self.extra, **self.engine_args) as llm:
             _first_token(llm, prompts.make("warm-up", 64))
-            pool_before = store.pool_cpu_s() if store is not None else None
-            with_spec = self._throughput(llm, "vLLM with raykv")
+            before = store.pool_cpu_s() if store is not None else None
+            with_all = self._throughput(llm, "vLLM with raykv")
             _drain(llm, prompts)  # the puts still queued count in the pool's CPU too
-            pool_cpu = None
-            if store is not None and pool_before is not None:
-                after = store.pool_cpu_s()
-                pool_cpu = None if after is None else after - pool_before
+            after = store.pool_cpu_s() if store is not None else None
+            pool_cpu = None if before is None or after is None else after - before
             for n in options.prompt_tokens:
                 for r in range(options.repeat):
                     self.say(f"vLLM with raykv: {n} tokens, repeat {r + 1}/{options.repeat}")
@@ -378,7 +376,7 @@ class _Run:
                     if n not in cpu or seconds < cpu[n][0]:
                         cpu[n] = (seconds, hit, load.seconds)
             _drain(llm, prompts)
-            return cpu, with_spec, worker_of(llm).page_bytes, pool_cpu
+            return cpu, with_all, worker_of(llm).page_bytes, pool_cpu
 
     def reader(self, tier: str) -> tuple[dict[int, Timed], float | None]:
         """A second vLLM with raykv on the writer's disk tier or store (``tier``), its CPU
@@ -478,7 +476,6 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     extra = {"block_size": options.block_tokens}  # one offloaded chunk: one vLLM block
     run = _Run(options, prompts, engine_args, tiers, extra, say)
     store: _Store | None = None
-    store_measured = False
     transport = "tcp on loopback"
     try:
         problem = mooncake_problem()
@@ -508,7 +505,6 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         settle_files(files, drop=True)  # cold: whatever the disk engine's I/O mode was
         disk, with_spec = run.reader("disk")
         gc.collect()
-        store_measured = store is not None
         shared = run.reader("shared")[0] if store is not None else {}
         gc.collect()
         say("copy limits")
@@ -554,7 +550,7 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         tokens = options.throughput_requests * (
             options.throughput_prompt_tokens + options.throughput_output_tokens
         )
-        shared_measured = store_measured and with_shared is not None
+        shared_measured = store is not None  # without it, the writer had no shared tier
         throughput = VllmThroughput(
             requests=options.throughput_requests,
             prompt_tokens=options.throughput_prompt_tokens,
