@@ -370,7 +370,7 @@ class ConnectorScheduler:
             self._unsettled.update(t.unsettled)
             for job_id, keys in t.bad_keys.items():
                 if job_id in self.jobs.jobs:  # a stale job's are dropped with it
-                    self._bad_keys.setdefault(job_id, set()).update(keys)
+                    self._bad_keys.setdefault(job_id, set()).update(keys.unpack())
             for ok, ids in ((True, t.completed), (False, t.failed)):
                 for job_id in ids:
                     job = self.jobs.ack(job_id, report.rank, ok)

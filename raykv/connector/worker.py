@@ -24,6 +24,7 @@ from raykv.core.step import (
     TIER_DISK,
     TIER_SHARED,
     BlockContent,
+    ChunkKeys,
     TierMove,
     TransferPlan,
     TransferReport,
@@ -173,14 +174,16 @@ class ConnectorWorker:
         completed, failed = backend.poll()
         stats = backend.take_stats()
         corrupt, full, unsettled = backend.take_corrupt(), [], []
-        bad_keys: dict[int, list[int]] = {}
+        bad_keys: dict[int, ChunkKeys] = {}
         for lower in self.lowers.values():
             moved, not_moved = lower.poll()
             completed, failed = completed + moved, failed + not_moved
             stats.add(lower.take_stats())
             corrupt, full = corrupt + lower.take_corrupt(), full + lower.take_full()
             unsettled += lower.take_unsettled()
-            bad_keys.update(lower.take_bad_keys())
+            bad_keys.update(
+                (job_id, ChunkKeys.of(keys)) for job_id, keys in lower.take_bad_keys().items()
+            )
         if self._no_engine:
             failed, self._no_engine = failed + self._no_engine, []
         self._verify_loads(completed, failed, stats)

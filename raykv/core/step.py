@@ -345,7 +345,7 @@ class TransferReport(msgspec.Struct, array_like=True):
     unsettled: list[int] = field(default_factory=list)
     # per failed move, the keys whose source this rank found bad (a file that failed its
     # checks, a part missing or spoiled): those leave their tier, the job's others stay
-    bad_keys: dict[int, list[int]] = field(default_factory=dict)
+    bad_keys: dict[int, ChunkKeys] = field(default_factory=dict)
 
 
 class StepReport(msgspec.Struct, array_like=True):

@@ -105,6 +105,26 @@ def test_late_and_out_of_order_acks_across_ranks(ray_session) -> None:
     assert report["output_digest"] == local_digest(sets, False)
 
 
+def test_chunks_found_bad_below_the_cpu_tier_leave_it_over_the_wire(ray_session, disk_dir):
+    """A rank that finds a chunk's file spoiled reports its key to the scheduler, which drops
+    just that chunk from the tier; on Ray the key crosses the wire (a 72-bit key there ended
+    the run with an OverflowError, as a shared part missing after its master restarted did)."""
+    sets = [
+        *SMALL,
+        "parallel.tensor_parallel_size=2",
+        "cache.num_gpu_blocks=48",
+        "offload.cpu_slots=24",  # the CPU tier churns: promotions from the disk
+        "offload.take_hits=always",
+        "offload.disk.enabled=true",
+        f"offload.disk.path={disk_dir}",
+        "offload.disk.capacity=8MiB",
+    ]
+    report = ray_run([*sets, 'faults=["corrupt-disk:rate=0.5:seed=2"]'])
+    assert report["tiers"]["disk"]["corrupt"] > 0, report["tiers"]["disk"]
+    assert report["integrity"]["mismatches"] == 0
+    assert report["output_digest"] == local_digest(sets, False)
+
+
 def test_serving_streams_outputs_and_kv_events(ray_session) -> None:
     sets = [*SMALL, "parallel.tensor_parallel_size=2", "cache.num_gpu_blocks=48"]
     cfg = load_config(None, sets)

@@ -11,6 +11,7 @@ from raykv.cluster import wire
 from raykv.cluster.bench import record_plans
 from raykv.config import load_config
 from raykv.core.step import (
+    ChunkKeys,
     SamplingSpec,
     StepReport,
     TokenLogprobs,
@@ -52,6 +53,19 @@ def test_a_report_with_logprobs_acks_and_stats_comes_back_equal() -> None:
     back = wire.decode_report(wire.encode(report))
     assert back == report
     assert back.logprobs[0] is not None and back.logprobs[0].top == {101: -0.5, 7: -1.25}
+
+
+def test_a_report_of_bad_keys_carries_keys_of_every_width() -> None:
+    """A key is a 64-bit hash and a group packed into up to 72 bits: a rank that found such a
+    chunk's source bad (a shared part gone after its master restarted) reports it (this was an
+    OverflowError that ended the run, MessagePack's ints being 64-bit)."""
+    from raykv.core.keys import make_key
+
+    keys = [make_key(2**64 - 1, 255), make_key(2**63 + 5, 3), make_key(7)]
+    report = StepReport(rank=0, step=3, transfers=TransferReport(failed=[9]))
+    report.transfers.bad_keys = {9: ChunkKeys.of(keys)}
+    back = wire.decode_report(wire.encode(report))
+    assert back == report and back.transfers.bad_keys[9].unpack() == keys
 
 
 def test_bytes_that_are_not_a_report_are_refused() -> None:

@@ -133,7 +133,9 @@ def test_files_damaged_or_deleted_between_runs_are_recomputed(baseline: str, dis
 @pytest.mark.parametrize(
     ("fault", "counter"),
     [
-        ("fail-disk:rate=0.3", "promotions_failed"),
+        # reads and writes fail alike; a busy machine may promote only a chunk or two, all of
+        # which may succeed, where its scores of demotions never all do
+        ("fail-disk:rate=0.3", "promotions_failed+demotions_failed"),
         ("corrupt-disk:rate=0.5", "corrupt"),
         ("slow-disk:ms=15", "promoted_chunks"),
         ("full-disk:after=20", "full_events"),
@@ -147,7 +149,8 @@ def test_every_disk_fault_ends_in_the_fault_free_outputs(
     report, books = run(SMALL + disk(disk_dir) + [f'faults=["{fault}"]'])
     assert report["output_digest"] == baseline
     assert report["integrity"]["mismatches"] == 0
-    assert report["tiers"]["disk"][counter] > 0, report["tiers"]["disk"]
+    tier = report["tiers"]["disk"]
+    assert sum(tier[name] for name in counter.split("+")) > 0, tier
     assert not any(books.values()), books
 
 
