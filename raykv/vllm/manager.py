@@ -39,7 +39,7 @@ from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHAR
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
 from raykv.vllm.metrics import TierMetrics
-from raykv.vllm.shared import StoreView, stop_embedded
+from raykv.vllm.shared import StoreView, kill_embedded, stop_embedded
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class RaykvOffloadingManager(OffloadingManager):
         shared: the shared tier's index of the store, or None without a shared tier.
         store: asks the store what it holds (another engine's chunks); None: never asked.
         retry_steps: steps the shared tier stays out of use after the store failed.
+        kill_master_at: the steps at which the embedded master is killed
+            (``kill-shared-master``).
     """
 
     def __init__(
@@ -78,12 +80,14 @@ class RaykvOffloadingManager(OffloadingManager):
         shared: Directory | None = None,
         store: StoreView | None = None,
         retry_steps: int = 512,
+        kill_master_at: Collection[int] = (),
     ) -> None:
         self.cpu = cpu
         self.disk = disk
         self.shared = shared
         self.store = store
         self.retry_steps = retry_steps
+        self.kill_master_at = set(kill_master_at)
         self.bad_keys = bad_keys
         self.check_sums = check_sums
         # vLLM's key of every key a tier holds that this process saw (events and evictions
@@ -373,6 +377,9 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
         self._trim_names()
         self._step += 1
+        if self._step in self.kill_master_at:
+            log.warning("raykv: fault: killing the shared tier's embedded master")
+            kill_embedded(self.bad_keys.directory)
         if self.shared is not None and len(self._shunned) > self.shared.capacity:
             self._shunned = {k: s for k, s in self._shunned.items() if s > self._step}
         self._absent.clear()  # the next step asks the store again: another engine may publish

@@ -3,6 +3,11 @@
 ``kv_connector_extra_config`` holds either ``"raykv": {...}`` (the keys of ``raykv run``'s
 ``offload`` section, with the same defaults and checks) or ``"raykv_config": "<file>.yaml"`` (a
 raykv config file whose ``offload`` section is used). Errors name the key as ``raykv.<key>``.
+
+Faults (``raykv/faults/specs.py``) come as ``"raykv_faults": [...]`` beside the inline section,
+or as the file's own ``faults`` list: the same specs as ``raykv run``'s, for what a spec inside
+vLLM has (its copies, its tiers' I/O, the embedded master); what vLLM owns (its workers, its
+scheduler, their messages) is refused by name.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ from pydantic import ValidationError
 from raykv.config import ConfigError
 from raykv.config.loading import error_lines, load_config
 from raykv.config.sections import OffloadConfig
+from raykv.faults import DISK_KINDS, SHARED_KINDS, Fault, FaultSpecError, parse_fault
 
 # where raykv's settings sit in kv_connector_extra_config
 INLINE = "raykv"
 FILE = "raykv_config"
+FAULTS = "raykv_faults"
+# the faults a spec inside vLLM can suffer: its copies, its tiers' I/O and the embedded master
+# (a step is one of vLLM's scheduler steps); vLLM's workers, scheduler and messages are vLLM's
+FAULTS_INSIDE_VLLM = ("fail-copy", "corrupt-cpu", *DISK_KINDS, *SHARED_KINDS, "kill-shared-master")
 # what vLLM decides itself inside vLLM, with the key of vLLM's that does
 DECIDED_BY_VLLM = {
     "enabled": "the kv_transfer_config itself",
@@ -65,3 +75,37 @@ def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
     if settings.cpu_bytes is None and settings.cpu_slots is None:
         raise ConfigError(f"{INLINE}.cpu_bytes: set the CPU tier's size (e.g. 4GiB)")
     return settings
+
+
+def fault_settings(extra_config: Mapping[str, Any], world_size: int) -> list[Fault]:
+    """The faults ``kv_connector_extra_config`` asks for (``raykv_faults``, or the
+    ``raykv_config`` file's ``faults``); ``ConfigError`` naming the spec at fault."""
+    path, listed = extra_config.get(FILE), extra_config.get(FAULTS)
+    if path is not None and listed is not None:
+        raise ConfigError(f"{FAULTS}: with {FILE}, list the faults in that file's faults")
+    where = FAULTS
+    if path is not None:
+        listed, where = load_config(path).faults, "faults"
+    if listed is None:
+        return []
+    if not isinstance(listed, list) or not all(isinstance(item, str) for item in listed):
+        raise ConfigError(f"{where}: expected a list of fault specs (got {listed!r})")
+    faults = []
+    for i, text in enumerate(listed):
+        try:
+            fault = parse_fault(text)
+        except FaultSpecError as exc:
+            raise ConfigError(f"{where}[{i}]: {exc}") from None
+        if fault.kind not in FAULTS_INSIDE_VLLM:
+            raise ConfigError(
+                f"{where}[{i}]: {fault.kind} is not available inside vLLM (vLLM owns its "
+                f"workers, its scheduler and their messages; available: "
+                f"{', '.join(FAULTS_INSIDE_VLLM)})"
+            )
+        if fault.rank is not None and fault.rank >= world_size:
+            raise ConfigError(
+                f"{where}[{i}]: rank {fault.rank} does not exist with {world_size} "
+                f"worker{'s' if world_size > 1 else ''}"
+            )
+        faults.append(fault)
+    return faults

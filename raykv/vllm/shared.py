@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -112,7 +113,7 @@ def _embedded(run_directory: str) -> tuple[str, bytes]:
     with _masters_lock:
         _masters[run_directory] = master
     secret = new_secret()
-    _publish(path, f"{address} {secret.hex()}")
+    _publish(path, f"{address} {secret.hex()} {master.pid}")
     log.info("raykv: an embedded Mooncake master for this engine at %s", address)
     return address, secret
 
@@ -133,7 +134,7 @@ def _wait_for(path: str) -> tuple[str, bytes]:
                 first, _, rest = handle.read().strip().partition(" ")
             if first == "failed":
                 raise SharedStoreError(rest)
-            return first, bytes.fromhex(rest)
+            return first, bytes.fromhex(rest.split()[0])
         time.sleep(0.05)
     raise SharedStoreError(
         f"the engine's embedded master was not started within {START_WAIT_S:g} s"
@@ -157,6 +158,25 @@ def stop_embedded(run_directory: str) -> None:
     for name in (ENDPOINT_FILE, CLAIM_FILE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(run_directory, name))
+
+
+def kill_embedded(run_directory: str) -> bool:
+    """Kill the engine's embedded master at once, whichever of its processes started it
+    (``kill-shared-master``: nothing starts it again inside vLLM, so the shared tier stays out
+    of use, each request recomputing what it would have loaded); False where it has none."""
+    with _masters_lock:
+        mine = _masters.get(run_directory)
+    if mine is not None:
+        mine.kill()
+        return True
+    with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
+        with open(os.path.join(run_directory, ENDPOINT_FILE)) as handle:
+            fields = handle.read().split()
+        if fields[0] != "failed":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(fields[2]), signal.SIGKILL)
+            return True
+    return False
 
 
 class StoreView:

@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from raykv.config import ConfigError
 from raykv.config.sections import OffloadConfig
 from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, EventLog
+from raykv.faults import FaultyBackend, FaultyTier, RankFaults
 from raykv.offload.directory import Directory
 from raykv.transfer.chunk_jobs import ChunkJobEngine
 from raykv.transfer.cpu import CpuTransferEngine
@@ -35,7 +36,7 @@ from raykv.vllm import metrics, namespace, shared
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.run_directory import engine_run_directory
-from raykv.vllm.settings import offload_settings
+from raykv.vllm.settings import fault_settings, offload_settings
 from raykv.vllm.worker import RaykvOffloadingWorker, page_pieces_of
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
         self.settings: OffloadConfig = offload_settings(self.extra_config)
         parallel = config.parallel
         self.rank, self.world_size = parallel.rank, max(1, parallel.world_size)
+        self.faults = fault_settings(self.extra_config, self.world_size)
         self.chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.num_slots = self._cpu_slots()
         self.parts = namespace.namespace_parts(config, self._device())
@@ -210,6 +212,9 @@ class RaykvOffloadingSpec(OffloadingSpec):
                 shared=index,
                 store=store,
                 retry_steps=settings.shared.retry_steps,
+                kill_master_at=[
+                    f.step for f in self.faults if f.kind == "kill-shared-master" and f.step
+                ],
             )
         return self._manager
 
@@ -271,7 +276,14 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     identity=namespace.identity(self.parts, self.rank),
                 )
             )
-        return RaykvOffloadingWorker(self.rank, copies, lower, self.bad_keys, self.blocks_per_chunk)
+        faults = RankFaults(self.rank, self.faults)
+        wrapped = FaultyBackend(copies, faults) if faults.active else copies
+        for tier in lower:
+            if faults.tier_active(tier):
+                lower[tier] = FaultyTier(lower[tier], faults, tier)
+        return RaykvOffloadingWorker(
+            self.rank, wrapped, lower, self.bad_keys, self.blocks_per_chunk
+        )
 
     def take_failed_loads(self) -> list[int]:
         """Failed loads of this rank's worker, for ``failures.report_failed_loads``."""

@@ -49,10 +49,15 @@ def transfer_config(raykv: dict[str, Any] | None, **extra: Any):
 
 @contextlib.contextmanager
 def engine(
-    model: Path, raykv: dict[str, Any] | None, prefix_caching: bool = True, **overrides: Any
+    model: Path,
+    raykv: dict[str, Any] | None,
+    prefix_caching: bool = True,
+    connector: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> Iterator:
     """A vLLM engine on ``model`` with raykv's tiers configured by ``raykv``; shut down after.
-    ``overrides``: other arguments of ``LLM`` (the KV cache's size, the longest prompt)."""
+    ``connector``: more of ``kv_connector_extra_config`` (raykv's faults); ``overrides``: other
+    arguments of ``LLM`` (the KV cache's size, the longest prompt)."""
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
@@ -68,7 +73,7 @@ def engine(
     }
     llm = LLM(
         model=str(model),
-        kv_transfer_config=transfer_config(raykv),
+        kv_transfer_config=transfer_config(raykv, **(connector or {})),
         enable_prefix_caching=prefix_caching,
         **{**arguments, **overrides},
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raykv.config import ConfigError
-from raykv.vllm.settings import offload_settings
+from raykv.vllm.settings import fault_settings, offload_settings
 from raykv.vllm.versions import UnsupportedVllm, check_version
 
 
@@ -52,3 +52,28 @@ def test_vllm_outside_the_supported_minors_is_refused(version) -> None:
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.3+cpu"])
 def test_supported_versions_pass(version) -> None:
     check_version(version)
+
+
+def test_faults_come_inline_or_from_the_file_with_raykv_run_s_specs(tmp_path) -> None:
+    inline = fault_settings({"raykv_faults": ["fail-disk:rate=0.5:rank=1"]}, world_size=2)
+    assert [(f.kind, f.rate, f.rank) for f in inline] == [("fail-disk", 0.5, 1)]
+    path = tmp_path / "raykv.yaml"
+    path.write_text('offload:\n  cpu_slots: 4\nfaults: ["kill-shared-master:step=7"]\n')
+    assert [f.step for f in fault_settings({"raykv_config": str(path)}, 1)] == [7]
+    assert fault_settings({"raykv": {"cpu_slots": 4}}, 1) == []
+
+
+@pytest.mark.parametrize(
+    ("faults", "named"),
+    [
+        (["kill-worker:step=3:rank=0"], "raykv_faults[0]: kill-worker is not available inside"),
+        (["fail-copy:rate=0.1", "drop-acks:rate=0.1"], "raykv_faults[1]: drop-acks"),
+        (["corrupt-disk:rate=1:rank=2"], "raykv_faults[0]: rank 2 does not exist with 2"),
+        (["slow-disk"], "raykv_faults[0]: fault 'slow-disk': slow-disk needs ms=N"),
+        ("fail-copy:rate=1", "raykv_faults: expected a list"),
+    ],
+)
+def test_a_fault_vllm_cannot_have_or_a_bad_spec_is_named(faults, named) -> None:
+    with pytest.raises(ConfigError) as caught:
+        fault_settings({"raykv_faults": faults}, world_size=2)
+    assert named in str(caught.value) and "\n" not in str(caught.value)
