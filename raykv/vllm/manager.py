@@ -40,6 +40,7 @@ from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
 from raykv.vllm.metrics import TierMetrics
 from raykv.vllm.shared import StoreView, kill_embedded, stop_embedded
+from raykv.vllm.worth import LoadChoice
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class RaykvOffloadingManager(OffloadingManager):
         retry_steps: steps the shared tier stays out of use after the store failed.
         kill_master_at: the steps at which the embedded master is killed
             (``kill-shared-master``).
+        choice: the choice between a load and a recompute (``take_hits: faster``); None:
+            every hit is loaded (``always``).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class RaykvOffloadingManager(OffloadingManager):
         store: StoreView | None = None,
         retry_steps: int = 512,
         kill_master_at: Collection[int] = (),
+        choice: LoadChoice | None = None,
     ) -> None:
         self.cpu = cpu
         self.disk = disk
@@ -88,6 +92,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self.store = store
         self.retry_steps = retry_steps
         self.kill_master_at = set(kill_master_at)
+        self.choice = choice
         self.bad_keys = bad_keys
         self.check_sums = check_sums
         # vLLM's key of every key a tier holds that this process saw (events and evictions
@@ -196,9 +201,37 @@ class RaykvOffloadingManager(OffloadingManager):
             found = self.shared.lookup(k)
             if found == MISS and self._find_in_store(k):
                 found = HIT
+        # a hit past where loading stops paying misses (and a miss measures the recompute)
+        beyond = found != HIT_PENDING and self.choice is not None
+        if beyond and self._beyond_choice(key, req_context):
+            return LookupResult.MISS
         if found == HIT:
             return LookupResult.HIT
         return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
+
+    def _beyond_choice(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Whether ``key`` lies beyond where loading stops being faster than recomputing
+        (``worth.py``; asked at a miss too: the request's recompute is measured from it)."""
+        assert self.choice is not None
+        position = req_context.get_offload_key_position(key)
+        # vLLM's chunk boundaries of the request, as its scheduler made its keys
+        known = getattr(req_context, "_offload_key_positions", None)
+        if position is None or not isinstance(known, dict):
+            return False
+        boundaries = sorted((end, name) for name, end in known.items())
+        end = self.choice.limit(req_context.req_id, position, boundaries, self._ready_tier)
+        return end is not None and position > end
+
+    def _ready_tier(self, key: OffloadKey) -> str | None:
+        """The tier that holds ``key`` ready to load (the CPU tier first), or None."""
+        k = raykv_key(key)
+        if self.cpu.is_readable(k):
+            return "cpu"
+        if self.disk is not None and self.disk.is_readable(k):
+            return "disk"
+        if self.shared is not None and (self.shared.is_readable(k) or self._find_in_store(k)):
+            return "shared"
+        return None
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ChunkLoad:
         ks = self._named(keys)  # a promotion's BlockStored event names them
@@ -232,6 +265,8 @@ class RaykvOffloadingManager(OffloadingManager):
                     shared.prepare_load(in_store)
                 slot_of.update(zip(plan.keys, plan.slots, strict=True))
         self._loads[req_context.req_id] = (in_cpu, on_disk, in_store)
+        if self.choice is not None and not refused:
+            self.choice.loading(req_context.req_id, len(in_cpu), len(on_disk), len(in_store))
         from_disk, from_shared = set(on_disk), set(in_store)
         return ChunkLoad(
             keys=ks,
@@ -251,6 +286,9 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()  # the workers named the chunks a failed load found bad first
         pinned, from_disk, from_shared = self._loads.pop(req_context.req_id, ([], [], []))
         promoted = from_disk + from_shared
+        if self.choice is not None:
+            went_bad = self._bad_cpu.intersection([*pinned, *promoted])
+            self.choice.loaded(req_context.req_id, ok=not went_bad)
         if promoted:
             bad = self._bad_cpu.intersection(promoted)
             good = [k for k in promoted if k not in bad]
@@ -276,6 +314,9 @@ class RaykvOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         ks = self._named(keys)
+        if self.choice is not None:
+            ends = [req_context.get_offload_key_position(key) for key in keys]
+            self.choice.stored(req_context.req_id, max((e for e in ends if e), default=0))
         plan = self.cpu.prepare_store(ks)
         if plan is None:
             # no room for all: the prefix there is room for (vLLM does not offer the rest
@@ -348,6 +389,10 @@ class RaykvOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.choice is not None:
+            self.choice.finished(req_context.req_id)
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         names = self._names
         for _, tier, _ in self._tiers():
@@ -377,6 +422,8 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
         self._trim_names()
         self._step += 1
+        if self.choice is not None:
+            self.choice.schedule_ended()
         if self._step in self.kill_master_at:
             log.warning("raykv: fault: killing the shared tier's embedded master")
             kill_embedded(self.bad_keys.directory)

@@ -38,6 +38,7 @@ from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.run_directory import engine_run_directory
 from raykv.vllm.settings import fault_settings, offload_settings
 from raykv.vllm.worker import RaykvOffloadingWorker, page_pieces_of
+from raykv.vllm.worth import LoadChoice
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,13 @@ class RaykvOffloadingSpec(OffloadingSpec):
                 kill_master_at=[
                     f.step for f in self.faults if f.kind == "kill-shared-master" and f.step
                 ],
+                choice=(
+                    LoadChoice(
+                        self.tokens_per_block[0] * self.blocks_per_chunk, self.blocks_per_chunk
+                    )
+                    if settings.take_hits == "faster"
+                    else None
+                ),
             )
         return self._manager
 

@@ -71,6 +71,9 @@ def engine(
         # benchmark measures the compiled engine)
         "enforce_eager": True,
     }
+    if raykv is not None and "take_hits" not in raykv:
+        # every hit loaded: the tiers are tested, not the choice (test_worth.py tests that)
+        raykv = {**raykv, "take_hits": "always"}
     llm = LLM(
         model=str(model),
         kv_transfer_config=transfer_config(raykv, **(connector or {})),

@@ -85,7 +85,9 @@ def vllm_serve(model: Path, raykv: dict, log: Path) -> Iterator[str]:
 
 
 def test_vllm_serve_loads_a_repeated_prompt_from_raykv(vllm_model, tmp_path) -> None:
-    with vllm_serve(vllm_model, {"cpu_bytes": 64 << 20}, tmp_path / "serve.log") as url:
+    # every hit loaded: the server's path is tested here, not the choice (test_worth.py)
+    settings = {"cpu_bytes": 64 << 20, "take_hits": "always"}
+    with vllm_serve(vllm_model, settings, tmp_path / "serve.log") as url:
         client = openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
         prompt = prompt_text(seed=11, words=200)  # several 128-token blocks
 

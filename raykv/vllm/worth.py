@@ -1,0 +1,169 @@
+"""``take_hits: faster`` inside vLLM: a hit in raykv's tiers is loaded only where the request's
+first token comes sooner than by computing the same tokens, priced by raykv's own cost model
+(``connector/worth.py``) from what vLLM lets the manager see.
+
+vLLM hides the model's time from a spec: the manager sees neither a step's tokens nor its
+forward. What it sees: the chunks each step will fill are offered for storing
+(``prepare_store``) while vLLM schedules that step, and the next step is scheduled once that
+step's forward is done. So a step's prefill is measured as the tokens of the chunks offered in
+it (each request's from where it computes: the end of its load, or of its last offer) against
+the seconds from the end of its scheduling to the end of the next one's (its forward, the
+copies raykv's workers run after it, and the next scheduling: what a request computing in that
+step waits for). Partial chunks and decodes are not offered, so their tokens count as the
+step's overhead. A load is measured from ``prepare_load`` to ``complete_load``: vLLM schedules
+the request in the step after that, so that is what the load delayed it; a load that promoted
+chunks from the disk or the store measures that tier with the CPU part taken off. Before a tier
+has its samples it is priced by the prior of raykv's engine (a load waits a step: the median of
+the busy steps), and before the prefill has its samples every hit is loaded.
+
+The lookup looks ahead: at the first key of a request's lookup, the keys after it (vLLM hands
+the request's chunk boundaries in the lookup's context) are found in the tiers (the store asked
+once for those no tier of this engine holds), the choice is made for the whole prefix, and
+each key beyond the chosen end answers MISS.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from raykv.connector.worth import Candidate, TierCosts
+
+T = TypeVar("T")
+REMEMBERED = 4096  # requests whose lookup or load is remembered (bounded memory)
+IDLE_GAP = 10.0  # a step this many times the usual one followed an idle engine
+
+
+@dataclass(slots=True)
+class _Round:
+    """One lookup of a request: the position of the last key looked up, and the position
+    beyond which keys miss (None: every hit is taken)."""
+
+    last: int
+    end: int | None
+
+
+class LoadChoice:
+    """The manager's choice between a load and a recompute, and what it measured.
+    ``chunk_tokens``: tokens per offloaded chunk; ``blocks_per_chunk``: vLLM blocks per chunk."""
+
+    def __init__(self, chunk_tokens: int, blocks_per_chunk: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = blocks_per_chunk
+        # one step per prompt: a request's measured recompute is its steps' whole time
+        self.costs = TierCosts(step_tokens=1 << 40)
+        self._rounds: OrderedDict[str, _Round] = OrderedDict()
+        self._computed: OrderedDict[str, int] = OrderedDict()  # where each request computes from
+        self._loading: OrderedDict[str, tuple[float, int, int, int]] = OrderedDict()
+        self._tally = (0, 0.0)  # tokens offered in the step being scheduled, their attention
+        self._scheduled: tuple[int, float] | None = None  # the step before's, its forward running
+        self._last_schedule_end: float | None = None
+
+    # ---- the choice --------------------------------------------------------------------------
+
+    def limit(
+        self,
+        req_id: str,
+        position: int,
+        boundaries: list[tuple[int, T]],
+        tier_of: Callable[[T], str | None],
+    ) -> int | None:
+        """The position beyond which this request's keys miss (None: none do). ``position``:
+        where the chunk being looked up ends; ``boundaries``: every chunk of the request (its
+        end, its key), in order; ``tier_of``: the tier that holds a key ready (None: none
+        does), asked at the first key of a lookup for the chunks from it on, up to the first
+        that no tier holds."""
+        ongoing = self._rounds.get(req_id)
+        if ongoing is not None and position > ongoing.last:
+            ongoing.last = position
+            return ongoing.end
+        start = position - self.chunk_tokens
+        ahead = [(end, key) for end, key in boundaries if end >= position]
+        prompt = boundaries[-1][0] if boundaries else position
+        options: list[Candidate] = []
+        blocks = {"cpu": 0, "disk": 0, "shared": 0}
+        for end, key in ahead:
+            tier = tier_of(key)
+            if tier is None:
+                break
+            blocks[tier] += self.blocks_per_chunk
+            options.append(Candidate(end, blocks["cpu"], blocks["disk"], blocks["shared"]))
+        decision = self.costs.choose(start, prompt, options)
+        end = None if options and decision.end >= options[-1].end else decision.end
+        self._remember(self._rounds, req_id, _Round(position, end))
+        self._remember(self._computed, req_id, max(start, decision.end))
+        return end
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Hits passed over as slower than recomputing, by the deepest tier they loaded from."""
+        return dict(self.costs.skipped_slower)
+
+    # ---- what vLLM shows of the costs --------------------------------------------------------
+
+    def stored(self, req_id: str, position: int) -> None:
+        """The chunks of the request up to ``position`` are offered for storing: the step
+        being scheduled computes them."""
+        since = self._computed.get(req_id, position - self.chunk_tokens)
+        if position <= since:
+            return
+        tokens = position - since
+        total, attention = self._tally
+        self._tally = (total + tokens, attention + tokens * (since + position - 1) / 2)
+        self._remember(self._computed, req_id, position)
+
+    def loading(self, req_id: str, cpu_chunks: int, disk_chunks: int, shared_chunks: int) -> None:
+        """A load of the request starts (chunks from each tier)."""
+        bpc = self.blocks_per_chunk
+        since = time.perf_counter()
+        chunks = (since, cpu_chunks * bpc, disk_chunks * bpc, shared_chunks * bpc)
+        self._remember(self._loading, req_id, chunks)
+
+    def loaded(self, req_id: str, ok: bool) -> None:
+        """The request's load ended; a good one measures its tiers."""
+        started = self._loading.pop(req_id, None)
+        if started is None or not ok:
+            return
+        since, cpu, disk, shared = started
+        seconds = time.perf_counter() - since
+        blocks = cpu + disk + shared
+        if not disk and not shared:
+            self.costs.observe_load(blocks, seconds)
+            return
+        # the promotion's share: what the copy out of the CPU tier would not have taken
+        rest = max(0.0, seconds - self.costs.move_s("cpu", blocks))
+        if disk:
+            self.costs.observe_promotion(disk, rest)
+        if shared:
+            self.costs.shared.add(shared, rest)
+
+    def schedule_ended(self) -> None:
+        """vLLM ended a step's scheduling: the step before's forward is done, and its prefill
+        (the tokens offered in it) took the time since that step's scheduling ended."""
+        now = time.perf_counter()
+        costs = self.costs
+        if self._scheduled is not None and self._last_schedule_end is not None:
+            tokens, attention = self._scheduled
+            seconds = now - self._last_schedule_end
+            # an idle engine schedules nothing: a gap far past the usual step is no step
+            usual = costs.step_period_s
+            if tokens > 0 and (not usual or seconds < IDLE_GAP * usual):
+                costs.prefill.add(tokens, attention, seconds)
+                costs.observe_duration(seconds)
+        self._scheduled, self._tally = self._tally, (0, 0.0)
+        self._last_schedule_end = now
+        self._rounds.clear()  # a request looked up again next step starts a new lookup
+
+    def finished(self, req_id: str) -> None:
+        for table in (self._rounds, self._computed, self._loading):
+            table.pop(req_id, None)
+
+    @staticmethod
+    def _remember(table: OrderedDict, req_id: str, value: object) -> None:
+        table[req_id] = value
+        table.move_to_end(req_id)
+        while len(table) > REMEMBERED:
+            table.popitem(last=False)

@@ -1,0 +1,111 @@
+"""``take_hits: faster`` inside vLLM: the manager loads a hit only where that is sooner than
+computing the same tokens, priced by raykv's cost model from what vLLM shows the manager (a
+request's lookup to the offer of its computed chunks; a load's prepare to its completion)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+
+from raykv.offload.directory import Directory
+from raykv.vllm.failures import BadKeys
+from raykv.vllm.keys import raykv_key
+from raykv.vllm.manager import RaykvOffloadingManager
+from raykv.vllm.worth import LoadChoice
+from tests.vllm.conftest import answers, drain, engine, manager_of, prompt_text
+from tests.vllm.test_tiers import same
+
+CHUNK = 128  # tokens per chunk (one block)
+CHUNKS = 8
+
+
+def a_manager(tmp_path) -> tuple[RaykvOffloadingManager, list]:
+    """A manager whose CPU tier holds the eight chunks of one prompt, with the choice."""
+    keys = [make_offload_key(bytes([i + 1]) * 32, 0) for i in range(CHUNKS)]
+    cpu = Directory(16)
+    plan = cpu.prepare_store([raykv_key(k) for k in keys])
+    assert plan is not None
+    cpu.complete_store(plan.keys)
+    choice = LoadChoice(chunk_tokens=CHUNK, blocks_per_chunk=1)
+    manager = RaykvOffloadingManager(cpu, None, BadKeys(str(tmp_path), 1), False, choice=choice)
+    return manager, keys
+
+
+def looked_up(manager: RaykvOffloadingManager, keys: list, request: str) -> int:
+    """Chunks vLLM's maximal-prefix lookup would load for a request of these keys."""
+    context = ReqContext(req_id=request)
+    for i, key in enumerate(keys):
+        context.set_offload_key_position(key, (i + 1) * CHUNK)
+    hits = 0
+    for key in keys:
+        if manager.lookup(key, context) != LookupResult.HIT:
+            break
+        hits += 1
+    manager.on_schedule_end(None)  # type: ignore[arg-type]
+    return hits
+
+
+def measured(choice: LoadChoice, prefill_s_per_token: float, load_s_per_block: float) -> None:
+    """What vLLM would have shown the manager of the model's and the CPU tier's speeds."""
+    for tokens in (256, 512, 768, 1024):
+        choice.costs.prefill.add(tokens, tokens * (tokens - 1) / 2, prefill_s_per_token * tokens)
+        choice.costs.observe_load(tokens // CHUNK, 0.001 + load_s_per_block * tokens // CHUNK)
+        choice.costs.observe_duration(0.01)
+
+
+@pytest.mark.parametrize(
+    ("prefill_s_per_token", "load_s_per_block", "loaded"),
+    [(1e-3, 1e-4, CHUNKS), (1e-7, 0.05, 0), (None, None, CHUNKS)],
+    ids=["dear-model-loads", "cheap-model-recomputes", "unmeasured-loads"],
+)
+def test_a_hit_is_loaded_only_where_that_is_sooner(
+    tmp_path, prefill_s_per_token, load_s_per_block, loaded
+) -> None:
+    manager, keys = a_manager(tmp_path)
+    assert manager.choice is not None
+    if prefill_s_per_token is not None:
+        measured(manager.choice, prefill_s_per_token, load_s_per_block)
+    assert looked_up(manager, keys, "r1") == loaded
+    if loaded == 0:
+        assert manager.choice.skipped["cpu"] == 1
+
+
+def test_a_long_prefix_is_loaded_where_a_short_one_is_not(tmp_path) -> None:
+    """A load's fixed cost pays off over enough chunks: the whole prefix is looked at first."""
+    manager, keys = a_manager(tmp_path)
+    assert manager.choice is not None
+    costs = manager.choice.costs
+    for tokens in (256, 512, 768, 1024):
+        costs.prefill.add(tokens, 0.0, 1e-4 * tokens)  # 12.8 ms a chunk
+        costs.observe_load(tokens // CHUNK, 0.05 + 1e-4 * tokens // CHUNK)  # 50 ms fixed
+        costs.observe_duration(0.01)
+    assert looked_up(manager, keys[:2], "short") == 0
+    assert looked_up(manager, keys, "long") == CHUNKS
+
+
+REPEATED = [prompt_text(30 + i) for i in range(3)]
+FRESH = [prompt_text(40 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_model) -> dict[str, tuple[list[int], list[float]]]:
+    with engine(vllm_model, None) as llm:
+        prompts = REPEATED + FRESH
+        return {p: got[:2] for p, got in zip(prompts, answers(llm, prompts), strict=True)}
+
+
+def test_inside_vllm_the_choice_measures_and_answers_as_vllm_does(vllm_model, reference) -> None:
+    with engine(vllm_model, {"cpu_bytes": "16MiB", "take_hits": "faster"}) as llm:
+        choice = manager_of(llm).choice
+        assert choice is not None
+        for fresh in FRESH:  # the repeated prompts hit; the fresh one measures the recompute
+            batch = [*REPEATED, fresh]
+            for prompt, got in zip(batch, answers(llm, batch), strict=True):
+                same(got, reference[prompt])
+            drain(llm)
+            llm.reset_prefix_cache()
+        costs = choice.costs
+        # vLLM showed it the recompute (the chunks each step filled) and the steps, and each
+        # hit was loaded (and measured) or passed over as slower
+        assert len(costs.prefill) >= 4 and costs.durations
+        assert len(costs.cpu) + choice.skipped["cpu"] > 0
