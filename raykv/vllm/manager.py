@@ -435,7 +435,8 @@ class RaykvOffloadingManager(OffloadingManager):
         return False
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        return self.metrics.report({name: tier.stats() for name, tier, _ in self._tiers()})
+        skipped = self.choice.skipped if self.choice is not None else None
+        return self.metrics.report({name: tier.stats() for name, tier, _ in self._tiers()}, skipped)
 
     def shutdown(self) -> None:
         if self.store is not None:

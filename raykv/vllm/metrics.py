@@ -33,6 +33,7 @@ COUNTERS = {
 BAD_CHUNKS = "raykv:bad_chunks"
 REFUSED_LOADS = "raykv:refused_loads"
 FOUND_IN_STORE = "raykv:shared_found"
+SKIPPED_SLOWER = "raykv:skipped_slower"
 # gauge name -> (DirectoryStats field, what it holds)
 GAUGES = {
     "raykv:tier_chunks": ("used", "Chunks the tier holds or is writing."),
@@ -59,6 +60,11 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         documentation="Chunks another engine published that lookups found in the shared tier's "
         "store."
     )
+    found[SKIPPED_SLOWER] = OffloadingCounterMetadata(
+        documentation="Tier hits recomputed because loading them was predicted slower "
+        "(take_hits: faster), by the deepest tier the load would have read.",
+        labelnames=TIER,
+    )
     for name, (_, text) in GAUGES.items():
         found[name] = OffloadingGaugeMetadata(documentation=text, labelnames=TIER)
     return found
@@ -72,9 +78,19 @@ class TierMetrics:
         self.bad: dict[str, int] = {}
         self.refused = 0
         self.found = 0
+        self._skipped: dict[str, int] = {}
 
-    def report(self, tiers: dict[str, DirectoryStats]) -> OffloadingConnectorStats:
+    def report(
+        self, tiers: dict[str, DirectoryStats], skipped: dict[str, int] | None = None
+    ) -> OffloadingConnectorStats:
+        """The changes since the last report; ``skipped``: the choice's cumulative hits passed
+        over as slower, by tier."""
         stats = OffloadingConnectorStats()
+        for tier, total in (skipped or {}).items():
+            change = total - self._skipped.get(tier, 0)
+            if change > 0:
+                stats.increase_counter(SKIPPED_SLOWER, change, (tier,))
+            self._skipped[tier] = total
         for tier, now in tiers.items():
             before = self._last.get(tier)
             for name, (attribute, _) in COUNTERS.items():

@@ -66,8 +66,9 @@ def test_a_hit_is_loaded_only_where_that_is_sooner(
     if prefill_s_per_token is not None:
         measured(manager.choice, prefill_s_per_token, load_s_per_block)
     assert looked_up(manager, keys, "r1") == loaded
-    if loaded == 0:
+    if loaded == 0:  # counted, and on vLLM's metrics
         assert manager.choice.skipped["cpu"] == 1
+        assert manager.get_stats().reduce()["raykv:skipped_slower:('cpu',)"] == 1
 
 
 def test_a_long_prefix_is_loaded_where_a_short_one_is_not(tmp_path) -> None:
