@@ -69,6 +69,8 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
         throughput_requests=args.throughput_requests,
         throughput_prompt_tokens=args.throughput_prompt_tokens,
         throughput_output_tokens=args.throughput_output_tokens,
+        throughput_rounds=args.throughput_rounds,
+        enforce_eager=args.enforce_eager,
     )
     err = Console(stderr=True)
     try:
@@ -86,10 +88,12 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     if report.throughput is not None:
         t = report.throughput
+        spread = f"rounds {min(t.ratios):.3f}-{max(t.ratios):.3f}"
         console.print(
-            f"no reuse ({t.requests} requests of {t.prompt_tokens}+{t.output_tokens} tokens): "
+            f"no reuse ({t.requests} requests of {t.prompt_tokens}+{t.output_tokens} tokens, "
+            f"{t.rounds} rounds taken in turns): "
             f"{t.without_tokens_per_s:,.0f} tokens/s without raykv, "
-            f"{t.with_tokens_per_s:,.0f} with its CPU and disk tiers: {t.ratio:.3f}x"
+            f"{t.with_tokens_per_s:,.0f} with its CPU and disk tiers: {t.ratio:.3f}x ({spread})"
         )
         if t.with_shared_tokens_per_s is not None and t.shared_ratio is not None:
             pool = (
@@ -97,9 +101,10 @@ def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:
                 if t.shared_pool_cpu_s is None
                 else f" (the store's pool process spent {t.shared_pool_cpu_s:.1f} s of CPU)"
             )
+            ratios = t.shared_ratios or [t.shared_ratio]
             console.print(
                 f"  with the shared tier too: {t.with_shared_tokens_per_s:,.0f} tokens/s, "
-                f"{t.shared_ratio:.3f}x{pool}"
+                f"{t.shared_ratio:.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}){pool}"
             )
     console.print(f"shared tier: Mooncake Store, {report.shared_transport}")
     if args.json:
@@ -138,5 +143,17 @@ def register(bench: argparse._SubParsersAction) -> None:
     )
     bv.add_argument("--throughput-prompt-tokens", type=positive_int, default=512)
     bv.add_argument("--throughput-output-tokens", type=positive_int, default=32)
+    bv.add_argument(
+        "--throughput-rounds",
+        type=positive_int,
+        default=5,
+        help="batches each engine of the throughput comparison runs, taken in turns (the "
+        "ratio is the median of the rounds')",
+    )
+    bv.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="vLLM without torch.compile: every engine starts sooner and steps slower",
+    )
     bv.add_argument("--json", help="write the results to this JSON file")
     bv.set_defaults(func=_cmd_bench_vllm)

@@ -67,6 +67,7 @@ from raykv.transfer.shared_store import (
     mooncake_problem,
 )
 from raykv.vllm.local import local_engine, manager_of, worker_of
+from raykv.vllm.paired import Contender, paired_throughput
 
 Progress = Callable[[str], None]
 
@@ -88,8 +89,10 @@ class VllmBenchOptions:
     throughput_requests: int = 8  # 0: no throughput rows
     throughput_prompt_tokens: int = 512
     throughput_output_tokens: int = 32
+    throughput_rounds: int = 5  # batches each contender runs, in turns (``paired.py``)
     kv_cache_bytes: int = 1 << 30
     seed: int = 0
+    enforce_eager: bool = False  # no torch.compile: engines start sooner, steps run slower
 
 
 @dataclass(slots=True)
@@ -123,12 +126,15 @@ class VllmThroughput:
     requests: int
     prompt_tokens: int
     output_tokens: int
-    without_tokens_per_s: float
+    rounds: int
+    without_tokens_per_s: float  # the median round's
     with_tokens_per_s: float  # raykv's CPU and disk tiers
-    ratio: float
+    ratio: float  # the median of the rounds' (vLLM alone's time over the spec's)
+    ratios: list[float] = field(default_factory=list)  # each round's
     with_shared_tokens_per_s: float | None = None  # CPU, disk and shared tiers
     shared_ratio: float | None = None
-    shared_pool_cpu_s: float | None = None  # the store's pool process, in that run
+    shared_ratios: list[float] | None = None
+    shared_pool_cpu_s: float | None = None  # the store's pool process, in those batches
 
 
 @dataclass(slots=True)
@@ -309,30 +315,19 @@ class _Run:
         self.options, self.prompts, self.engine_args = options, prompts, engine_args
         self.tiers, self.extra, self.say = tiers, extra, say
 
-    def throughput_sets(self, tag: str) -> list[list[list[int]]]:
-        """The throughput workload's batches (one a repeat), of prompts named by ``tag``: an
-        engine on a disk tier another one wrote must not find them there."""
+    def throughput_batch(self, contender: str, round_index: int) -> list[list[int]]:
+        """One round's batch of the throughput workload for a contender: prompts no other
+        batch, and no engine of the TTFT rows, has."""
         options = self.options
-        if not options.throughput_requests:
-            return []
         return [
-            [
-                self.prompts.make(f"throughput-{tag}-{r}-{i}", options.throughput_prompt_tokens)
-                for i in range(options.throughput_requests)
-            ]
-            for r in range(options.repeat)
+            self.prompts.make(
+                f"throughput-{contender}-{round_index}-{i}", options.throughput_prompt_tokens
+            )
+            for i in range(options.throughput_requests)
         ]
 
-    def _throughput(self, llm: Any, who: str, tag: str = "first") -> float:
-        best = float("inf")
-        sets = self.throughput_sets(tag)
-        for r, batch in enumerate(sets):
-            self.say(f"{who}: throughput {r + 1}/{len(sets)}")
-            best = min(best, _throughput_s(llm, batch, self.options.throughput_output_tokens))
-        return best
-
-    def alone(self) -> tuple[dict[int, float], float]:
-        """vLLM without raykv: each length's fastest recompute, and the throughput run's time."""
+    def alone(self) -> dict[int, float]:
+        """vLLM without raykv: each length's fastest recompute."""
         options, prompts = self.options, self.prompts
         recompute: dict[int, float] = {}
         self.say("vLLM alone")
@@ -344,21 +339,15 @@ class _Run:
                     seconds, _ = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
                     recompute[n] = min(recompute.get(n, float("inf")), seconds)
                     llm.reset_prefix_cache()
-            return recompute, self._throughput(llm, "vLLM alone")
+            return recompute
 
-    def writer(self, store: _Store | None) -> tuple[dict[int, Timed], float, int, float | None]:
-        """vLLM with raykv: the throughput run's time, then each length loaded from the CPU
-        tier; a block's page bytes; the CPU seconds ``store``'s pool spent in the run."""
+    def writer(self) -> tuple[dict[int, Timed], int]:
+        """vLLM with raykv: each length loaded from the CPU tier; a block's page bytes."""
         options, prompts = self.options, self.prompts
         cpu: dict[int, Timed] = {}
         self.say("vLLM with raykv")
         with local_engine(options.model, self.tiers["all"], self.extra, **self.engine_args) as llm:
             _first_token(llm, prompts.make("warm-up", 64))
-            before = store.pool_cpu_s() if store is not None else None
-            with_all = self._throughput(llm, "vLLM with raykv")
-            _drain(llm, prompts)  # the puts still queued count in the pool's CPU too
-            after = store.pool_cpu_s() if store is not None else None
-            pool_cpu = None if before is None or after is None else after - before
             for n in options.prompt_tokens:
                 for r in range(options.repeat):
                     self.say(f"vLLM with raykv: {n} tokens, repeat {r + 1}/{options.repeat}")
@@ -376,12 +365,11 @@ class _Run:
                     if n not in cpu or seconds < cpu[n][0]:
                         cpu[n] = (seconds, hit, load.seconds)
             _drain(llm, prompts)
-            return cpu, with_all, worker_of(llm).page_bytes, pool_cpu
+            return cpu, worker_of(llm).page_bytes
 
-    def reader(self, tier: str) -> tuple[dict[int, Timed], float | None]:
+    def reader(self, tier: str) -> dict[int, Timed]:
         """A second vLLM with raykv on the writer's disk tier or store (``tier``), its CPU
-        tier empty: each length loaded from there; then, on the disk tier, the throughput
-        run's time."""
+        tier empty: each length loaded from there."""
         options, prompts = self.options, self.prompts
         found: dict[int, Timed] = {}
         where = "disk tier" if tier == "disk" else "shared tier's store"
@@ -399,10 +387,7 @@ class _Run:
                         raise VllmBenchError(f"{n} tokens: the load read nothing from the {where}")
                     if n not in found or seconds < found[n][0]:
                         found[n] = (seconds, hit, load.seconds)
-            if tier != "disk" or not self.options.throughput_requests:
-                return found, None
-            # prompts the writer never stored: nothing hits here either
-            return found, self._throughput(llm, "vLLM with raykv's CPU and disk tiers", "second")
+            return found
 
 
 class _Store:
@@ -450,12 +435,15 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     lengths, repeat = options.prompt_tokens, options.repeat
     prompts = _Prompts(options.seed, _vocab(options.model))
     per_token = kv_bytes_per_token(options.model, options.dtype)
-    # the throughput workload runs in two engines with a disk tier (the writer's and the
-    # disk reader's), which write it to the same directory
-    stored_tokens = sum(lengths) * repeat + 2 * options.throughput_requests * repeat * (
-        options.throughput_prompt_tokens + options.throughput_output_tokens
+    tier_bytes = int(sum(lengths) * repeat * per_token * 1.25) + (64 << 20)
+    # each throughput contender stores all of its batches (and the third puts them all into
+    # the store): room for every one, so none is refused for want of it
+    throughput_tokens = (
+        options.throughput_rounds
+        * options.throughput_requests
+        * (options.throughput_prompt_tokens + options.throughput_output_tokens)
     )
-    tier_bytes = int(stored_tokens * per_token * 1.25) + (64 << 20)
+    throughput_bytes = int(throughput_tokens * per_token * 1.25) + (64 << 20)
     engine_args = dict(
         dtype=options.dtype,
         kv_cache_memory_bytes=options.kv_cache_bytes,
@@ -466,6 +454,7 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         block_size=options.block_tokens,
         enable_prefix_caching=True,
         seed=0,
+        enforce_eager=options.enforce_eager,
     )
     own_directory = options.disk_path is None
     disk_root = options.disk_path or tempfile.mkdtemp(prefix="raykv-bench-vllm-")
@@ -476,13 +465,16 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
     extra = {"block_size": options.block_tokens}  # one offloaded chunk: one vLLM block
     run = _Run(options, prompts, engine_args, tiers, extra, say)
     store: _Store | None = None
+    throughput: VllmThroughput | None = None
     transport = "tcp on loopback"
     try:
         problem = mooncake_problem()
         if problem is None:
             say("the shared tier's store (a Mooncake master on loopback)")
             try:  # and room for the limit's object
-                store = _Store(tier_bytes + max(lengths) * per_token + (64 << 20))
+                store = _Store(
+                    tier_bytes + throughput_bytes + max(lengths) * per_token + (64 << 20)
+                )
             except SharedStoreError as exc:
                 raise VllmBenchError(f"the shared tier's store did not start: {exc}") from None
             shared_tier = {
@@ -497,16 +489,18 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
             transport = f"not measured ({problem})"
         # one engine a call: an engine's last reference must go before the next one starts
         # (freeing it tears down vLLM's process-wide state)
-        recompute, without = run.alone()
+        recompute = run.alone()
         gc.collect()
-        cpu, with_shared, page_bytes, pool_cpu = run.writer(store)
+        cpu, page_bytes = run.writer()
         gc.collect()
         files = [str(p) for p in Path(directory).rglob("*") if p.is_file()]
         settle_files(files, drop=True)  # cold: whatever the disk engine's I/O mode was
-        disk, with_spec = run.reader("disk")
+        disk = run.reader("disk")
         gc.collect()
-        shared = run.reader("shared")[0] if store is not None else {}
+        shared = run.reader("shared") if store is not None else {}
         gc.collect()
+        if options.throughput_requests:
+            throughput = _throughput(options, run, store, throughput_bytes, directory, say)
         say("copy limits")
         rows = []
         disk_io = ""
@@ -545,23 +539,6 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         shutil.rmtree(directory, ignore_errors=True)
         if own_directory:
             shutil.rmtree(disk_root, ignore_errors=True)
-    throughput = None
-    if options.throughput_requests and with_spec is not None:
-        tokens = options.throughput_requests * (
-            options.throughput_prompt_tokens + options.throughput_output_tokens
-        )
-        shared_measured = store is not None  # without it, the writer had no shared tier
-        throughput = VllmThroughput(
-            requests=options.throughput_requests,
-            prompt_tokens=options.throughput_prompt_tokens,
-            output_tokens=options.throughput_output_tokens,
-            without_tokens_per_s=tokens / without,
-            with_tokens_per_s=tokens / with_spec,
-            ratio=without / with_spec,
-            with_shared_tokens_per_s=tokens / with_shared if shared_measured else None,
-            shared_ratio=without / with_shared if shared_measured else None,
-            shared_pool_cpu_s=pool_cpu if shared_measured else None,
-        )
     return VllmBenchReport(
         model=options.model,
         vllm_version=vllm.__version__,
@@ -573,6 +550,68 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         rows=rows,
         throughput=throughput,
         shared_transport=transport,
+    )
+
+
+ALONE, WITH, WITH_ALL = "vLLM alone", "CPU and disk tiers", "all three tiers"
+
+
+def _throughput(
+    options: VllmBenchOptions,
+    run: _Run,
+    store: _Store | None,
+    tier_bytes: int,
+    directory: str,
+    say: Progress,
+) -> VllmThroughput:
+    """vLLM's throughput with no reuse: alone, with raykv's CPU and disk tiers, and with the
+    shared tier too (where the store runs), measured in pairs (``paired.py``), each with raykv's
+    defaults (``take_hits: faster``: its lookups pay for the choice)."""
+    contenders = [Contender(ALONE, None)]
+    for name, shared in ((WITH, False), (WITH_ALL, True)):
+        if shared and store is None:
+            continue
+        path = tempfile.mkdtemp(prefix="throughput-", dir=directory)
+        raykv: dict[str, Any] = {
+            "cpu_bytes": tier_bytes,
+            "disk": {"enabled": True, "path": path, "capacity": tier_bytes},
+        }
+        if shared and store is not None:
+            raykv["shared"] = {
+                "enabled": True,
+                "master": store.address,
+                "mount": False,
+                "segment": tier_bytes,
+            }
+        contenders.append(Contender(name, raykv, {"block_size": options.block_tokens}))
+    around = {WITH_ALL: store.pool_cpu_s} if store is not None else None
+    rounds, grew = paired_throughput(
+        options.model,
+        contenders,
+        run.engine_args,
+        run.throughput_batch,
+        options.throughput_rounds,
+        options.throughput_output_tokens,
+        say,
+        around,
+    )
+    tokens = options.throughput_requests * (
+        options.throughput_prompt_tokens + options.throughput_output_tokens
+    )
+    shared_measured = store is not None
+    return VllmThroughput(
+        requests=options.throughput_requests,
+        prompt_tokens=options.throughput_prompt_tokens,
+        output_tokens=options.throughput_output_tokens,
+        rounds=options.throughput_rounds,
+        without_tokens_per_s=tokens / rounds.median_s(ALONE),
+        with_tokens_per_s=tokens / rounds.median_s(WITH),
+        ratio=rounds.ratio(ALONE, WITH),
+        ratios=rounds.ratios(ALONE, WITH),
+        with_shared_tokens_per_s=tokens / rounds.median_s(WITH_ALL) if shared_measured else None,
+        shared_ratio=rounds.ratio(ALONE, WITH_ALL) if shared_measured else None,
+        shared_ratios=rounds.ratios(ALONE, WITH_ALL) if shared_measured else None,
+        shared_pool_cpu_s=grew.get(WITH_ALL) if shared_measured else None,
     )
 
 

@@ -218,8 +218,12 @@ class RaykvOffloadingManager(OffloadingManager):
         known = getattr(req_context, "_offload_key_positions", None)
         if position is None or not isinstance(known, dict):
             return False
-        boundaries = sorted((end, name) for name, end in known.items())
-        end = self.choice.limit(req_context.req_id, position, boundaries, self._ready_tier)
+        end = self.choice.limit(
+            req_context.req_id,
+            position,
+            lambda: sorted((end, name) for name, end in known.items()),
+            self._ready_tier,
+        )
         return end is not None and position > end
 
     def _ready_tier(self, key: OffloadKey) -> str | None:

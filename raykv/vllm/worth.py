@@ -68,21 +68,22 @@ class LoadChoice:
         self,
         req_id: str,
         position: int,
-        boundaries: list[tuple[int, T]],
+        boundaries: Callable[[], list[tuple[int, T]]],
         tier_of: Callable[[T], str | None],
     ) -> int | None:
         """The position beyond which this request's keys miss (None: none do). ``position``:
-        where the chunk being looked up ends; ``boundaries``: every chunk of the request (its
-        end, its key), in order; ``tier_of``: the tier that holds a key ready (None: none
-        does), asked at the first key of a lookup for the chunks from it on, up to the first
-        that no tier holds."""
+        where the chunk being looked up ends. At the first key of a lookup only:
+        ``boundaries`` gives every chunk of the request (its end, its key) in order, and
+        ``tier_of`` the tier that holds a key ready (None: none does), asked for the chunks
+        from this one on up to the first that no tier holds."""
         ongoing = self._rounds.get(req_id)
         if ongoing is not None and position > ongoing.last:
             ongoing.last = position
             return ongoing.end
         start = position - self.chunk_tokens
-        ahead = [(end, key) for end, key in boundaries if end >= position]
-        prompt = boundaries[-1][0] if boundaries else position
+        chunks = boundaries()
+        ahead = [(end, key) for end, key in chunks if end >= position]
+        prompt = chunks[-1][0] if chunks else position
         options: list[Candidate] = []
         blocks = {"cpu": 0, "disk": 0, "shared": 0}
         for end, key in ahead:

@@ -32,6 +32,9 @@ def test_bench_reports_each_tier_loaded(vllm_model, tmp_path, capsys) -> None:
             "64",
             "--throughput-output-tokens",
             "4",
+            "--throughput-rounds",
+            "2",
+            "--enforce-eager",  # seven engines start: each 7 s sooner
             "--disk-path",
             str(tmp_path),
             "--json",
@@ -59,6 +62,7 @@ def test_bench_reports_each_tier_loaded(vllm_model, tmp_path, capsys) -> None:
     assert row["kv_bytes"] == whole_blocks * per_token
     throughput = report["throughput"]
     assert throughput["ratio"] > 0 and throughput["shared_ratio"] > 0
+    assert len(throughput["ratios"]) == len(throughput["shared_ratios"]) == 2
     assert throughput["shared_pool_cpu_s"] >= 0  # read from the pool's process
     printed = capsys.readouterr().out
     assert "CPU tier" in printed and "shared tier" in printed

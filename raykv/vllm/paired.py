@@ -1,0 +1,175 @@
+"""vLLM's throughput with raykv's spec against without, measured in pairs.
+
+A few percent is what is being measured, and on a shared machine one engine's run can be 10-20%
+faster than the same engine's a minute later. So each contender (vLLM alone, with raykv's CPU
+and disk tiers, with all three) is an engine in a process of its own, started once and idle
+while another runs, and the batches are taken in turns, the order rotated each round: what the
+machine's speed does over the run falls on every contender alike, and each round gives a ratio
+of two batches run back to back. The ratio reported is the median of the rounds'.
+
+A contender with raykv's spec counts its writes in its time: a batch ends when vLLM's requests
+have and no store of raykv's is still being written (to the disk, into the store), stepped by
+one-token requests, so no write of one batch runs during another contender's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+START_S = 600.0  # an engine's start (an import of vLLM, a compile): the bench gives up after
+BATCH_S = 900.0  # one batch, its writes included
+
+
+class PairedError(RuntimeError):
+    """A contender's engine failed to start or to run a batch (its message says why)."""
+
+
+@dataclass(slots=True)
+class Contender:
+    """One engine of the comparison: ``raykv`` its settings (None: vLLM alone), ``extra`` the
+    rest of its connector config."""
+
+    name: str
+    raykv: dict[str, Any] | None
+    extra: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class Rounds:
+    """Each contender's seconds per round (its batch and its writes)."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def ratios(self, baseline: str, name: str) -> list[float]:
+        """Per round: the baseline's time over the contender's (above 1: the contender was
+        faster)."""
+        return [b / c for b, c in zip(self.seconds[baseline], self.seconds[name], strict=True)]
+
+    def ratio(self, baseline: str, name: str) -> float:
+        return statistics.median(self.ratios(baseline, name))
+
+    def median_s(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+
+def _serve(connection: Any, model: str, contender: Contender, engine_args: dict) -> None:
+    """A contender's process: its engine, then one batch per message until ``None``."""
+    from raykv.vllm.local import local_engine, manager_of
+
+    try:
+        with local_engine(model, contender.raykv, contender.extra, **engine_args) as llm:
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            one = SamplingParams(temperature=0, max_tokens=1)
+            llm.generate([TokensPrompt(prompt_token_ids=[1] * 64)], one, use_tqdm=False)
+            tiers = [] if contender.raykv is None else [t for _, t, _ in manager_of(llm)._tiers()]
+            connection.send(("ready", None))
+            steps = 0
+            while (message := connection.recv()) is not None:
+                prompts, output_tokens = message
+                params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+                start = time.perf_counter()
+                llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+                )
+                # a store lands as later steps poll it: step until none is being written
+                while any(tier.stats().writing for tier in tiers):
+                    steps += 1
+                    token = [2 + steps % 1000]
+                    llm.generate([TokensPrompt(prompt_token_ids=token)], one, use_tqdm=False)
+                connection.send(("done", time.perf_counter() - start))
+    except Exception as exc:  # said to the bench, which stops the others
+        connection.send(("failed", f"{type(exc).__name__}: {exc}"))
+    finally:
+        connection.close()
+
+
+class _Engine:
+    """A contender's process, and the bench's end of its pipe."""
+
+    def __init__(self, model: str, contender: Contender, engine_args: dict) -> None:
+        context = multiprocessing.get_context("spawn")  # vLLM's state is not forked
+        self.name = contender.name
+        self.connection, theirs = context.Pipe()
+        self.process = context.Process(
+            target=_serve,
+            args=(theirs, model, contender, engine_args),
+            name=f"raykv-bench-{contender.name}",
+            daemon=True,
+        )
+        self.process.start()
+        theirs.close()
+        self._answer(START_S, "start")
+
+    def _answer(self, timeout_s: float, what: str) -> Any:
+        if not self.connection.poll(timeout_s):
+            raise PairedError(f"{self.name}: no answer to its {what} within {timeout_s:g} s")
+        try:
+            kind, value = self.connection.recv()
+        except EOFError:
+            raise PairedError(f"{self.name}: its process ended during its {what}") from None
+        if kind == "failed":
+            raise PairedError(f"{self.name}: {value}")
+        return value
+
+    def batch(self, prompts: list[list[int]], output_tokens: int) -> float:
+        self.connection.send((prompts, output_tokens))
+        return float(self._answer(BATCH_S, "batch"))
+
+    def stop(self) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):  # it ended already
+            self.connection.send(None)
+        self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.connection.close()
+
+
+def paired_throughput(
+    model: str,
+    contenders: list[Contender],
+    engine_args: dict[str, Any],
+    batch_of: Callable[[str, int], list[list[int]]],
+    rounds: int,
+    output_tokens: int,
+    say: Callable[[str], None] = lambda _: None,
+    around: dict[str, Callable[[], float | None]] | None = None,
+) -> tuple[Rounds, dict[str, float | None]]:
+    """Each contender's seconds for ``rounds`` batches taken in turns (``batch_of(name,
+    round)``: its prompts, none another contender has), and for each name in ``around``, what
+    that reading (a process's CPU seconds) grew by over the contender's batches."""
+    engines: list[_Engine] = []
+    found = Rounds({c.name: [] for c in contenders})
+    grew: dict[str, float | None] = dict.fromkeys(around or {}, 0.0)
+    try:
+        for contender in contenders:
+            say(f"throughput: starting {contender.name}")
+            engines.append(_Engine(model, contender, engine_args))
+        for r in range(rounds):
+            for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
+                say(f"throughput: round {r + 1}/{rounds}, {engine.name}")
+                read = (around or {}).get(engine.name)
+                before = read() if read is not None else None
+                found.seconds[engine.name].append(
+                    engine.batch(batch_of(engine.name, r), output_tokens)
+                )
+                if read is not None:
+                    after = read()
+                    total = grew[engine.name]
+                    grew[engine.name] = (
+                        None
+                        if total is None or before is None or after is None
+                        else total + after - before
+                    )
+    finally:
+        for engine in engines:
+            engine.stop()
+    return found, grew
