@@ -201,9 +201,11 @@ class RaykvOffloadingManager(OffloadingManager):
             found = self.shared.lookup(k)
             if found == MISS and self._find_in_store(k):
                 found = HIT
-        # a hit past where loading stops paying misses (and a miss measures the recompute)
-        beyond = found != HIT_PENDING and self.choice is not None
-        if beyond and self._beyond_choice(key, req_context):
+        # a hit past where loading stops paying misses, as does a key being written there (a
+        # pending one would hold the request back for a load it will not take)
+        choice = self.choice
+        asks = choice is not None and (found != HIT_PENDING or choice.deciding(req_context.req_id))
+        if asks and self._beyond_choice(key, req_context):
             return LookupResult.MISS
         if found == HIT:
             return LookupResult.HIT
@@ -218,10 +220,16 @@ class RaykvOffloadingManager(OffloadingManager):
         known = getattr(req_context, "_offload_key_positions", None)
         if position is None or not isinstance(known, dict):
             return False
+        chunk = self.choice.chunk_tokens
+        group = key[-4:]  # this key's KV group's chunk boundaries only, whole chunks only
         end = self.choice.limit(
             req_context.req_id,
             position,
-            lambda: sorted((end, name) for name, end in known.items()),
+            lambda: sorted(
+                (end, name)
+                for name, end in known.items()
+                if name[-4:] == group and end % chunk == 0
+            ),
             self._ready_tier,
         )
         return end is not None and position > end
@@ -320,7 +328,8 @@ class RaykvOffloadingManager(OffloadingManager):
         ks = self._named(keys)
         if self.choice is not None:
             ends = [req_context.get_offload_key_position(key) for key in keys]
-            self.choice.stored(req_context.req_id, max((e for e in ends if e), default=0))
+            end = max((e for e in ends if e), default=0)
+            self.choice.stored(req_context.req_id, end, len(ks))
         plan = self.cpu.prepare_store(ks)
         if plan is None:
             # no room for all: the prefix there is room for (vLLM does not offer the rest

@@ -24,6 +24,7 @@ from typing import Any
 
 START_S = 600.0  # an engine's start (an import of vLLM, a compile): the bench gives up after
 BATCH_S = 900.0  # one batch, its writes included
+STOP_S = 60.0  # an engine's shutdown once asked (a stuck one is killed)
 
 
 class PairedError(RuntimeError):
@@ -106,7 +107,11 @@ class _Engine:
         )
         self.process.start()
         theirs.close()
-        self._answer(START_S, "start")
+        try:
+            self._answer(START_S, "start")
+        except BaseException:
+            self.stop()  # never left behind, starting or compiling
+            raise
 
     def _answer(self, timeout_s: float, what: str) -> Any:
         if not self.connection.poll(timeout_s):
@@ -126,7 +131,7 @@ class _Engine:
     def stop(self) -> None:
         with contextlib.suppress(BrokenPipeError, OSError):  # it ended already
             self.connection.send(None)
-        self.process.join(60)
+        self.process.join(STOP_S)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)

@@ -169,13 +169,16 @@ def kill_embedded(run_directory: str) -> bool:
     if mine is not None:
         mine.kill()
         return True
-    with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open(os.path.join(run_directory, ENDPOINT_FILE)) as handle:
             fields = handle.read().split()
-        if fields[0] != "failed":
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(fields[2]), signal.SIGKILL)
-            return True
+        pid = int(fields[2])
+        # the pid the file names, only while it is still a Mooncake master (not one reused)
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            if b"mooncake_master" not in handle.read():
+                return False
+        os.kill(pid, signal.SIGKILL)
+        return True
     return False
 
 

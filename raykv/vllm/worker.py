@@ -177,11 +177,12 @@ class RaykvOffloadingWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         lower_busy = self._lower_busy()
-        if lower_busy and time.perf_counter() - self._last_poll < IDLE_POLL_S:
-            # vLLM has nothing to compute and spins on this poll, taking a core and the GIL
-            # from the threads reading the disk or the store (the store's TCP transport wants
-            # both cores on two: measured, a 2,048-token load from it 180-240 ms with a bare
-            # yield here, 150-160 ms with this wait)
+        if self._promoting() and time.perf_counter() - self._last_poll < IDLE_POLL_S:
+            # vLLM has nothing to compute but a request waiting for its load, and spins on
+            # this poll, taking a core and the GIL from the threads reading the disk or the
+            # store (the store's TCP transport wants both cores on two: measured, a 2,048-token
+            # load from it 180-240 ms with a bare yield here, 125-160 ms with this wait). Not
+            # for writes: nothing waits on them, and a request arriving would
             self._wait_lower(IDLE_WAIT_S)
         elif self._jobs and (self.copies.threaded or lower_busy):
             # vLLM polls every step, and an idle engine steps in a tight Python loop that
@@ -206,6 +207,10 @@ class RaykvOffloadingWorker(OffloadingWorker):
 
     def _lower_busy(self) -> bool:
         return any(job.waiting for job in self._jobs.values())
+
+    def _promoting(self) -> bool:
+        """A load's chunks are being read from the disk or the store (a request waits)."""
+        return any(job.waiting and job.stage == "promote" for job in self._jobs.values())
 
     def take_failed_loads(self) -> list[int]:
         """Loads that failed, reported done to vLLM since the last call."""

@@ -3,11 +3,11 @@ first token comes sooner than by computing the same tokens, priced by raykv's ow
 (``connector/worth.py``) from what vLLM lets the manager see.
 
 vLLM hides the model's time from a spec: the manager sees neither a step's tokens nor its
-forward. What it sees: the chunks each step will fill are offered for storing
-(``prepare_store``) while vLLM schedules that step, and the next step is scheduled once that
-step's forward is done. So a step's prefill is measured as the tokens of the chunks offered in
-it (each request's from where it computes: the end of its load, or of its last offer) against
-the seconds from the end of its scheduling to the end of the next one's (its forward, the
+forward. What it sees: when vLLM has scheduled a step it calls ``on_schedule_end``, then offers
+for storing (``prepare_store``) the chunks that step's forward fills; the next step's
+``on_schedule_end`` comes once that forward is done. So a step's prefill is measured as the
+tokens of the chunks offered after one schedule end (each request's from where it computes:
+the end of its load, or of its last offer) against the seconds to the next (the forward, the
 copies raykv's workers run after it, and the next scheduling: what a request computing in that
 step waits for). Partial chunks and decodes are not offered, so their tokens count as the
 step's overhead. A load is measured from ``prepare_load`` to ``complete_load``: vLLM schedules
@@ -17,9 +17,12 @@ has its samples it is priced by the prior of raykv's engine (a load waits a step
 the busy steps), and before the prefill has its samples every hit is loaded.
 
 The lookup looks ahead: at the first key of a request's lookup, the keys after it (vLLM hands
-the request's chunk boundaries in the lookup's context) are found in the tiers (the store asked
-once for those no tier of this engine holds), the choice is made for the whole prefix, and
-each key beyond the chosen end answers MISS.
+the request's chunk boundaries in the lookup's context; those of the key's KV group and whole
+chunks only) are found in the tiers (the store asked for those no tier of this engine holds),
+the choice is made for the whole prefix, and each key beyond the chosen end answers MISS, one
+being written there too. The decision stands while the request waits in vLLM's queue (looked
+up again each step), so its skipped hits count once. vLLM looks a sliding-window group up from
+its end: past that first key the choice steps aside.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ IDLE_GAP = 10.0  # a step this many times the usual one followed an idle engine
 
 @dataclass(slots=True)
 class _Round:
-    """One lookup of a request: the position of the last key looked up, and the position
+    """A request's decision: the position of the first key it was made at, and the position
     beyond which keys miss (None: every hit is taken)."""
 
-    last: int
+    first: int
     end: int | None
 
 
@@ -58,9 +61,11 @@ class LoadChoice:
         self._rounds: OrderedDict[str, _Round] = OrderedDict()
         self._computed: OrderedDict[str, int] = OrderedDict()  # where each request computes from
         self._loading: OrderedDict[str, tuple[float, int, int, int]] = OrderedDict()
-        self._tally = (0, 0.0)  # tokens offered in the step being scheduled, their attention
-        self._scheduled: tuple[int, float] | None = None  # the step before's, its forward running
+        # tokens offered for storing since the last schedule end (the step vLLM just scheduled
+        # computes them), and their attention work
+        self._tally = (0, 0.0)
         self._last_schedule_end: float | None = None
+        self._warm = False  # a step with a prefill timed (the first is not kept)
 
     # ---- the choice --------------------------------------------------------------------------
 
@@ -72,13 +77,19 @@ class LoadChoice:
         tier_of: Callable[[T], str | None],
     ) -> int | None:
         """The position beyond which this request's keys miss (None: none do). ``position``:
-        where the chunk being looked up ends. At the first key of a lookup only:
-        ``boundaries`` gives every chunk of the request (its end, its key) in order, and
-        ``tier_of`` the tier that holds a key ready (None: none does), asked for the chunks
-        from this one on up to the first that no tier holds."""
+        where the chunk being looked up ends. Where the request has no decision yet, or its
+        lookup starts elsewhere than the decision's: ``boundaries`` gives every chunk of the
+        request (its end, its key) in order, and ``tier_of`` the tier that holds a key ready
+        (None: none does), asked for the chunks from this one on up to the first that no tier
+        holds. A request waiting in vLLM's queue is looked up every step: its decision stands
+        (and its skipped hits count once) until its lookup starts elsewhere."""
         ongoing = self._rounds.get(req_id)
-        if ongoing is not None and position > ongoing.last:
-            ongoing.last = position
+        if ongoing is not None:
+            if position > ongoing.first:
+                return ongoing.end
+            if position < ongoing.first:
+                # a lookup from the end (a sliding window's): not a prefix this prices
+                return None
             return ongoing.end
         start = position - self.chunk_tokens
         chunks = boundaries()
@@ -98,6 +109,10 @@ class LoadChoice:
         self._remember(self._computed, req_id, max(start, decision.end))
         return end
 
+    def deciding(self, req_id: str) -> bool:
+        """Whether the request has a decision (a key being written past its end misses too)."""
+        return req_id in self._rounds
+
     @property
     def skipped(self) -> dict[str, int]:
         """Hits passed over as slower than recomputing, by the deepest tier they loaded from."""
@@ -105,10 +120,11 @@ class LoadChoice:
 
     # ---- what vLLM shows of the costs --------------------------------------------------------
 
-    def stored(self, req_id: str, position: int) -> None:
-        """The chunks of the request up to ``position`` are offered for storing: the step
-        being scheduled computes them."""
-        since = self._computed.get(req_id, position - self.chunk_tokens)
+    def stored(self, req_id: str, position: int, chunks: int = 1) -> None:
+        """``chunks`` chunks of the request, up to ``position``, are offered for storing: the
+        step just scheduled computes them (from the end of its load or last offer, where
+        known)."""
+        since = self._computed.get(req_id, position - chunks * self.chunk_tokens)
         if position <= since:
             return
         tokens = position - since
@@ -118,6 +134,7 @@ class LoadChoice:
 
     def loading(self, req_id: str, cpu_chunks: int, disk_chunks: int, shared_chunks: int) -> None:
         """A load of the request starts (chunks from each tier)."""
+        self._rounds.pop(req_id, None)  # a lookup after it (a preemption's) decides anew
         bpc = self.blocks_per_chunk
         since = time.perf_counter()
         chunks = (since, cpu_chunks * bpc, disk_chunks * bpc, shared_chunks * bpc)
@@ -142,21 +159,25 @@ class LoadChoice:
             self.costs.shared.add(shared, rest)
 
     def schedule_ended(self) -> None:
-        """vLLM ended a step's scheduling: the step before's forward is done, and its prefill
-        (the tokens offered in it) took the time since that step's scheduling ended."""
+        """vLLM ends a step's scheduling before it offers that step's chunks for storing: the
+        chunks offered since the last schedule end are the step before's, whose forward is
+        done now, and it took the time since."""
         now = time.perf_counter()
         costs = self.costs
-        if self._scheduled is not None and self._last_schedule_end is not None:
-            tokens, attention = self._scheduled
+        tokens, attention = self._tally
+        if tokens > 0 and self._last_schedule_end is not None:
             seconds = now - self._last_schedule_end
-            # an idle engine schedules nothing: a gap far past the usual step is no step
+            # an idle engine schedules nothing: a gap far past the usual step is no step; and
+            # an engine's first forward initializes lazily (measured: 2.1 s for a step of
+            # 10 ms), which would price every recompute for a window of steps
             usual = costs.step_period_s
-            if tokens > 0 and (not usual or seconds < IDLE_GAP * usual):
+            if not self._warm:
+                self._warm = True
+            elif not usual or seconds < IDLE_GAP * usual:
                 costs.prefill.add(tokens, attention, seconds)
                 costs.observe_duration(seconds)
-        self._scheduled, self._tally = self._tally, (0, 0.0)
+        self._tally = (0, 0.0)
         self._last_schedule_end = now
-        self._rounds.clear()  # a request looked up again next step starts a new lookup
 
     def finished(self, req_id: str) -> None:
         for table in (self._rounds, self._computed, self._loading):

@@ -84,6 +84,25 @@ def test_a_long_prefix_is_loaded_where_a_short_one_is_not(tmp_path) -> None:
     assert looked_up(manager, keys, "long") == CHUNKS
 
 
+def test_a_step_s_prefill_is_timed_by_its_own_forward() -> None:
+    """vLLM offers a step's chunks for storing after that step's schedule end; the next schedule
+    end comes after its forward: the offer is timed by that forward, not by a later step's."""
+    import time
+
+    choice = LoadChoice(chunk_tokens=CHUNK, blocks_per_chunk=1)
+    choice.schedule_ended()  # the engine's first forward: its lazy start is not kept
+    choice.stored("cold", 4 * CHUNK, chunks=4)
+    time.sleep(0.2)
+    choice.schedule_ended()  # step 1 scheduled: a request's two chunks computed in it
+    choice.stored("r", 2 * CHUNK, chunks=2)
+    time.sleep(0.05)  # its forward
+    choice.schedule_ended()  # step 2 (a decode: nothing offered)
+    time.sleep(0.005)
+    choice.schedule_ended()
+    ((tokens, _, seconds),) = choice.costs.prefill.points
+    assert tokens == 2 * CHUNK and seconds >= 0.05
+
+
 REPEATED = [prompt_text(30 + i) for i in range(3)]
 FRESH = [prompt_text(40 + i) for i in range(6)]
 
