@@ -2,26 +2,28 @@
 loaded from each of raykv's tiers, beside the copy limit of the same bytes; and vLLM's
 throughput with no reuse, without raykv's spec, with its CPU and disk tiers, and with all three.
 
-Everything runs in this process, one vLLM engine at a time (vLLM's connector is global to a
+The TTFT rows run in this process, one vLLM engine at a time (vLLM's connector is global to a
 process), on the same model and settings, with vLLM's prefix cache on as vLLM runs by default:
 
 1. **vLLM alone.** Each prompt (random token ids, ``max_tokens`` 1) is computed from scratch
-   (``recompute_s``), the prefix cache emptied after it. Then the throughput workload.
+   (``recompute_s``), the prefix cache emptied after it.
 2. **vLLM with raykv (the writer):** its CPU tier, a disk tier and the shared tier on a
    Mooncake master the bench runs on loopback (its pool's memory given by a process of the
-   bench's, so it outlives the engines). The same throughput workload (``with_shared``: every
-   lookup misses, every full block is stored, written through to the disk and put into the
-   store; the pool's process, which stands in for the memory of other nodes, receives every
-   put over TCP on the same cores, and the CPU it spends is reported beside).
-   Then each prompt is run once (its KV stored), its stores waited for, vLLM's prefix cache
-   emptied, and run again: raykv's CPU tier is the only place its KV is (``cpu_tier_s``).
+   bench's, so it outlives the engines). Each prompt is run once (its KV stored, written
+   through to the disk and published), its stores waited for, vLLM's prefix cache emptied,
+   and run again: raykv's CPU tier is the only place its KV is (``cpu_tier_s``).
 3. **A second vLLM with raykv on the same disk path:** its CPU tier empty, the files' pages out
    of the page cache; each prompt's KV is read from its files, promoted into the CPU tier and
-   loaded (``disk_tier_s``: cold). Then the throughput workload again (``with``: raykv's CPU
-   and disk tiers, every full block stored and written through to the disk).
+   loaded (``disk_tier_s``: cold).
 4. **A third vLLM with raykv on the same store** (no disk tier), its CPU tier empty: each
    prompt's KV is what the writer published, read from the store, promoted and loaded
    (``shared_tier_s``: computed by one engine, loaded by another).
+
+The throughput rows come last, measured in pairs (``paired.py``): vLLM alone, with raykv's CPU
+and disk tiers (``with``) and with all three (``with_shared``: every full block stored, written
+to the disk and put into the store, whose pool's process receives every put over TCP on the
+same cores; the CPU it spends is reported beside), each an engine in a process of its own,
+their batches taken in turns.
 
 The copy limit of a prompt's KV bytes (what a tier load moves) is measured in the same run:
 ``limit_s`` one ``memcpy`` of them (the CPU tier's floor), ``disk_limit_s`` one cold sequential
