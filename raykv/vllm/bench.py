@@ -68,7 +68,7 @@ from raykv.transfer.shared_store import (
     connect,
     mooncake_problem,
 )
-from raykv.vllm.local import local_engine, manager_of, worker_of
+from raykv.vllm.local import local_engine, stores_landed, worker_of
 from raykv.vllm.paired import Contender, paired_throughput
 
 Progress = Callable[[str], None]
@@ -264,26 +264,10 @@ def _first_token(llm: Any, tokens: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, out.num_cached_tokens or 0
 
 
-def _throughput_s(llm: Any, prompts: list[list[int]], output_tokens: int) -> float:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
-
-
-def _drain(llm: Any, prompts: _Prompts, rounds: int = 500) -> None:
-    """Step the engine (one-token requests, too short to store) until no store of raykv's is
-    in flight: a store lands only as later steps poll it."""
-    tiers = [tier for _, tier, _ in manager_of(llm)._tiers()]
-    for i in range(rounds):
-        if all(tier.stats().writing == 0 for tier in tiers):
-            return
-        _first_token(llm, prompts.make(f"drain-{i}", 1))
-        time.sleep(0.002)
-    raise VllmBenchError("raykv's stores did not land within the bench's wait")
+def _drain(llm: Any, prompts: _Prompts) -> None:
+    """Step the engine until no store of raykv's is in flight (``local.stores_landed``)."""
+    if not stores_landed(llm, lambda i: prompts.make(f"drain-{i}", 1), pause_s=0.002):
+        raise VllmBenchError("raykv's stores did not land within the bench's wait")
 
 
 def _last_load(llm: Any) -> Any:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SPEC = {"spec_name": "RaykvOffloadingSpec", "spec_module_path": "raykv.vllm"}
@@ -65,3 +66,31 @@ def worker_of(llm: Any) -> Any:
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
     return get_kv_transfer_group().connector_worker.worker
+
+
+def generate_s(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds ``llm`` takes to answer these token-id prompts, ``max_tokens`` each (greedy,
+    past any end-of-sequence token)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def stores_landed(
+    llm: Any, prompt_of: Callable[[int], list[int]], rounds: int = 500, pause_s: float = 0.0
+) -> bool:
+    """Step ``llm`` with one-token requests (``prompt_of(i)``: the i-th, too short to store)
+    until no store of raykv's is being written: a store lands only as later steps poll it.
+    False where some still are after ``rounds`` of them."""
+    tiers = [tier for _, tier, _ in manager_of(llm)._tiers()]
+    for i in range(rounds):
+        if all(tier.stats().writing == 0 for tier in tiers):
+            return True
+        generate_s(llm, [prompt_of(i)], 1)
+        if pause_s:
+            time.sleep(pause_s)
+    return False

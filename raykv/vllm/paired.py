@@ -61,30 +61,19 @@ class Rounds:
 
 def _serve(connection: Any, model: str, contender: Contender, engine_args: dict) -> None:
     """A contender's process: its engine, then one batch per message until ``None``."""
-    from raykv.vllm.local import local_engine, manager_of
+    from raykv.vllm.local import generate_s, local_engine, stores_landed
 
     try:
         with local_engine(model, contender.raykv, contender.extra, **engine_args) as llm:
-            from vllm import SamplingParams
-            from vllm.inputs import TokensPrompt
-
-            one = SamplingParams(temperature=0, max_tokens=1)
-            llm.generate([TokensPrompt(prompt_token_ids=[1] * 64)], one, use_tqdm=False)
-            tiers = [] if contender.raykv is None else [t for _, t, _ in manager_of(llm)._tiers()]
+            generate_s(llm, [[1] * 64], 1)
             connection.send(("ready", None))
-            steps = 0
             while (message := connection.recv()) is not None:
                 prompts, output_tokens = message
-                params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
                 start = time.perf_counter()
-                llm.generate(
-                    [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-                )
-                # a store lands as later steps poll it: step until none is being written
-                while any(tier.stats().writing for tier in tiers):
-                    steps += 1
-                    token = [2 + steps % 1000]
-                    llm.generate([TokensPrompt(prompt_token_ids=token)], one, use_tqdm=False)
+                generate_s(llm, prompts, output_tokens)
+                # its writes count in its time: none runs in another contender's batch
+                if contender.raykv is not None and not stores_landed(llm, lambda i: [2 + i % 1000]):
+                    raise RuntimeError("raykv's stores did not land within the bench's wait")
                 connection.send(("done", time.perf_counter() - start))
     except Exception as exc:  # said to the bench, which stops the others
         connection.send(("failed", f"{type(exc).__name__}: {exc}"))

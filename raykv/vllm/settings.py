@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from raykv.config import ConfigError
 from raykv.config.loading import error_lines, load_config
 from raykv.config.sections import OffloadConfig
+from raykv.config.shared import EMBEDDED
 from raykv.faults import DISK_KINDS, SHARED_KINDS, Fault, FaultSpecError, parse_fault
 
 # where raykv's settings sit in kv_connector_extra_config
@@ -77,9 +78,12 @@ def offload_settings(extra_config: Mapping[str, Any]) -> OffloadConfig:
     return settings
 
 
-def fault_settings(extra_config: Mapping[str, Any], world_size: int) -> list[Fault]:
+def fault_settings(
+    extra_config: Mapping[str, Any], world_size: int, settings: OffloadConfig
+) -> list[Fault]:
     """The faults ``kv_connector_extra_config`` asks for (``raykv_faults``, or the
-    ``raykv_config`` file's ``faults``); ``ConfigError`` naming the spec at fault."""
+    ``raykv_config`` file's ``faults``) of an engine of ``world_size`` workers with raykv's
+    ``settings``; ``ConfigError`` naming the spec at fault."""
     path, listed = extra_config.get(FILE), extra_config.get(FAULTS)
     if path is not None and listed is not None:
         raise ConfigError(f"{FAULTS}: with {FILE}, list the faults in that file's faults")
@@ -106,6 +110,12 @@ def fault_settings(extra_config: Mapping[str, Any], world_size: int) -> list[Fau
             raise ConfigError(
                 f"{where}[{i}]: rank {fault.rank} does not exist with {world_size} "
                 f"worker{'s' if world_size > 1 else ''}"
+            )
+        embedded = settings.shared.enabled and settings.shared.master == EMBEDDED
+        if fault.kind == "kill-shared-master" and not embedded:
+            raise ConfigError(
+                f"{where}[{i}]: kill-shared-master needs the shared tier with its embedded "
+                "master (raykv.shared.enabled, raykv.shared.master: embedded)"
             )
         faults.append(fault)
     return faults

@@ -23,7 +23,6 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from raykv.config import ConfigError
 from raykv.config.sections import OffloadConfig
-from raykv.config.shared import EMBEDDED
 from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, EventLog
 from raykv.faults import FaultyBackend, FaultyTier, RankFaults
 from raykv.offload.directory import Directory
@@ -77,15 +76,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
         self.settings: OffloadConfig = offload_settings(self.extra_config)
         parallel = config.parallel
         self.rank, self.world_size = parallel.rank, max(1, parallel.world_size)
-        self.faults = fault_settings(self.extra_config, self.world_size)
-        shared_tier = self.settings.shared
-        if any(f.kind == "kill-shared-master" for f in self.faults) and not (
-            shared_tier.enabled and shared_tier.master == EMBEDDED
-        ):
-            raise ConfigError(
-                "raykv_faults: kill-shared-master needs the shared tier with its embedded "
-                "master (raykv.shared.enabled, raykv.shared.master: embedded)"
-            )
+        self.faults = fault_settings(self.extra_config, self.world_size, self.settings)
         self.chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.num_slots = self._cpu_slots()
         self.parts = namespace.namespace_parts(config, self._device())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raykv.config import ConfigError
+from raykv.config.sections import OffloadConfig
 from raykv.vllm.settings import fault_settings, offload_settings
 from raykv.vllm.versions import UnsupportedVllm, check_version
 
@@ -54,13 +55,20 @@ def test_supported_versions_pass(version) -> None:
     check_version(version)
 
 
+NO_SHARED_TIER = OffloadConfig()
+
+
 def test_faults_come_inline_or_from_the_file_with_raykv_run_s_specs(tmp_path) -> None:
-    inline = fault_settings({"raykv_faults": ["fail-disk:rate=0.5:rank=1"]}, world_size=2)
+    inline = fault_settings(
+        {"raykv_faults": ["fail-disk:rate=0.5:rank=1"]}, world_size=2, settings=NO_SHARED_TIER
+    )
     assert [(f.kind, f.rate, f.rank) for f in inline] == [("fail-disk", 0.5, 1)]
     path = tmp_path / "raykv.yaml"
-    path.write_text('offload:\n  cpu_slots: 4\nfaults: ["kill-shared-master:step=7"]\n')
-    assert [f.step for f in fault_settings({"raykv_config": str(path)}, 1)] == [7]
-    assert fault_settings({"raykv": {"cpu_slots": 4}}, 1) == []
+    offload = "offload:\n  cpu_slots: 4\n  shared: {enabled: true}\n"
+    path.write_text(offload + 'faults: ["kill-shared-master:step=7"]\n')
+    extra = {"raykv_config": str(path)}
+    assert [f.step for f in fault_settings(extra, 1, offload_settings(extra))] == [7]
+    assert fault_settings({"raykv": {"cpu_slots": 4}}, 1, NO_SHARED_TIER) == []
 
 
 @pytest.mark.parametrize(
@@ -71,9 +79,10 @@ def test_faults_come_inline_or_from_the_file_with_raykv_run_s_specs(tmp_path) ->
         (["corrupt-disk:rate=1:rank=2"], "raykv_faults[0]: rank 2 does not exist with 2"),
         (["slow-disk"], "raykv_faults[0]: fault 'slow-disk': slow-disk needs ms=N"),
         ("fail-copy:rate=1", "raykv_faults: expected a list"),
+        (["kill-shared-master:step=3"], "raykv_faults[0]: kill-shared-master needs the shared"),
     ],
 )
 def test_a_fault_vllm_cannot_have_or_a_bad_spec_is_named(faults, named) -> None:
     with pytest.raises(ConfigError) as caught:
-        fault_settings({"raykv_faults": faults}, world_size=2)
+        fault_settings({"raykv_faults": faults}, world_size=2, settings=NO_SHARED_TIER)
     assert named in str(caught.value) and "\n" not in str(caught.value)
