@@ -2,7 +2,8 @@
 # The GPU checks of raykv, in one prepared run, for a machine whose torch has CUDA (no internet
 # needed, no Ray needed): the tests in tests/gpu (the real model on CUDA against transformers
 # among them, its bfloat16 logprob differences printed), the transfer benchmark against the copy
-# limit, `raykv run` on CUDA ranks compared with CPU ranks (CPU tier; CPU and disk tiers; the
+# limit (raykv's own cache, and the pages in vLLM's per-layer views as raykv's worker inside vLLM
+# copies them), `raykv run` on CUDA ranks compared with CPU ranks (CPU tier; CPU and disk tiers; the
 # disk tier under its faults), TTFT recomputed against loaded from each tier on a random
 # checkpoint of SmolLM2's shape, the disk tier's I/O against plain I/O on that machine's disk,
 # and the trace with and without the tiers; where Ray is installed, the per-step fan-out bench.
@@ -16,7 +17,8 @@
 # is there: run scripts/fetch_gpu_wheels.sh first and carry .whl along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ALL_STEPS=(gpu-tests transfer-cuda run-cpu run-cuda run-cuda-disk run-cuda-disk-faults checkpoint
+ALL_STEPS=(gpu-tests transfer-cuda transfer-cuda-vllm-views transfer-cuda-vllm-views-8b run-cpu
+           run-cuda run-cuda-disk run-cuda-disk-faults checkpoint
            ttft-cuda-float32 ttft-cuda-bfloat16 transfer-disk offload-conv-half-cuda
            offload-conv-half-cuda-1io offload-conv-half-cuda-cpu offload-conv-low-cuda offload-cuda
            offload-conv-half-cpu profile-cuda-on profile-cuda-off fanout)
@@ -71,6 +73,16 @@ selected gpu-tests && tail -3 "$DIR/gpu-tests.txt"
 
 step transfer-cuda 60 "${RAYKV[@]}" bench transfer --device cuda --page-kib 16,64,256,1024,4096 \
   --blocks 1024 --direction store,load,both --repeat 5 --json "$DIR/transfer-cuda.json"
+
+# the copies of raykv's worker inside vLLM (no vLLM needed): pages in per-layer byte views as
+# vLLM's canonical views give them, 30 of 24 KiB (SmolLM2 float32, 16-token blocks) and 32 of
+# 64 KiB (a Llama-8B-shaped bfloat16 block), against one copy of the same bytes
+step transfer-cuda-vllm-views 60 "${RAYKV[@]}" bench transfer --device cuda --page-kib 720 \
+  --pieces 30 --blocks 512 --direction store,load --repeat 5 \
+  --json "$DIR/transfer-cuda-vllm-views.json"
+step transfer-cuda-vllm-views-8b 60 "${RAYKV[@]}" bench transfer --device cuda --page-kib 2048 \
+  --pieces 32 --blocks 256 --direction store,load --repeat 5 \
+  --json "$DIR/transfer-cuda-vllm-views-8b.json"
 
 RUN=(run --engine local --config configs/synthetic.yaml --num-requests 200
      --set cache.num_gpu_blocks=96)
@@ -202,10 +214,10 @@ for name in ("run-cuda", "run-cuda-disk", "run-cuda-disk-faults"):
           f"verified={run['integrity']['blocks_verified']} cpu_hits={run['cpu_hit_tokens']} "
           f"disk_hits={run.get('disk_hit_tokens', 0)} "
           f"disk={ {k: v for k, v in tiers.get('disk', {}).items() if not isinstance(v, dict)} }")
-rows = (load("transfer-cuda") or {}).get("results", [])
-for r in rows:
-    print(f"transfer cuda {r['page_kib']:>5} KiB {r['direction']:>5}: {r['gbps']:7.2f} GB/s, "
-          f"copy_ {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")
+for name in ("transfer-cuda", "transfer-cuda-vllm-views", "transfer-cuda-vllm-views-8b"):
+    for r in (load(name) or {}).get("results", []):
+        print(f"{name} {r['page_kib']:>5} KiB in {r.get('pieces', 1)} {r['direction']:>5}: "
+              f"{r['gbps']:7.2f} GB/s, copy_ {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")
 for r in (load("transfer-disk") or {}).get("results", []):
     print(f"transfer disk {r['page_kib']:>5} KiB {r['direction']:>5} {r.get('mode', '')}: "
           f"{r['gbps']:7.2f} GB/s, plain {r['baseline_gbps']:7.2f}, ratio {r['ratio']:.2f}")

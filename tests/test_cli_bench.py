@@ -54,6 +54,17 @@ def test_bench_transfer_bad_direction(capsys: pytest.CaptureFixture[str]) -> Non
     assert "direction must be one of" in capsys.readouterr().err
 
 
+def test_bench_transfer_pieces_that_do_not_split_a_page(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "transfer", "--page-kib", "16", "--blocks", "4", "--pieces", "3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--pieces 3" in err and "16 KiB" in err and "Traceback" not in err
+    assert main(["bench", "transfer", "--device", "disk", "--pieces", "2"]) == 2
+    assert "--pieces: only with --device cpu or cuda" in capsys.readouterr().err
+
+
 def test_bench_step_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "step.json"
     argv = ["bench", "step", "--cached", "64,300", "--steps", "20", "--repeat", "1"]

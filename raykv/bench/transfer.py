@@ -86,14 +86,28 @@ def best_pair(
 
 
 def _bench_page(
-    page_kib: int, blocks: int, directions: list[str], pattern: str, repeat: int, device: str
+    page_kib: int,
+    blocks: int,
+    directions: list[str],
+    pattern: str,
+    repeat: int,
+    device: str,
+    pieces: int = 1,
 ) -> list[dict[str, float | int | str]]:
     layout = bench_layout(page_kib, blocks)
     cuda = device == "cuda"
-    kv = allocate_kv(layout, device)  # zero-filled: touched
     pool = allocate_pool(layout, pin=cuda, zero=True)
-    kv.fill_(1.0)
-    flat_kv, flat_pool = kv.view(-1), pool.view(-1)
+    cache: torch.Tensor | list[torch.Tensor]
+    if pieces == 1:
+        kv = allocate_kv(layout, device)  # zero-filled: touched
+        kv.fill_(1.0)
+        cache = kv
+    else:
+        # vLLM's canonical views: a byte view per layer, the layers adjacent in one allocation
+        width = layout.page_bytes // pieces
+        kv = torch.ones((pieces, blocks, width), dtype=torch.uint8, device=device)
+        cache = list(kv.unbind(0))
+    flat_kv, flat_pool = kv.view(torch.uint8).view(-1), pool.view(torch.uint8).view(-1)
 
     gpu = list(range(blocks))
     if pattern == "random":
@@ -112,7 +126,7 @@ def _bench_page(
         "load": [(False, 0, blocks)],
         "both": [(True, 0, half), (False, half, blocks)],
     }
-    split = half * layout.page_elems
+    split = half * layout.page_bytes
     copies_of = {
         "store": [(flat_pool, flat_kv)],
         "load": [(flat_kv, flat_pool)],
@@ -122,7 +136,7 @@ def _bench_page(
     results: list[dict[str, float | int | str]] = []
     engine_cls = CudaTransferEngine if cuda else CpuTransferEngine
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with engine_cls(kv, pool, layout) as engine:
+    with engine_cls(cache, pool, layout) as engine:
         for direction in directions:
             jobs = jobs_of[direction]
             copies = copies_of[direction]
@@ -147,6 +161,7 @@ def _bench_page(
             results.append(
                 {
                     "page_kib": page_kib,
+                    "pieces": pieces,
                     "direction": direction,
                     "blocks": blocks,
                     "bytes": total,
@@ -166,12 +181,16 @@ def run_transfer_bench(
     pattern: str = "random",
     repeat: int = 3,
     max_bytes: int | None = DEFAULT_MAX_BYTES,
+    pieces: int = 1,
 ) -> dict[str, object]:
     """Measure transfer bandwidth per page size and direction against one large ``copy_``.
 
-    Returns ``{"device", "pattern", "results": [{"page_kib", "direction", "blocks", "bytes",
-    "gbps", "baseline_gbps", "ratio"}, ...]}`` (GB = 10^9 bytes). ``blocks`` is capped per page size
-    so kv + pool stay within ``max_bytes`` (None: no cap), but never below 2.
+    Returns ``{"device", "pattern", "pieces", "results": [{"page_kib", "pieces", "direction",
+    "blocks", "bytes", "gbps", "baseline_gbps", "ratio"}, ...]}`` (GB = 10^9 bytes). ``blocks``
+    is capped per page size so kv + pool stay within ``max_bytes`` (None: no cap), but never
+    below 2. ``pieces`` > 1: a page is that many equal byte views of as many layers, as vLLM's
+    canonical views give raykv inside vLLM (the engine the worker copies with); the baseline
+    still copies the same bytes in one ``copy_``.
     """
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"CUDA is not available to torch {torch.__version__} here")
@@ -186,14 +205,19 @@ def run_transfer_bench(
         raise ValueError(f"blocks must be >= 2, got {blocks}")
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    for kib in page_kib:
+        if kib * 1024 % pieces:
+            raise ValueError(f"a page of {kib} KiB does not split into {pieces} equal pieces")
 
     results: list[dict[str, float | int | str]] = []
     for kib in page_kib:
         n = blocks
         if max_bytes is not None:
             n = max(2, min(blocks, max_bytes // (2 * kib * 1024)))
-        results.extend(_bench_page(kib, n, directions, pattern, repeat, device))
-    return {"device": device, "pattern": pattern, "results": results}
+        results.extend(_bench_page(kib, n, directions, pattern, repeat, device, pieces))
+    return {"device": device, "pattern": pattern, "pieces": pieces, "results": results}
 
 
 def format_transfer_table(result: dict[str, object]) -> str:
@@ -202,7 +226,12 @@ def format_transfer_table(result: dict[str, object]) -> str:
         f"{'page KiB':>9} {'direction':>9} {'blocks':>7} {'GB/s':>8} {'copy_ GB/s':>10} "
         f"{'ratio':>6}"
     )
-    lines = [f"transfer bench on {result['device']} ({result.get('pattern', '?')} pattern)", header]
+    pieces = int(result.get("pieces", 1))  # type: ignore[call-overload]
+    split = f", pages in {pieces} pieces (vLLM's per-layer views)" if pieces > 1 else ""
+    lines = [
+        f"transfer bench on {result['device']} ({result.get('pattern', '?')} pattern{split})",
+        header,
+    ]
     rows = result["results"]
     assert isinstance(rows, list)
     for row in rows:

@@ -60,6 +60,8 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
     )
     directions = [d.strip() for d in direction.split(",") if d.strip()]
     check_output("--json", args.json)
+    if args.pieces != 1 and args.device in ("disk", "shared"):
+        raise ConfigError(f"--pieces: only with --device cpu or cuda, not {args.device}")
     if disk:
         return _bench_disk_transfer(args, directions, console)
     if args.device == "shared":
@@ -68,6 +70,12 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
         if getattr(args, flag) is not None:
             device = "shared" if flag == "master" else "disk"
             raise ConfigError(f"--{flag.replace('_', '-')}: only with --device {device}")
+    for kib in args.page_kib:
+        if kib * 1024 % args.pieces:
+            raise ConfigError(
+                f"--pieces {args.pieces}: a page of {kib} KiB (--page-kib) does not split into "
+                f"{args.pieces} equal pieces"
+            )
     if args.device != "cpu":
         from raykv.transfer.devices import device_problem
 
@@ -77,7 +85,13 @@ def _cmd_bench_transfer(args: argparse.Namespace, console: Console) -> int:
             raise ValueError(f"--device {args.device}: {problem}; use --device cpu")
     blocks = args.blocks if args.blocks is not None else 512
     result = run_transfer_bench(
-        args.device, args.page_kib, blocks, directions, args.pattern, args.repeat
+        args.device,
+        args.page_kib,
+        blocks,
+        directions,
+        args.pattern,
+        args.repeat,
+        pieces=args.pieces,
     )
     console.print(format_transfer_table(result), highlight=False)
     if args.json:
@@ -283,6 +297,13 @@ def register(bench: Any) -> None:
         help="GPU block order: random (scattered cache, default) or contiguous",
     )
     tr.add_argument("--repeat", type=int, default=3, help="timed runs per row; the fastest counts")
+    tr.add_argument(
+        "--pieces",
+        type=positive_int,
+        default=1,
+        help="cpu, cuda: a page split into this many equal byte views of as many layers, as "
+        "vLLM's canonical views are (what raykv's worker inside vLLM copies); default 1",
+    )
     tr.add_argument("--json", help="write the results to this JSON file")
     tr.add_argument(
         "--path",

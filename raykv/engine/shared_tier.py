@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from raykv.config import ConfigError, RaykvConfig
+from raykv.config import RaykvConfig
 from raykv.config.shared import EMBEDDED, cluster_secret
 from raykv.core.kv_events import MEDIUM_SHARED, EventLog
 from raykv.engine.tier_namespace import chunk_identity, namespace
@@ -22,7 +22,9 @@ from raykv.transfer.shared_store import (
     SharedUnavailable,
     StoreEndpoint,
     StoreIndex,
+    chunks_in_segment,
 )
+from raykv.transfer.shared_store import object_bytes as store_object_bytes
 
 if TYPE_CHECKING:  # torch's: the scheduler's process (plain Python) never imports it
     from raykv.transfer.checksums import RowChecksums
@@ -44,8 +46,11 @@ def write_back(cfg: RaykvConfig) -> bool:
 
 def object_bytes(cfg: RaykvConfig) -> int:
     """Bytes of one chunk in the store, every rank's part (headers and pages)."""
-    fmt = ChunkFormat(cfg.page_bytes(), cfg.offload.blocks_per_chunk)
-    return (fmt.header_bytes + fmt.data_bytes) * cfg.parallel.tensor_parallel_size
+    return store_object_bytes(_chunk_format(cfg), cfg.parallel.tensor_parallel_size)
+
+
+def _chunk_format(cfg: RaykvConfig) -> ChunkFormat:
+    return ChunkFormat(cfg.page_bytes(), cfg.offload.blocks_per_chunk)
 
 
 class SharedRuntime:
@@ -132,13 +137,12 @@ def shared_directory(cfg: RaykvConfig, events: EventLog) -> Directory | None:
     ConfigError naming ``offload.shared.segment`` when it holds no chunk."""
     if not shared_enabled(cfg):
         return None
-    s = cfg.offload.shared
-    slots = s.segment // object_bytes(cfg)
-    if slots < 1:
-        raise ConfigError(
-            f"offload.shared.segment ({s.segment}) is smaller than one chunk in the store "
-            f"({object_bytes(cfg)} bytes on all ranks)"
-        )
+    slots = chunks_in_segment(
+        cfg.offload.shared.segment,
+        _chunk_format(cfg),
+        cfg.parallel.tensor_parallel_size,
+        "offload.shared.segment",
+    )
     return Directory(
         slots,
         "lru",

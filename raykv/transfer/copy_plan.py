@@ -184,16 +184,12 @@ def run_copies(
             dst.index_copy_(0, index[op.lo : op.lo + op.n], src[op.src : op.src + op.n])
 
 
-def page_pieces(
-    pieces: list[torch.Tensor], pool_rows: torch.Tensor, layout: KVLayout
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pair each piece of a page that lives elsewhere (a byte view ``[num_blocks, n]`` per
-    layer, as vLLM's canonical views are) with the columns of the pool's page rows it fills, in
-    order, both viewed through the widest element the two allow. Raises ``ValueError`` where the
-    pieces do not make exactly one page of ``layout``."""
+def piece_columns(pieces: list[torch.Tensor], layout: KVLayout) -> list[tuple[torch.Tensor, int]]:
+    """Each piece of a page that lives elsewhere (a byte view ``[num_blocks, n]`` per layer, as
+    vLLM's canonical views are) with the offset in the page where its bytes go, in order.
+    Raises ``ValueError`` where the pieces do not make exactly one page of ``layout``."""
     page_bytes, num_blocks = layout.page_bytes, layout.num_gpu_blocks
-    rows = pool_rows.view(torch.uint8)
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    out: list[tuple[torch.Tensor, int]] = []
     offset = 0
     for number, piece in enumerate(pieces):
         if piece.dim() != 2 or piece.element_size() != 1 or piece.stride(1) != 1:
@@ -205,13 +201,47 @@ def page_pieces(
             raise ValueError(
                 f"page piece {number} has {piece.shape[0]} blocks, the layout {num_blocks}"
             )
+        if piece.device != pieces[0].device:
+            raise ValueError(
+                f"page piece {number} is on {piece.device}, piece 0 on {pieces[0].device}"
+            )
+        out.append((piece.view(torch.uint8), offset))
+        offset += piece.shape[1]
+    if offset != page_bytes:
+        raise ValueError(f"the page pieces hold {offset} bytes, a page {page_bytes}")
+    return out
+
+
+def page_pieces(
+    pieces: list[torch.Tensor], pool_rows: torch.Tensor, layout: KVLayout
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair each piece of a page (:func:`piece_columns`) with the columns of the pool's page
+    rows it fills, both viewed through the widest element the two allow."""
+    rows = pool_rows.view(torch.uint8)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for piece, offset in piece_columns(pieces, layout):
         size = piece.shape[1]
         columns = rows[:, offset : offset + size]
-        offset += size
         wide = wide_dtype(size, piece, columns)
         if any(t.stride(0) % wide.itemsize for t in (piece, columns)):
             wide = torch.uint8
-        pairs.append((piece.view(torch.uint8).view(wide), columns.view(wide)))
-    if offset != page_bytes:
-        raise ValueError(f"the page pieces hold {offset} bytes, a page {page_bytes}")
+        pairs.append((piece.view(wide), columns.view(wide)))
     return pairs
+
+
+def gather_pages(
+    pieces: list[tuple[torch.Tensor, int]], index: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Assemble the pages of blocks ``index`` into the rows of ``out`` (``[len(index),
+    page_bytes]`` bytes, on the pieces' device): each piece's rows into its columns."""
+    for piece, offset in pieces:
+        out[:, offset : offset + piece.shape[1]].copy_(piece.index_select(0, index))
+
+
+def scatter_pages(
+    pieces: list[tuple[torch.Tensor, int]], index: torch.Tensor, pages: torch.Tensor
+) -> None:
+    """Write the rows of ``pages`` (``[len(index), page_bytes]`` bytes) into blocks ``index``
+    of every piece (the inverse of :func:`gather_pages`; ``index`` without repeats)."""
+    for piece, offset in pieces:
+        piece.index_copy_(0, index, pages[:, offset : offset + piece.shape[1]])

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ import torch
 from raykv.core.step import BlockCopy, TransferSpec, TransferStats
 from raykv.transfer.base import TransferEngineBase
 from raykv.transfer.checksums import RowChecksums, flip_copied_rows
-from raykv.transfer.copy_plan import host_runs
+from raykv.transfer.copy_plan import gather_pages, host_runs, piece_columns, scatter_pages
 from raykv.transfer.layout import KVLayout, pool_rows
 
 log = logging.getLogger(__name__)
@@ -70,27 +70,40 @@ class CudaTransferEngine(TransferEngineBase):
 
     def __init__(
         self,
-        kv: torch.Tensor,
+        kv: torch.Tensor | Sequence[torch.Tensor],
         pool: torch.Tensor,
         layout: KVLayout,
         streams_per_direction: int = 2,
         sums: torch.Tensor | None = None,
     ) -> None:
-        """``sums``: where the checksum of each pool page row lives (int64, -1: none), kept
-        with a shared-memory pool so that a successor still checks what its predecessor stored;
-        a private table without."""
-        if kv.device.type != "cuda":
-            raise ValueError(f"kv must be on a CUDA device, got {kv.device}")
+        """``kv``: raykv's own cache (one tensor, a page per row), or the pieces a page is split
+        into in someone else's cache (vLLM's canonical views: one byte view ``[num_gpu_blocks,
+        piece bytes]`` per layer), whose bytes, in order, make a pool page. A job's pages are
+        then assembled on the device (each piece's blocks gathered into its columns of a
+        staging buffer) and cross to the host as whole pages, one ``copy_`` per run of
+        consecutive pool rows; a load goes the other way. ``sums``: where the checksum of each
+        pool page row lives (int64, -1: none), kept with a shared-memory pool so that a
+        successor still checks what its predecessor stored; a private table without."""
         if pool.device.type != "cpu":
             raise ValueError(f"pool must be in host memory, got {pool.device}")
-        if tuple(kv.shape) != (layout.num_gpu_blocks, layout.page_elems):
-            raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout")
+        self._pieces: list[tuple[torch.Tensor, int]] | None = None
+        if isinstance(kv, torch.Tensor):
+            if tuple(kv.shape) != (layout.num_gpu_blocks, layout.page_elems):
+                raise ValueError(f"kv shape {tuple(kv.shape)} does not match the layout")
+            device = kv.device
+            self.kv: torch.Tensor | None = kv
+        else:
+            self._pieces = piece_columns(list(kv), layout)
+            device = self._pieces[0][0].device
+            self.kv = None
+        if device.type != "cuda":
+            raise ValueError(f"kv must be on a CUDA device, got {device}")
         self.layout = layout
-        self.device = kv.device
-        self.kv = kv
+        self.device = device
         self.pool = pool
         self.pinned = pool.is_pinned()  # unpinned pools still work, with staged (slower) DMA
         self._rows = pool_rows(pool, layout)
+        self._byte_rows = self._rows.view(torch.uint8)
         self.checksums = RowChecksums(self._rows, sums)
         self._corrupt: list[int] = []
         self._streams = {
@@ -106,6 +119,12 @@ class CudaTransferEngine(TransferEngineBase):
         self._stats = TransferStats()
 
     # ---- the backend interface ------------------------------------------------------------
+
+    @property
+    def threaded(self) -> bool:
+        """Copies go on without the caller (on the device's streams), as the CPU engine's
+        with its thread."""
+        return True
 
     def submit(self, spec: TransferSpec) -> None:
         if self._closed:
@@ -277,7 +296,13 @@ class CudaTransferEngine(TransferEngineBase):
                 idx_host = idx_host.pin_memory()
             job.keep.append(idx_host)  # read by the async copy below until the job ends
             idx = idx_host.to(self.device, non_blocking=True)
+            if self._pieces is not None:
+                self._copy_pieces(direction, host, idx)
+                job.end.record(stream)
+                self._last_end[direction] = job.end
+                return
             kv, rows = self.kv, self._rows
+            assert kv is not None
             for lo, hi, dev_consecutive in host_runs(host, dev):
                 h0, count = host[lo], hi - lo
                 if dev_consecutive:
@@ -297,6 +322,24 @@ class CudaTransferEngine(TransferEngineBase):
                     kv.index_copy_(0, idx[lo:hi], staged)
             job.end.record(stream)
         self._last_end[direction] = job.end
+
+    def _copy_pieces(self, is_store: bool, host: list[int], index: torch.Tensor) -> None:
+        """A job's copies where a page is pieces of several tensors (on the current stream):
+        the whole pages staged on the device, then one host copy per run of pool rows."""
+        assert self._pieces is not None
+        staged = torch.empty(
+            (len(host), self.layout.page_bytes), dtype=torch.uint8, device=self.device
+        )
+        rows = self._byte_rows
+        runs = host_runs(host, host)  # consecutive pool rows, whatever the blocks
+        if is_store:
+            gather_pages(self._pieces, index, staged)
+            for lo, hi, _ in runs:
+                rows[host[lo] : host[lo] + hi - lo].copy_(staged[lo:hi], non_blocking=True)
+        else:
+            for lo, hi, _ in runs:
+                staged[lo:hi].copy_(rows[host[lo] : host[lo] + hi - lo], non_blocking=True)
+            scatter_pages(self._pieces, index, staged)
 
     def _checks_pass(self, job: _CudaJob) -> bool:
         """Verify mode, before anything is queued: a load's source rows must still hold what

@@ -12,6 +12,7 @@ import torch
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool
+from raykv.transfer.populate import PagePopulator, populate_in_background
 from raykv.transfer.shared_pool import SharedPool, SharedPoolUnavailable, filesystem_type
 
 log = logging.getLogger(__name__)
@@ -93,3 +94,34 @@ def _shared_pool(path: str | None, layout: KVLayout, rank: int) -> SharedPool | 
     except SharedPoolUnavailable as exc:
         log.warning("rank %d keeps its CPU-pool shard in private memory: %s", rank, exc)
         return None
+
+
+@dataclass(slots=True)
+class PieceCopies:
+    """The CPU-pool shard and the copy engine of a rank whose pages are pieces of another
+    engine's cache (vLLM's canonical per-layer views), and the thread faulting the pool in."""
+
+    pool: torch.Tensor
+    engine: CpuTransferEngine | CudaTransferEngine
+    populator: PagePopulator | None
+
+
+def piece_copies(pieces: list[torch.Tensor], layout: KVLayout, *, threaded: bool) -> PieceCopies:
+    """Pieces on a GPU: a pinned pool and raykv's CUDA engine (streams ordered after the compute
+    stream, events). Pieces in host memory: a pool faulted in in the background and the CPU
+    engine (a copy thread of its own only where ``threaded``). Anything else is refused, naming
+    the device."""
+    device = pieces[0].device if pieces else torch.device("cpu")
+    if device.type == "cuda":
+        pool = allocate_pool(layout, pin=True)
+        return PieceCopies(pool, CudaTransferEngine(pieces, pool, layout), None)
+    if device.type != "cpu":
+        raise RuntimeError(
+            f"raykv copies KV pages on CPU and CUDA devices; this cache is on {device}"
+        )
+    pool = allocate_pool(layout)
+    # its pages faulted in now, in the background, not by the first copies and promotions into
+    # each slot (``transfer/populate.py``)
+    populator = populate_in_background(pool)
+    engine = CpuTransferEngine(pieces, pool, layout, threaded=threaded)
+    return PieceCopies(pool, engine, populator)

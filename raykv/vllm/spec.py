@@ -27,11 +27,11 @@ from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, EventLo
 from raykv.faults import FaultyBackend, FaultyTier, RankFaults
 from raykv.offload.directory import Directory
 from raykv.transfer.chunk_jobs import ChunkJobEngine
-from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.disk_files import ChunkFormat, RankDirectory
-from raykv.transfer.layout import KVLayout, allocate_pool
-from raykv.transfer.shared_store import StoreEndpoint
+from raykv.transfer.layout import KVLayout
+from raykv.transfer.rank import piece_copies
+from raykv.transfer.shared_store import StoreEndpoint, chunks_in_segment
 from raykv.vllm import metrics, namespace, shared
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
@@ -106,17 +106,11 @@ class RaykvOffloadingSpec(OffloadingSpec):
 
     def _shared_slots(self) -> int:
         """Chunks the shared tier's index holds: as many as ``segment`` holds of every rank's
-        parts (the store evicts on its own: a chunk gone is found out by its read)."""
+        parts."""
         assert self.shared is not None
-        fmt = self._chunk_format()
-        object_bytes = (fmt.header_bytes + fmt.data_bytes) * self.world_size
-        slots = self.shared.segment // object_bytes
-        if slots < 1:
-            raise ConfigError(
-                f"raykv.shared.segment ({self.shared.segment}) is smaller than one chunk in the "
-                f"store ({object_bytes} bytes on all ranks)"
-            )
-        return slots
+        return chunks_in_segment(
+            self.shared.segment, self._chunk_format(), self.world_size, "raykv.shared.segment"
+        )
 
     def store_endpoint(self) -> StoreEndpoint:
         """Where this process joins the shared tier's store, for one user (the manager or the
@@ -241,21 +235,16 @@ class RaykvOffloadingSpec(OffloadingSpec):
 
     def _build_worker(self, kv_caches: CanonicalKVCaches) -> RaykvOffloadingWorker:
         pieces = page_pieces_of(kv_caches)
-        if any(piece.device.type != "cpu" for piece in pieces):
-            raise RuntimeError(
-                "raykv inside vLLM copies on vLLM's CPU platform only in this release "
-                f"(the KV cache is on {pieces[0].device})"
-            )
         page_bytes = sum(piece.shape[1] for piece in pieces)
         layout = page_layout(page_bytes, pieces[0].shape[0], self.blocks_per_chunk, self.num_slots)
-        pool = allocate_pool(layout)
         # vLLM's CPU platform binds its compute threads to every core it is given: a copy
         # thread beside them takes a core from the model in the middle of its parallel regions,
         # and the GIL from its Python between them (measured: no-reuse throughput 0.77-0.85x
         # with the thread). Without it the copies run in get_finished, between two forwards,
-        # with every core (raykv's engine does the same with a real model on CPU ranks)
-        threaded = bool(self.settings.copy_thread)
-        copies = CpuTransferEngine(pieces, pool, layout, threaded=threaded)
+        # with every core (raykv's engine does the same with a real model on CPU ranks). On a
+        # GPU the copies run on CUDA streams, ordered after the compute stream
+        made = piece_copies(pieces, layout, threaded=bool(self.settings.copy_thread))
+        pool, copies = made.pool, made.engine
         lower: dict[str, ChunkJobEngine] = {}
         disk_settings = self.settings.disk
         if disk_settings.enabled:
@@ -290,7 +279,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
             if faults.tier_active(tier):
                 lower[tier] = FaultyTier(lower[tier], faults, tier)
         return RaykvOffloadingWorker(
-            self.rank, wrapped, lower, self.bad_keys, self.blocks_per_chunk
+            self.rank, wrapped, lower, self.bad_keys, self.blocks_per_chunk, made.populator
         )
 
     def take_failed_loads(self) -> list[int]:

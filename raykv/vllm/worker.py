@@ -2,8 +2,11 @@
 moves its own shard of every chunk and nothing else.
 
 Its CPU-pool shard is raykv's pool (``transfer/layout.py``), its copies raykv's CPU engine
-(``transfer/cpu.py``) reading and writing vLLM's canonical per-layer views in place (a pool
-page is the block's pages of every layer, one after the other), its disk files raykv's disk
+(``transfer/cpu.py``) on vLLM's CPU platform, or its CUDA engine (``transfer/cuda.py``: a
+pinned pool, streams ordered after the compute stream, events) on a GPU, reading and writing
+vLLM's canonical per-layer views in place (a pool page is the block's pages of every layer, one
+after the other, whichever the device: a chunk stored on a GPU is the same bytes on a CPU),
+its disk files raykv's disk
 engine's (``transfer/disk.py``: the same format, namespace, checksums and I/O threads), its
 parts in the shared tier raykv's shared engine's (``transfer/shared.py``: Mooncake Store,
 sealed). A job vLLM submits may take two steps here: a store copies the pages into their slots,
@@ -38,6 +41,8 @@ from vllm.v1.kv_offload.base import (
 from raykv.core.step import BlockCopy, TierMove, TransferSpec
 from raykv.transfer.chunk_jobs import ChunkJobEngine
 from raykv.transfer.cpu import CpuTransferEngine
+from raykv.transfer.cuda import CudaTransferEngine
+from raykv.transfer.populate import PagePopulator
 from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHARED_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.shared import stop_embedded
@@ -125,18 +130,21 @@ class RaykvOffloadingWorker(OffloadingWorker):
     def __init__(
         self,
         rank: int,
-        copies: CpuTransferEngine,
+        copies: CpuTransferEngine | CudaTransferEngine,
         lower: dict[str, ChunkJobEngine],
         bad_keys: BadKeys,
         blocks_per_chunk: int,
+        populator: PagePopulator | None = None,
     ) -> None:
         """``lower``: the engines of the tiers under the CPU tier this rank has (``disk``,
-        ``shared``)."""
+        ``shared``); ``populator``: the thread faulting the CPU pool's pages in, stopped at
+        shutdown."""
         self.rank = rank
         self.copies = copies
         self.lower = lower
         self.bad_keys = bad_keys
         self.blocks_per_chunk = blocks_per_chunk
+        self.populator = populator
         self.page_bytes = copies.layout.page_bytes
         self._jobs: dict[int, _Job] = {}
         self._finished: list[TransferResult] = []
@@ -251,6 +259,8 @@ class RaykvOffloadingWorker(OffloadingWorker):
                 break
 
     def shutdown(self) -> None:
+        if self.populator is not None:
+            self.populator.stop()
         with contextlib.suppress(Exception):
             self.copies.shutdown(wait=True)
         for engine in self.lower.values():

@@ -126,3 +126,39 @@ def test_jobs_of_one_direction_land_in_submission_order() -> None:
     assert float(pool_rows(pool, layout)[0].float().mean()) == 2.0
     assert engine.poll() == ([1, 2], [])
     engine.shutdown()
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
+def test_pages_in_pieces_of_several_tensors_move_exact_bytes(pattern: str) -> None:
+    """vLLM's canonical views on CUDA: a page is one byte view per layer, cut from wider rows.
+    A store then a load through the pinned pool gives every piece's bytes back, and the pool's
+    pages are the pieces' bytes in order (what a CPU rank stores)."""
+    piece_bytes = [512, 512, 256, 768]
+    blocks, page = 24, sum(piece_bytes)
+    layout = KVLayout(blocks, 1, 1, 1, 1, page // 8, "float32", 2, 12)
+    backing = torch.randint(-128, 127, (4, blocks, 1024), dtype=torch.int8, device=DEV)
+    pieces = [backing[i, :, :n] for i, n in enumerate(piece_bytes)]
+    pool = allocate_pool(layout, pin=True, zero=True)
+    engine = CudaTransferEngine(pieces, pool, layout)
+    gpu = list(range(10))
+    positions = list(range(10))
+    if pattern == "scattered":
+        random.Random(3).shuffle(gpu)
+        random.Random(4).shuffle(positions)
+    slots, subs = [p // 2 for p in positions], [p % 2 for p in positions]
+    original = [p.clone() for p in pieces]
+    engine.submit(spec(1, True, gpu, slots, subs))
+    engine.flush([1])
+    rows = pool_rows(pool, layout).view(torch.uint8)
+    for g, p in zip(gpu, positions, strict=True):
+        want = torch.cat([piece[g].view(torch.uint8).cpu() for piece in original])
+        assert torch.equal(rows[p], want)
+    backing.zero_()
+    targets = [g + 12 for g in gpu]
+    engine.submit(spec(2, False, targets, slots, subs))
+    engine.flush([2])
+    for got, want in zip(pieces, original, strict=True):
+        assert torch.equal(got[targets], want[gpu])
+        assert not got[:12].any()
+    assert engine.poll() == ([1, 2], [])
+    engine.shutdown()

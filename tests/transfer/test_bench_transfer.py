@@ -52,3 +52,16 @@ def test_bench_rejects_bad_arguments() -> None:
         run_transfer_bench("cpu", [4], 8, ["store"], pattern="zigzag")
     with pytest.raises(ValueError, match="device"):
         run_transfer_bench("tpu", [4], 8, ["store"])
+
+
+def test_bench_of_pages_in_pieces_moves_the_same_bytes() -> None:
+    """``--pieces``: a page split into per-layer byte views (vLLM's canonical views), through
+    the same engine raykv's worker inside vLLM copies with."""
+    result = run_transfer_bench("cpu", [8], 8, ["store", "load", "both"], repeat=1, pieces=4)
+    assert result["pieces"] == 4
+    for row in result["results"]:
+        assert row["pieces"] == 4 and row["bytes"] == 8 * 8 * 1024
+        assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+    assert "4 pieces" in format_transfer_table(result)
+    with pytest.raises(ValueError, match="does not split into 3 equal pieces"):
+        run_transfer_bench("cpu", [8], 8, ["store"], pieces=3)

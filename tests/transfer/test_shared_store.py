@@ -14,7 +14,13 @@ import pytest
 from raykv.transfer.crc import crc32
 from raykv.transfer.disk_files import NO_SEAL, ChunkFormat, ChunkIdentity
 from raykv.transfer.seal import Sealer
-from raykv.transfer.shared_store import SharedChunks, SharedStoreError, StoreEndpoint, object_key
+from raykv.transfer.shared_store import (
+    PIPELINE_PARTS,
+    SharedChunks,
+    SharedStoreError,
+    StoreEndpoint,
+    object_key,
+)
 
 FORMAT = ChunkFormat(16 * 1024, 3)
 SECRET = b"this test session's cluster secret"
@@ -65,6 +71,42 @@ def test_a_chunk_put_from_one_pool_is_read_into_another_byte_for_byte(
         assert reader.get([0x22, 0x11, 0x33], [0, 1, 2]) == ["ok", "ok", "missing"]
         assert np.array_equal(target[0], source[5]) and np.array_equal(target[1], source[3])
         assert not target[2].any()  # a missing chunk's slot is left as it was
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_read_of_several_runs_keeps_each_parts_status_and_checksums_in_order(
+    shared_store: str, namespace: str
+) -> None:
+    """A read comes over in runs of ``PIPELINE_PARTS`` checked on another thread while the next
+    one comes: a missing part and a spoiled one in different runs, and each answer (with its
+    page CRC-32s) still lands on its own chunk."""
+    count = 2 * PIPELINE_PARTS + 3
+    source = pool(count, seed=7)
+    target = np.zeros((count, FORMAT.data_bytes), dtype=np.uint8)
+    writer, reader = (
+        chunks(shared_store, source, namespace),
+        chunks(shared_store, target, namespace),
+    )
+    keys = [0x1000 + i for i in range(count)]
+    missing, spoiled = 2, PIPELINE_PARTS + 5
+    try:
+        put = [k for i, k in enumerate(keys) if i != missing]
+        assert writer.put(put, [i for i in range(count) if i != missing]) == [0] * len(put)
+        writer.spoil(keys[spoiled])
+        slots = list(reversed(range(count)))  # chunk i into slot count-1-i
+        crcs: list[list[int]] = []
+        statuses = reader.get(keys, slots, crcs)
+        expected = ["ok"] * count
+        expected[missing], expected[spoiled] = "missing", "corrupt"
+        assert statuses == expected
+        for i, slot in enumerate(slots):
+            if expected[i] != "ok":
+                assert crcs[i] == []
+                continue
+            assert np.array_equal(target[slot], source[i])
+            assert crcs[i] == writer.page_crcs(i)
     finally:
         writer.close()
         reader.close()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,37 @@ from tests.serve.conftest import tiny_llama
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make vllm installs its CPU build)")
 
+from raykv.vllm.local import transfer_config  # after the skip: it imports vllm
+
 # one process; one OpenMP thread (more oversubscribe the 2 cores: 30x slower, measured)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-SPEC = {"spec_name": "RaykvOffloadingSpec", "spec_module_path": "raykv.vllm"}
 BLOCK_TOKENS = 128  # what vLLM's CPU attention picks for these models
+
+
+_LITTER = re.compile(
+    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|vllm_dist_[0-9a-f]+"
+)
+
+
+def _vllm_litter() -> set[Path]:
+    """What vLLM leaves in the temporary directory: its engines' IPC sockets (named by a UUID)
+    and torch.distributed's rendezvous files (``vllm_dist_*``)."""
+    root = Path(tempfile.gettempdir())
+    return {path for path in root.iterdir() if _LITTER.fullmatch(path.name)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_vllm_litter() -> Iterator[None]:
+    """Remove what this session's engines left in the temporary directory (only entries that
+    appeared during it: another session's are not ours)."""
+    before = _vllm_litter()
+    yield
+    for path in _vllm_litter() - before:
+        with contextlib.suppress(OSError):
+            if path.is_socket() or path.is_file():
+                path.unlink()
 
 
 @pytest.fixture(scope="session")
@@ -31,20 +58,6 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory, smollm2_hf_tokenizer) -
     Hugging Face directory."""
     out = tmp_path_factory.mktemp("vllm-tiny-llama")
     return tiny_llama(out, smollm2_hf_tokenizer, context=4096, seed=0, hidden_size=128)
-
-
-def transfer_config(raykv: dict[str, Any] | None, **extra: Any):
-    """vLLM's connector config with raykv's spec (None: no offloading at all)."""
-    from vllm.config import KVTransferConfig
-
-    if raykv is None:
-        return None
-    return KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={**SPEC, "raykv": raykv, **extra},
-    )
 
 
 @contextlib.contextmanager
@@ -145,14 +158,9 @@ def settle(llm) -> None:
 
 
 def drain(llm, rounds: int = 200) -> None:
-    """Run small requests until no store of raykv's is in flight (each tier's writes land only
-    as later steps poll them; the disk's run on threads of the lowest priority)."""
-    import time
+    """Step until no store of raykv's is in flight (``local.stores_landed``: each tier's writes
+    land only as later steps poll them; the disk's run on threads of the lowest priority)."""
+    from raykv.vllm.local import stores_landed
 
-    tiers = [tier for _, tier, _ in manager_of(llm)._tiers()]
-    for _ in range(rounds):
-        if all(tier.stats().writing == 0 for tier in tiers):
-            return
-        settle(llm)
-        time.sleep(0.01)
-    raise AssertionError("raykv's stores did not land")
+    if not stores_landed(llm, lambda i: [100 + i % 50], rounds, pause_s=0.01):
+        raise AssertionError("raykv's stores did not land")

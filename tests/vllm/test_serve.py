@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import SPEC, prompt_text
+from raykv.vllm.local import SPEC
+from tests.vllm.conftest import prompt_text
 
 openai = pytest.importorskip("openai")
 

@@ -1,0 +1,65 @@
+"""A CPU pool's pages faulted in at start, in the background, without a byte of it changed
+(``transfer/populate.py``): residency read back with the kernel's ``mincore``."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+
+import pytest
+import torch
+
+from raykv.transfer.populate import PagePopulator, populate_in_background
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def resident_fraction(tensor: torch.Tensor) -> float:
+    """The share of the tensor's whole pages that are in memory now."""
+    page = mmap.PAGESIZE
+    address = tensor.data_ptr()
+    start = -(-address // page) * page
+    end = (address + tensor.numel() * tensor.element_size()) // page * page
+    pages = (end - start) // page
+    vector = (ctypes.c_ubyte * pages)()
+    assert _libc.mincore(start, end - start, vector) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector) / pages
+
+
+def untouched(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """Fresh anonymous memory (torch's allocator may hand back pages a freed tensor touched)."""
+    memory = mmap.mmap(-1, nbytes)
+    return memory, torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def test_a_pools_pages_are_faulted_in_with_what_was_written_kept() -> None:
+    memory, flat = untouched(16 << 20)
+    pool = flat.view(64, 256 * 1024)
+    assert resident_fraction(pool) < 0.5
+    pool[3].fill_(7)  # a store that landed before the populator got there
+    pool[40, 100:200] = torch.arange(100, dtype=torch.uint8)
+    populator = populate_in_background(pool)
+    assert isinstance(populator, PagePopulator)
+    assert populator.done.wait(30)
+    if populator.refused:
+        pytest.skip("this kernel does not populate ahead of use (MADV_POPULATE_WRITE, Linux 5.14)")
+    assert populator.populated == pool.numel()
+    assert resident_fraction(pool) == 1.0
+    assert bool((pool[3] == 7).all())
+    assert torch.equal(pool[40, 100:200], torch.arange(100, dtype=torch.uint8))
+    del pool, flat
+    memory.close()
+
+
+def test_a_stopped_populator_ends_between_two_calls() -> None:
+    pool = torch.empty(256 << 20, dtype=torch.uint8)
+    populator = PagePopulator(pool)
+    populator.stop()
+    assert populator.done.is_set()
+    assert populator.populated <= pool.numel()
+
+
+def test_an_empty_pool_needs_no_thread() -> None:
+    assert populate_in_background(torch.empty((0, 16), dtype=torch.uint8)) is None
