@@ -67,7 +67,7 @@ class CpuTransferEngine(TransferEngineBase):
     ) -> None:
         """``kv``: raykv's own cache (one tensor, a page per row), or the pieces a page is split
         into in someone else's cache (vLLM's: one byte view ``[num_gpu_blocks, piece bytes]``
-        per layer, wherever each lives), whose bytes, in order, make a pool page.
+        per layer, all on one device), whose bytes, in order, make a pool page.
 
         ``threaded=False`` runs no copy thread: queued jobs are copied, in FIFO order, at the
         start of :meth:`poll` (or by :meth:`flush`). With ``exec_delay`` (job id -> polls to wait)

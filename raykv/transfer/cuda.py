@@ -47,6 +47,8 @@ from raykv.transfer.layout import KVLayout, pool_rows
 
 log = logging.getLogger(__name__)
 
+STAGE_BYTES = 64 << 20  # device memory a job of pages in pieces stages at a time
+
 
 @dataclass(slots=True)
 class _CudaJob:
@@ -291,55 +293,75 @@ class CudaTransferEngine(TransferEngineBase):
         dev = [dev[i] for i in order]
         with torch.cuda.stream(stream):
             job.start.record(stream)
-            idx_host = torch.tensor(dev, dtype=torch.long)
-            if self.pinned:
-                idx_host = idx_host.pin_memory()
-            job.keep.append(idx_host)  # read by the async copy below until the job ends
-            idx = idx_host.to(self.device, non_blocking=True)
-            if self._pieces is not None:
-                self._copy_pieces(direction, host, idx)
-                job.end.record(stream)
-                self._last_end[direction] = job.end
+            try:
+                idx_host = torch.tensor(dev, dtype=torch.long)
+                if self.pinned:
+                    idx_host = idx_host.pin_memory()
+                job.keep.append(idx_host)  # read by the async copy below until the job ends
+                idx = idx_host.to(self.device, non_blocking=True)
+                if self._pieces is not None:
+                    self._copy_pieces(direction, host, idx)
+                else:
+                    self._copy_rows(direction, host, dev, idx)
+            except RuntimeError as exc:  # the device's memory: the job fails, not the engine
+                # what was queued lands before the job is reported (a failed load's blocks are
+                # recomputed, a failed store's rows reused)
+                stream.synchronize()
+                job.start = job.end = None
+                job.error = f"{type(exc).__name__}: {exc}"
+                log.warning("transfer job %d failed: %s", spec.job_id, job.error)
                 return
-            kv, rows = self.kv, self._rows
-            assert kv is not None
-            for lo, hi, dev_consecutive in host_runs(host, dev):
-                h0, count = host[lo], hi - lo
-                if dev_consecutive:
-                    d0 = dev[lo]
-                    if direction:
-                        rows[h0 : h0 + count].copy_(kv[d0 : d0 + count], non_blocking=True)
-                    else:
-                        kv[d0 : d0 + count].copy_(rows[h0 : h0 + count], non_blocking=True)
-                elif direction:  # store: gather on the device, then one device-to-host copy
-                    staged = kv.index_select(0, idx[lo:hi])
-                    rows[h0 : h0 + count].copy_(staged, non_blocking=True)
-                else:  # load: one host-to-device copy, then scatter on the device
-                    staged = torch.empty(
-                        (count, lay.page_elems), dtype=kv.dtype, device=self.device
-                    )
-                    staged.copy_(rows[h0 : h0 + count], non_blocking=True)
-                    kv.index_copy_(0, idx[lo:hi], staged)
             job.end.record(stream)
         self._last_end[direction] = job.end
 
+    def _copy_rows(
+        self, is_store: bool, host: list[int], dev: list[int], index: torch.Tensor
+    ) -> None:
+        """A job's copies where a page is one row of ``kv`` (on the current stream)."""
+        kv, rows = self.kv, self._rows
+        assert kv is not None
+        for lo, hi, dev_consecutive in host_runs(host, dev):
+            h0, count = host[lo], hi - lo
+            if dev_consecutive:
+                d0 = dev[lo]
+                if is_store:
+                    rows[h0 : h0 + count].copy_(kv[d0 : d0 + count], non_blocking=True)
+                else:
+                    kv[d0 : d0 + count].copy_(rows[h0 : h0 + count], non_blocking=True)
+            elif is_store:  # gather on the device, then one device-to-host copy
+                staged = kv.index_select(0, index[lo:hi])
+                rows[h0 : h0 + count].copy_(staged, non_blocking=True)
+            else:  # one host-to-device copy, then scatter on the device
+                staged = torch.empty(
+                    (count, self.layout.page_elems), dtype=kv.dtype, device=self.device
+                )
+                staged.copy_(rows[h0 : h0 + count], non_blocking=True)
+                kv.index_copy_(0, index[lo:hi], staged)
+
     def _copy_pieces(self, is_store: bool, host: list[int], index: torch.Tensor) -> None:
         """A job's copies where a page is pieces of several tensors (on the current stream):
-        the whole pages staged on the device, then one host copy per run of pool rows."""
+        whole pages staged on the device, at most ``STAGE_BYTES`` of them at a time (vLLM
+        leaves the device little beyond its own profile), and one host copy per run of pool
+        rows. Each stage is freed before the next is taken, so the stream's allocator hands
+        the next one the same memory, after the copies that used it."""
         assert self._pieces is not None
-        staged = torch.empty(
-            (len(host), self.layout.page_bytes), dtype=torch.uint8, device=self.device
-        )
         rows = self._byte_rows
-        runs = host_runs(host, host)  # consecutive pool rows, whatever the blocks
-        if is_store:
-            gather_pages(self._pieces, index, staged)
-            for lo, hi, _ in runs:
-                rows[host[lo] : host[lo] + hi - lo].copy_(staged[lo:hi], non_blocking=True)
-        else:
-            for lo, hi, _ in runs:
-                staged[lo:hi].copy_(rows[host[lo] : host[lo] + hi - lo], non_blocking=True)
-            scatter_pages(self._pieces, index, staged)
+        page = self.layout.page_bytes
+        step = max(1, STAGE_BYTES // page)
+        for first in range(0, len(host), step):
+            part = host[first : first + step]
+            blocks = index[first : first + step]
+            pages = torch.empty((len(part), page), dtype=torch.uint8, device=self.device)
+            runs = host_runs(part, part)  # consecutive pool rows, whatever the blocks
+            if is_store:
+                gather_pages(self._pieces, blocks, pages)
+                for lo, hi, _ in runs:
+                    rows[part[lo] : part[lo] + hi - lo].copy_(pages[lo:hi], non_blocking=True)
+            else:
+                for lo, hi, _ in runs:
+                    pages[lo:hi].copy_(rows[part[lo] : part[lo] + hi - lo], non_blocking=True)
+                scatter_pages(self._pieces, blocks, pages)
+            del pages
 
     def _checks_pass(self, job: _CudaJob) -> bool:
         """Verify mode, before anything is queued: a load's source rows must still hold what

@@ -104,8 +104,9 @@ def allocate_pool(layout: KVLayout, pin: bool = False, zero: bool = False) -> to
 
     The memory is left uninitialised (``torch.empty``) unless ``zero``: zero-filling touches every
     page up front (about 0.5 s per GiB), while an empty pool is only paid for as slots are first
-    written. The connector never reads a slot before a store has written it, so garbage is
-    harmless; tests that compare pool contents pass ``zero=True``.
+    written (or as ``transfer/populate.py`` faults it in, in the background, without a write).
+    The connector never reads a slot before a store has written it, so garbage is harmless;
+    tests that compare pool contents pass ``zero=True``.
 
     ``pin`` page-locks the memory for asynchronous DMA, but only where CUDA exists: on a CPU-only
     torch build pinning raises, and there is nothing to DMA to anyway.

@@ -10,8 +10,15 @@ shared tier 180-250 ms against 110-140 ms into touched slots).
 
 So a pool's pages are faulted in at start by a thread of the lowest priority, with Linux's
 ``MADV_POPULATE_WRITE`` (5.14 and later), which maps every page writable without changing a
-byte: it may run while copies already write into the pool. A kernel without it leaves the pages
-to fault as before. A pinned pool (CUDA's page-locked memory) is resident already.
+byte: it may run while copies already write into the pool. It goes a few MiB a call, so that
+the address space's lock it holds meanwhile never keeps the model's own allocations waiting
+long. A kernel without it leaves the pages to fault as before. A pinned pool (CUDA's
+page-locked memory) is resident already.
+
+The pool is then resident from the start, as a pinned one is, not paid for as its slots are
+first written: where that is more than the memory this process may still take (the machine's
+available memory, and its cgroup's limit where it has one), the pool is left to fault as
+before, and a warning says so.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from raykv.transfer.chunk_jobs import lower_priority
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
-STEP_BYTES = 64 << 20  # one call's share: a stop waits for at most one of them
+STEP_BYTES = 4 << 20  # one call's share: a stop, or an mmap of the model's, waits for one at most
+HEADROOM = 0.9  # of the memory left, the most a pool may take to be populated
 
 _libc: ctypes.CDLL | None = None
 
@@ -50,18 +58,62 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return call
 
 
-def populate_range(address: int, nbytes: int) -> bool:
-    """Fault in the whole pages of ``[address, address + nbytes)`` writable, their bytes
-    unchanged; False where the kernel cannot (too old, or not a mapping it populates)."""
+def whole_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """The whole pages of ``[address, address + nbytes)``: where they start and their bytes
+    (partial pages at the ends are left to fault as before)."""
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    return start, max(0, end - start)
+
+
+def populate_range(start: int, nbytes: int) -> bool:
+    """Fault in ``[start, start + nbytes)`` (whole pages) writable, their bytes unchanged;
+    False where the kernel cannot (too old, or not a mapping it populates)."""
     madvise = _madvise()
     if madvise is None:
         return False
-    page = mmap.PAGESIZE
-    start = -(-address // page) * page  # partial pages at the ends fault as before
-    end = (address + nbytes) // page * page
-    if end <= start:
-        return True
-    return madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+    return nbytes == 0 or madvise(start, nbytes, MADV_POPULATE_WRITE) == 0
+
+
+def memory_left() -> int | None:
+    """Bytes this process may still take: the machine's available memory, or less where its
+    cgroup has a limit (v2 or v1); None where neither can be read."""
+    left: list[int] = []
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                left.append(int(line.split()[1]) * 1024)
+    cgroup = _cgroup_left()
+    if cgroup is not None:
+        left.append(cgroup)
+    return min(left) if left else None
+
+
+def _cgroup_left() -> int | None:
+    """What this process's memory cgroup still allows (None: no limit, or none readable)."""
+    try:
+        with open("/proc/self/cgroup") as table:
+            lines = [line.strip().split(":", 2) for line in table]
+    except OSError:
+        return None
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":  # v2
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            base = f"/sys/fs/cgroup/memory{path}"
+            files = (f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            with open(files[0]) as limit_file, open(files[1]) as usage_file:
+                limit, usage = limit_file.read().strip(), usage_file.read().strip()
+        except OSError:
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            continue
+        return int(limit) - int(usage)
+    return None
 
 
 class PagePopulator:
@@ -83,12 +135,12 @@ class PagePopulator:
         lower_priority()  # the model's threads first, whatever it costs this one
         start = time.perf_counter()
         tensor = self._tensor
-        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        start, nbytes = whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         try:
             offset = 0
             while offset < nbytes and not self._stop.is_set():
-                size = min(STEP_BYTES, nbytes - offset)
-                if not populate_range(address + offset, size):
+                size = min(STEP_BYTES, nbytes - offset)  # whole pages: STEP_BYTES is some
+                if not populate_range(start + offset, size):
                     self.refused = True
                     log.debug("the kernel does not populate the CPU pool ahead of use")
                     break
@@ -108,7 +160,17 @@ class PagePopulator:
 
 def populate_in_background(pool: torch.Tensor) -> PagePopulator | None:
     """A :class:`PagePopulator` for ``pool``, or None where there is nothing to do (a pinned
-    pool, resident already; an empty one)."""
+    pool, resident already; an empty one) or it would take more memory than is left."""
     if pool.numel() == 0 or pool.is_pinned():
+        return None
+    nbytes = pool.numel() * pool.element_size()
+    left = memory_left()
+    if left is not None and nbytes > left * HEADROOM:
+        log.warning(
+            "the CPU pool (%d MiB) is more than this process may still take (%d MiB left): its "
+            "pages are not faulted in ahead of use, and each slot's first copy pays for them",
+            nbytes >> 20,
+            max(0, left) >> 20,
+        )
         return None
     return PagePopulator(pool)

@@ -120,8 +120,7 @@ def piece_copies(pieces: list[torch.Tensor], layout: KVLayout, *, threaded: bool
             f"raykv copies KV pages on CPU and CUDA devices; this cache is on {device}"
         )
     pool = allocate_pool(layout)
+    engine = CpuTransferEngine(pieces, pool, layout, threaded=threaded)
     # its pages faulted in now, in the background, not by the first copies and promotions into
     # each slot (``transfer/populate.py``)
-    populator = populate_in_background(pool)
-    engine = CpuTransferEngine(pieces, pool, layout, threaded=threaded)
-    return PieceCopies(pool, engine, populator)
+    return PieceCopies(pool, engine, populate_in_background(pool))

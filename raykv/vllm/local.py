@@ -81,16 +81,22 @@ def generate_s(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def stores_landed(
-    llm: Any, prompt_of: Callable[[int], list[int]], rounds: int = 500, pause_s: float = 0.0
+    llm: Any,
+    prompt_of: Callable[[int], list[int]],
+    timeout_s: float = 60.0,
+    pause_s: float = 0.0,
 ) -> bool:
     """Step ``llm`` with one-token requests (``prompt_of(i)``: the i-th, too short to store)
     until no store of raykv's is being written: a store lands only as later steps poll it.
-    False where some still are after ``rounds`` of them."""
+    False where some still are after ``timeout_s``."""
     tiers = [tier for _, tier, _ in manager_of(llm)._tiers()]
-    for i in range(rounds):
-        if all(tier.stats().writing == 0 for tier in tiers):
-            return True
+    deadline = time.monotonic() + timeout_s
+    i = 0
+    while not all(tier.stats().writing == 0 for tier in tiers):
+        if time.monotonic() > deadline:
+            return False
         generate_s(llm, [prompt_of(i)], 1)
+        i += 1
         if pause_s:
             time.sleep(pause_s)
-    return False
+    return True

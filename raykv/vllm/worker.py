@@ -4,9 +4,8 @@ moves its own shard of every chunk and nothing else.
 Its CPU-pool shard is raykv's pool (``transfer/layout.py``), its copies raykv's CPU engine
 (``transfer/cpu.py``) on vLLM's CPU platform, or its CUDA engine (``transfer/cuda.py``: a
 pinned pool, streams ordered after the compute stream, events) on a GPU, reading and writing
-vLLM's canonical per-layer views in place (a pool page is the block's pages of every layer, one
-after the other, whichever the device: a chunk stored on a GPU is the same bytes on a CPU),
-its disk files raykv's disk
+vLLM's canonical per-layer views (a pool page is the block's pages of every layer, one after
+the other: on a GPU assembled on the device first), its disk files raykv's disk
 engine's (``transfer/disk.py``: the same format, namespace, checksums and I/O threads), its
 parts in the shared tier raykv's shared engine's (``transfer/shared.py``: Mooncake Store,
 sealed). A job vLLM submits may take two steps here: a store copies the pages into their slots,

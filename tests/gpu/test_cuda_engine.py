@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raykv.core.step import BlockCopy, TransferSpec
+from raykv.transfer import cuda as cuda_module
 from raykv.transfer.cuda import CudaTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_kv, allocate_pool, pool_rows
 
@@ -128,23 +129,31 @@ def test_jobs_of_one_direction_land_in_submission_order() -> None:
     engine.shutdown()
 
 
-@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
-def test_pages_in_pieces_of_several_tensors_move_exact_bytes(pattern: str) -> None:
-    """vLLM's canonical views on CUDA: a page is one byte view per layer, cut from wider rows.
-    A store then a load through the pinned pool gives every piece's bytes back, and the pool's
-    pages are the pieces' bytes in order (what a CPU rank stores)."""
+def pieces_engine(blocks: int = 24):
     piece_bytes = [512, 512, 256, 768]
-    blocks, page = 24, sum(piece_bytes)
-    layout = KVLayout(blocks, 1, 1, 1, 1, page // 8, "float32", 2, 12)
+    page = sum(piece_bytes)
+    layout = KVLayout(blocks, 1, 1, 1, 1, page // 8, "float32", 2, blocks // 2)
     backing = torch.randint(-128, 127, (4, blocks, 1024), dtype=torch.int8, device=DEV)
     pieces = [backing[i, :, :n] for i, n in enumerate(piece_bytes)]
     pool = allocate_pool(layout, pin=True, zero=True)
-    engine = CudaTransferEngine(pieces, pool, layout)
+    return layout, backing, pieces, pool, CudaTransferEngine(pieces, pool, layout)
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "scattered"])
+def test_pages_in_pieces_of_several_tensors_move_exact_bytes(
+    pattern: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's canonical views on CUDA: a page is one byte view per layer, cut from wider rows.
+    A store then a load through the pinned pool gives every piece's bytes back, and the pool's
+    pages are the pieces' bytes in order (what a CPU rank stores). Staged three pages at a
+    time, so a job takes several stages, and scattered pool rows several runs in each."""
+    monkeypatch.setattr(cuda_module, "STAGE_BYTES", 3 * 2048)
+    layout, backing, pieces, pool, engine = pieces_engine()
     gpu = list(range(10))
     positions = list(range(10))
     if pattern == "scattered":
         random.Random(3).shuffle(gpu)
-        random.Random(4).shuffle(positions)
+        positions = random.Random(4).sample(range(24), 10)
     slots, subs = [p // 2 for p in positions], [p % 2 for p in positions]
     original = [p.clone() for p in pieces]
     engine.submit(spec(1, True, gpu, slots, subs))
@@ -161,4 +170,23 @@ def test_pages_in_pieces_of_several_tensors_move_exact_bytes(pattern: str) -> No
         assert torch.equal(got[targets], want[gpu])
         assert not got[:12].any()
     assert engine.poll() == ([1, 2], [])
+    engine.shutdown()
+
+
+def test_a_job_the_device_has_no_memory_for_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose staging the device cannot allocate (forced here: a real OOM cannot be had on
+    demand) fails as a job; the engine goes on with the next one."""
+    _layout, _backing, _pieces, _pool, engine = pieces_engine()
+    real = cuda_module.gather_pages
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (forced by the test)")
+
+    monkeypatch.setattr(cuda_module, "gather_pages", no_memory)
+    engine.submit(spec(1, True, [0, 1], [0, 0], [0, 1]))
+    monkeypatch.setattr(cuda_module, "gather_pages", real)
+    engine.submit(spec(2, True, [2, 3], [1, 1], [0, 1]))
+    engine.flush([1, 2])
+    assert engine.poll() == ([2], [1])
+    assert engine.pending_reads() == set()
     engine.shutdown()

@@ -10,6 +10,7 @@ from raykv.core.step import BlockCopy, TransferSpec
 from raykv.transfer.copy_plan import gather_pages, piece_columns, scatter_pages
 from raykv.transfer.cpu import CpuTransferEngine
 from raykv.transfer.layout import KVLayout, allocate_pool, pool_rows
+from raykv.transfer.rank import piece_copies
 
 
 @pytest.mark.parametrize("piece_bytes", [[256, 256, 256], [96, 160]], ids=["layers", "odd"])
@@ -66,3 +67,18 @@ def test_pages_assembled_on_the_device_are_the_pool_pages_the_cpu_engine_makes()
     for got, want in zip(pieces, original, strict=True):
         assert torch.equal(got[[1, 3, 4, 6]], want[chosen])
         assert not got[[0, 2, 5, 7]].any()
+
+
+def test_a_ranks_copies_of_pages_in_pieces_are_built_for_the_pieces_device() -> None:
+    """``piece_copies``: what raykv's worker inside vLLM copies with (the CPU engine and a pool
+    faulted in the background here; CUDA's engine and a pinned pool on a GPU, tests/gpu)."""
+    layout = KVLayout(8, 1, 1, 1, 1, 32, "float32", 2, 4)
+    pieces = [torch.zeros(8, 128, dtype=torch.int8), torch.zeros(8, 128, dtype=torch.int8)]
+    made = piece_copies(pieces, layout, threaded=False)
+    assert isinstance(made.engine, CpuTransferEngine) and not made.engine.threaded
+    assert tuple(made.pool.shape) == (4, layout.page_elems * 2)
+    assert made.populator is not None and made.populator.done.wait(30)
+    made.engine.shutdown()
+    meta = [torch.empty(8, 256, dtype=torch.int8, device="meta")]
+    with pytest.raises(RuntimeError, match="on CPU and CUDA devices; this cache is on meta"):
+        piece_copies(meta, layout, threaded=False)

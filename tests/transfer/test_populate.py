@@ -10,6 +10,7 @@ import mmap
 import pytest
 import torch
 
+from raykv.transfer import populate
 from raykv.transfer.populate import PagePopulator, populate_in_background
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -53,12 +54,44 @@ def test_a_pools_pages_are_faulted_in_with_what_was_written_kept() -> None:
     memory.close()
 
 
-def test_a_stopped_populator_ends_between_two_calls() -> None:
-    pool = torch.empty(256 << 20, dtype=torch.uint8)
+def test_a_pool_not_aligned_to_pages_is_populated_across_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's allocations start mid-page: the pages at the steps' seams are populated too."""
+    monkeypatch.setattr(populate, "STEP_BYTES", 64 * mmap.PAGESIZE)
+    memory, flat = untouched(1 << 20)
+    pool = flat[100:]  # starts 100 bytes into a page, as torch's tensors do
+    populator = PagePopulator(pool)
+    assert populator.done.wait(30)
+    if populator.refused:
+        pytest.skip("this kernel does not populate ahead of use (MADV_POPULATE_WRITE, Linux 5.14)")
+    assert resident_fraction(pool) == 1.0
+    del pool, flat
+    memory.close()
+
+
+def test_a_stopped_populator_ends_between_two_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(populate, "STEP_BYTES", mmap.PAGESIZE)  # 16,384 calls to go
+    memory, pool = untouched(64 << 20)
     populator = PagePopulator(pool)
     populator.stop()
     assert populator.done.is_set()
-    assert populator.populated <= pool.numel()
+    assert populator.populated < pool.numel()
+    assert resident_fraction(pool) < 0.5
+    del pool
+    memory.close()
+
+
+def test_a_pool_larger_than_the_memory_left_is_left_to_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Populating would make the whole pool resident at once: never more than the process may
+    still take (the memory left stands in for a small cgroup limit here)."""
+    monkeypatch.setattr(populate, "memory_left", lambda: 8 << 20)
+    assert populate_in_background(torch.empty(16 << 20, dtype=torch.uint8)) is None
+    monkeypatch.setattr(populate, "memory_left", lambda: 1 << 30)
+    populator = populate_in_background(torch.empty(16 << 20, dtype=torch.uint8))
+    assert populator is not None and populator.done.wait(30)
 
 
 def test_an_empty_pool_needs_no_thread() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,28 +28,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 BLOCK_TOKENS = 128  # what vLLM's CPU attention picks for these models
 
 
-_LITTER = re.compile(
-    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|vllm_dist_[0-9a-f]+"
-)
-
-
-def _vllm_litter() -> set[Path]:
-    """What vLLM leaves in the temporary directory: its engines' IPC sockets (named by a UUID)
-    and torch.distributed's rendezvous files (``vllm_dist_*``)."""
-    root = Path(tempfile.gettempdir())
-    return {path for path in root.iterdir() if _LITTER.fullmatch(path.name)}
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _no_vllm_litter() -> Iterator[None]:
-    """Remove what this session's engines left in the temporary directory (only entries that
-    appeared during it: another session's are not ours)."""
-    before = _vllm_litter()
-    yield
-    for path in _vllm_litter() - before:
-        with contextlib.suppress(OSError):
-            if path.is_socket() or path.is_file():
-                path.unlink()
+def _private_temp_directory() -> Iterator[None]:
+    """A temporary directory of this session's own for what vLLM leaves there (its engines'
+    IPC sockets, torch.distributed's ``vllm_dist_*`` rendezvous files), removed at the end:
+    nothing another process keeps in the system's is touched."""
+    private = tempfile.mkdtemp(prefix="raykv-vllm-tests-")
+    before = (tempfile.tempdir, os.environ.get("TMPDIR"), os.environ.get("VLLM_RPC_BASE_PATH"))
+    tempfile.tempdir = private
+    os.environ["TMPDIR"] = os.environ["VLLM_RPC_BASE_PATH"] = private
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before[0]
+        for name, value in (("TMPDIR", before[1]), ("VLLM_RPC_BASE_PATH", before[2])):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(private, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -157,10 +154,10 @@ def settle(llm) -> None:
     llm.generate(["again " * 40], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
-def drain(llm, rounds: int = 200) -> None:
+def drain(llm, timeout_s: float = 60.0) -> None:
     """Step until no store of raykv's is in flight (``local.stores_landed``: each tier's writes
     land only as later steps poll them; the disk's run on threads of the lowest priority)."""
     from raykv.vllm.local import stores_landed
 
-    if not stores_landed(llm, lambda i: [100 + i % 50], rounds, pause_s=0.01):
+    if not stores_landed(llm, lambda i: [100 + i % 50], timeout_s, pause_s=0.01):
         raise AssertionError("raykv's stores did not land")
