@@ -30,6 +30,7 @@ as corrupt (``take_corrupt``). The CRCs run on the calling thread, at host memor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -304,12 +305,14 @@ class CudaTransferEngine(TransferEngineBase):
                 else:
                     self._copy_rows(direction, host, dev, idx)
             except RuntimeError as exc:  # the device's memory: the job fails, not the engine
-                # what was queued lands before the job is reported (a failed load's blocks are
-                # recomputed, a failed store's rows reused)
-                stream.synchronize()
                 job.start = job.end = None
                 job.error = f"{type(exc).__name__}: {exc}"
                 log.warning("transfer job %d failed: %s", spec.job_id, job.error)
+                # what was queued lands before the job is reported (a failed load's blocks are
+                # recomputed, a failed store's rows reused); a device that fails this too has
+                # failed the process's every job
+                with contextlib.suppress(RuntimeError):
+                    stream.synchronize()
                 return
             job.end.record(stream)
         self._last_end[direction] = job.end

@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -91,29 +92,54 @@ def memory_left() -> int | None:
 
 
 def _cgroup_left() -> int | None:
-    """What this process's memory cgroup still allows (None: no limit, or none readable)."""
+    """What this process's memory cgroups still allow: the least room under any limit on the
+    way to the root (v2, or v1's memory controller), reclaimable file pages not counted as
+    used. None: no limit, or none readable."""
     try:
         with open("/proc/self/cgroup") as table:
             lines = [line.strip().split(":", 2) for line in table]
     except OSError:
         return None
+    rooms: list[int] = []
     for _, controllers, path in (line for line in lines if len(line) == 3):
-        if controllers == "":  # v2
-            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
-        elif "memory" in controllers.split(","):  # v1
-            base = f"/sys/fs/cgroup/memory{path}"
-            files = (f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes")
+        if controllers == "":
+            root, names = "/sys/fs/cgroup", ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            root = "/sys/fs/cgroup/memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
-        try:
-            with open(files[0]) as limit_file, open(files[1]) as usage_file:
-                limit, usage = limit_file.read().strip(), usage_file.read().strip()
-        except OSError:
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
-            continue
-        return int(limit) - int(usage)
-    return None
+        # the cgroup's own directory and its ancestors; in a container with a namespace of its
+        # own, the mount's root is the container's cgroup
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts), -1, -1):
+            room = _room(os.path.join(root, *parts[:depth]), *names)
+            if room is not None:
+                rooms.append(room)
+    return min(rooms) if rooms else None
+
+
+def _room(directory: str, limit_name: str, usage_name: str, inactive_name: str) -> int | None:
+    """The room left under ``directory``'s memory limit (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(directory, limit_name)) as limit_file:
+            limit = limit_file.read().strip()
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+            return None
+        with open(os.path.join(directory, usage_name)) as usage_file:
+            usage = int(usage_file.read().strip())
+    except (OSError, ValueError):
+        return None
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open(os.path.join(directory, "memory.stat")) as stat,
+    ):
+        for line in stat:
+            name, _, value = line.partition(" ")
+            if name == inactive_name:  # page cache the kernel takes back before failing
+                usage -= int(value)
+                break
+    return int(limit) - max(0, usage)
 
 
 class PagePopulator:
@@ -133,7 +159,7 @@ class PagePopulator:
 
     def _run(self) -> None:
         lower_priority()  # the model's threads first, whatever it costs this one
-        start = time.perf_counter()
+        began = time.perf_counter()
         tensor = self._tensor
         start, nbytes = whole_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         try:
@@ -147,7 +173,7 @@ class PagePopulator:
                 offset += size
                 self.populated = offset
         finally:
-            self.seconds = time.perf_counter() - start
+            self.seconds = time.perf_counter() - began
             self._tensor = None  # type: ignore[assignment]
             self.done.set()
 
@@ -158,14 +184,16 @@ class PagePopulator:
             self._thread.join(timeout_s)
 
 
-def populate_in_background(pool: torch.Tensor) -> PagePopulator | None:
+def populate_in_background(pool: torch.Tensor, sharers: int = 1) -> PagePopulator | None:
     """A :class:`PagePopulator` for ``pool``, or None where there is nothing to do (a pinned
-    pool, resident already; an empty one) or it would take more memory than is left."""
+    pool, resident already; an empty one) or it would take more memory than is left, shared
+    with ``sharers`` processes populating pools of the same size at the same time (a node's
+    tensor-parallel ranks)."""
     if pool.numel() == 0 or pool.is_pinned():
         return None
     nbytes = pool.numel() * pool.element_size()
     left = memory_left()
-    if left is not None and nbytes > left * HEADROOM:
+    if left is not None and nbytes * max(1, sharers) > left * HEADROOM:
         log.warning(
             "the CPU pool (%d MiB) is more than this process may still take (%d MiB left): its "
             "pages are not faulted in ahead of use, and each slot's first copy pays for them",

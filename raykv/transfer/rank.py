@@ -106,11 +106,14 @@ class PieceCopies:
     populator: PagePopulator | None
 
 
-def piece_copies(pieces: list[torch.Tensor], layout: KVLayout, *, threaded: bool) -> PieceCopies:
+def piece_copies(
+    pieces: list[torch.Tensor], layout: KVLayout, *, threaded: bool, sharers: int = 1
+) -> PieceCopies:
     """Pieces on a GPU: a pinned pool and raykv's CUDA engine (streams ordered after the compute
     stream, events). Pieces in host memory: a pool faulted in in the background and the CPU
-    engine (a copy thread of its own only where ``threaded``). Anything else is refused, naming
-    the device."""
+    engine (a copy thread of its own only where ``threaded``; ``sharers``: the ranks on this
+    node faulting their pools in at the same time). Anything else is refused, naming the
+    device."""
     device = pieces[0].device if pieces else torch.device("cpu")
     if device.type == "cuda":
         pool = allocate_pool(layout, pin=True)
@@ -123,4 +126,4 @@ def piece_copies(pieces: list[torch.Tensor], layout: KVLayout, *, threaded: bool
     engine = CpuTransferEngine(pieces, pool, layout, threaded=threaded)
     # its pages faulted in now, in the background, not by the first copies and promotions into
     # each slot (``transfer/populate.py``)
-    return PieceCopies(pool, engine, populate_in_background(pool))
+    return PieceCopies(pool, engine, populate_in_background(pool, sharers))

@@ -401,6 +401,8 @@ class SharedChunks:
     def _get(
         self, keys: Sequence[int], slots: Sequence[int], crcs: list[list[int]] | None
     ) -> list[str]:
+        if self._closed:
+            raise SharedStoreError("the shared tier's client is closed")
         fmt = self.format
         hb = fmt.header_bytes
         buf, ptr = self._header_buffer()

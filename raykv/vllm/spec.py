@@ -243,7 +243,9 @@ class RaykvOffloadingSpec(OffloadingSpec):
         # with the thread). Without it the copies run in get_finished, between two forwards,
         # with every core (raykv's engine does the same with a real model on CPU ranks). On a
         # GPU the copies run on CUDA streams, ordered after the compute stream
-        made = piece_copies(pieces, layout, threaded=bool(self.settings.copy_thread))
+        made = piece_copies(
+            pieces, layout, threaded=bool(self.settings.copy_thread), sharers=self.world_size
+        )
         pool, copies = made.pool, made.engine
         lower: dict[str, ChunkJobEngine] = {}
         disk_settings = self.settings.disk

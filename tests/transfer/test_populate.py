@@ -96,3 +96,22 @@ def test_a_pool_larger_than_the_memory_left_is_left_to_fault(
 
 def test_an_empty_pool_needs_no_thread() -> None:
     assert populate_in_background(torch.empty((0, 16), dtype=torch.uint8)) is None
+
+
+@pytest.mark.parametrize(
+    ("files", "room"),
+    [
+        ({"memory.max": "max", "memory.current": "100"}, None),
+        ({"memory.max": "1000", "memory.current": "600"}, 400),
+        # reclaimable page cache is not counted as used
+        ({"memory.max": "1000", "memory.current": "600", "memory.stat": "inactive_file 300"}, 700),
+        ({"memory.max": "not a number", "memory.current": "600"}, None),
+        ({"memory.current": "600"}, None),
+    ],
+    ids=["no-limit", "limit", "page-cache", "unreadable", "no-limit-file"],
+)
+def test_the_room_a_cgroup_leaves(tmp_path, files: dict[str, str], room: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text + "\n")
+    names = ("memory.max", "memory.current", "inactive_file")
+    assert populate._room(str(tmp_path), *names) == room

@@ -28,11 +28,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 BLOCK_TOKENS = 128  # what vLLM's CPU attention picks for these models
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_temp_directory() -> Iterator[None]:
-    """A temporary directory of this session's own for what vLLM leaves there (its engines'
-    IPC sockets, torch.distributed's ``vllm_dist_*`` rendezvous files), removed at the end:
-    nothing another process keeps in the system's is touched."""
+@pytest.fixture(scope="package", autouse=True)
+def _private_temp_directory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A temporary directory of these tests' own for what vLLM leaves there (its engines' IPC
+    sockets, torch.distributed's ``vllm_dist_*`` rendezvous files), removed when they end:
+    nothing another process keeps in the system's is touched. pytest's own directory is fixed
+    first, in the system's, so the tests' files outlive it as pytest keeps them."""
+    tmp_path_factory.getbasetemp()
     private = tempfile.mkdtemp(prefix="raykv-vllm-tests-")
     before = (tempfile.tempdir, os.environ.get("TMPDIR"), os.environ.get("VLLM_RPC_BASE_PATH"))
     tempfile.tempdir = private
