@@ -153,11 +153,14 @@ def test_write_back_publishes_as_chunks_leave_the_cpu_tier(
 ) -> None:
     """``publish: back``: a CPU tier that never evicts publishes nothing; a small one publishes
     what leaves it (given up by its own reserve, or by the disk's demotions), and a second
-    engine loads that from the store, every byte checked."""
-    back = [*SMALL, *shared(shared_store), "offload.shared.publish=back", "model.head_dim=12"]
+    engine loads that from the store, every byte checked. Each case has a model of its own:
+    the session's store outlives a case, and a chunk the other case published is found there,
+    not published again."""
+    model = f"model.head_dim={14 if disk else 12}"
+    back = [*SMALL, *shared(shared_store), "offload.shared.publish=back", model]
     if disk:
         back += ["offload.disk.enabled=true", f"offload.disk.path={tmp_path}"]
-    reference, _ = run([*SMALL, "model.head_dim=12"], offload=False)
+    reference, _ = run([*SMALL, model], offload=False)
     roomy, books = run([*back, "offload.cpu_slots=4096"])
     assert roomy["output_digest"] == reference["output_digest"]
     assert roomy["tiers"]["shared"]["published_chunks"] == 0
