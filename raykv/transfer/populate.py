@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -43,17 +43,14 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 STEP_BYTES = 4 << 20  # one call's share: a stop, or an mmap of the model's, waits for one at most
 HEADROOM = 0.9  # of the memory left, the most a pool may take to be populated
 
-_libc: ctypes.CDLL | None = None
 
-
+@functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        except OSError:
-            return None
-    call = _libc.madvise
+    """libc's ``madvise`` (None where this process has no such symbol)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
     call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     call.restype = ctypes.c_int
     return call

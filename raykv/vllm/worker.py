@@ -183,7 +183,6 @@ class RaykvOffloadingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        lower_busy = self._lower_busy()
         if self._promoting() and time.perf_counter() - self._last_poll < IDLE_POLL_S:
             # vLLM has nothing to compute but a request waiting for its load, and spins on
             # this poll, taking a core and the GIL from the threads reading the disk or the
@@ -191,7 +190,7 @@ class RaykvOffloadingWorker(OffloadingWorker):
             # load from it 180-240 ms with a bare yield here, 125-160 ms with this wait). Not
             # for writes: nothing waits on them, and a request arriving would
             self._wait_lower(IDLE_WAIT_S)
-        elif self._jobs and (self.copies.threaded or lower_busy):
+        elif self._jobs and (self.copies.threaded or self._lower_busy()):
             # vLLM polls every step, and an idle engine steps in a tight Python loop that
             # keeps the GIL: a thread of raykv's (copies, disk reads and writes, the store's
             # client), which takes it back after each copy, read or checksum, would wait out

@@ -85,12 +85,8 @@ class LoadChoice:
         (and its skipped hits count once) until its lookup starts elsewhere."""
         ongoing = self._rounds.get(req_id)
         if ongoing is not None:
-            if position > ongoing.first:
-                return ongoing.end
-            if position < ongoing.first:
-                # a lookup from the end (a sliding window's): not a prefix this prices
-                return None
-            return ongoing.end
+            # a lookup from the end (a sliding window's) is not a prefix this prices
+            return None if position < ongoing.first else ongoing.end
         start = position - self.chunk_tokens
         chunks = boundaries()
         ahead = [(end, key) for end, key in chunks if end >= position]
