@@ -96,11 +96,10 @@ class _Engine:
         )
         self.process.start()
         theirs.close()
-        try:
-            self._answer(START_S, "start")
-        except BaseException:
-            self.stop()  # never left behind, starting or compiling
-            raise
+
+    def ready(self) -> None:
+        """Wait for its engine to have started (it answers one batch of one token first)."""
+        self._answer(START_S, "start")
 
     def _answer(self, timeout_s: float, what: str) -> Any:
         if not self.connection.poll(timeout_s):
@@ -117,9 +116,12 @@ class _Engine:
         self.connection.send((prompts, output_tokens))
         return float(self._answer(BATCH_S, "batch"))
 
-    def stop(self) -> None:
+    def ask_to_stop(self) -> None:
         with contextlib.suppress(BrokenPipeError, OSError):  # it ended already
             self.connection.send(None)
+
+    def stop(self) -> None:
+        """Wait for it to end (asked by ``ask_to_stop``), killed where it does not."""
         self.process.join(STOP_S)
         if self.process.is_alive():
             self.process.kill()
@@ -144,9 +146,13 @@ def paired_throughput(
     found = Rounds({c.name: [] for c in contenders})
     grew: dict[str, float | None] = dict.fromkeys(around or {}, 0.0)
     try:
+        # started side by side, as they stop: an engine's start is mostly vLLM's import, which
+        # waits on the disk and the interpreter as much as on a core
+        say(f"throughput: starting {', '.join(c.name for c in contenders)}")
         for contender in contenders:
-            say(f"throughput: starting {contender.name}")
             engines.append(_Engine(model, contender, engine_args))
+        for engine in engines:
+            engine.ready()
         for r in range(rounds):
             for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
                 say(f"throughput: round {r + 1}/{rounds}, {engine.name}")
@@ -164,6 +170,8 @@ def paired_throughput(
                         else total + after - before
                     )
     finally:
+        for engine in engines:  # never left behind, starting, compiling or done
+            engine.ask_to_stop()
         for engine in engines:
             engine.stop()
     return found, grew

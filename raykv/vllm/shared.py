@@ -210,9 +210,14 @@ class StoreView:
             index.close()
         segment, self.segment = self.segment, None
         if segment is not None:
-            # against a master already gone (another process of the engine stopped it first),
-            # Mooncake's unmount retries for many seconds: the segment goes with this process
+            # against a master already gone (another process of the engine stopped it first,
+            # or it died), Mooncake's client retries the unmount for about 15 s, with the
+            # interpreter's lock held, when it is let go (here or at the process's exit)
             if reachable(self._master, 0.2):
                 segment.close()
             else:
-                log.info("raykv: the store's master is gone; its segment is left to the exit")
+                log.warning(
+                    "raykv: the store's master at %s is gone; letting its segment go takes "
+                    "Mooncake about 15 s",
+                    self._master,
+                )

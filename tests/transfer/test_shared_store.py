@@ -20,6 +20,7 @@ from raykv.transfer.shared_store import (
     SharedStoreError,
     StoreEndpoint,
     object_key,
+    reachable,
 )
 
 FORMAT = ChunkFormat(16 * 1024, 3)
@@ -225,6 +226,11 @@ def test_a_dead_master_fails_operations_instead_of_answering(shared_store: str) 
     finally:
         store.close()
         holder.stop()
+    try:
+        pid = master.pid
+        # started again where its clients look for it
+        assert master.restart() == address and master.pid != pid and reachable(address, 1.0)
+    finally:
         master.stop()
     assert master.pid is None
 

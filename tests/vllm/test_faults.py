@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from raykv.vllm import shared
 from tests.vllm.conftest import answer, answers, drain, engine, manager_of, prompt_text, worker_of
 from tests.vllm.test_tiers import same
 
@@ -77,3 +78,7 @@ def test_a_killed_embedded_master_pauses_the_shared_tier(vllm_model, reference) 
         assert manager._step > 4
         assert not manager._shared_usable(), "the shared tier did not pause"
         assert manager.shared.stats().hits == 0  # nothing was loaded from a dead store
+        # up again before the engine stops (Mooncake's clients retry their goodbyes to a dead
+        # master for 15 s each, with the interpreter's lock held)
+        (master,) = shared._masters.values()
+        master.restart()
