@@ -37,6 +37,7 @@ from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.pool_files import PoolFiles, remove_generations, sweep_stale
+from raykv.transfer.populate import populate_in_background
 from raykv.transfer.rank import build_rank
 from raykv.transfer.shared_store import StoreEndpoint
 
@@ -189,6 +190,15 @@ class LocalWorker:
         self.runner: Rank = RankRunner(rank, self.connector, step_model, kv, cfg.cache.block_size)
         if self.faults.active:
             self.runner = FaultyRank(self.runner, self.faults)
+        # a private pool's pages faulted in now, in the background, not by each slot's first
+        # store, promotion or disk read (as the vLLM adapter's); last, so the memory it checks
+        # has the model's weights out of it. A shard in shared memory had its pages allocated
+        # and zeroed when its file was made
+        self.populator = (
+            populate_in_background(self.pool, cfg.parallel.tensor_parallel_size)
+            if self.shared is None
+            else None
+        )
 
     def execute(self, plan: StepPlan) -> StepReport:
         return self.runner.execute(plan)
@@ -218,6 +228,8 @@ class LocalWorker:
         way finished, the pool file kept. Whether the pool is safe to take over: False where a
         tier's I/O thread was left behind in a system call (a bounded wait: a read it finishes
         later would still land in the pool's slot, under its checksum)."""
+        if self.populator is not None:
+            self.populator.stop()  # it holds the pool: the replacement's memory is counted
         self.engine.shutdown(wait=False)
         stuck = 0
         if self.disk is not None:
@@ -229,6 +241,8 @@ class LocalWorker:
         return stuck == 0
 
     def shutdown(self) -> None:
+        if self.populator is not None:
+            self.populator.stop()
         self.engine.shutdown()
         if self.disk is not None:
             self.disk.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -21,6 +22,8 @@ import tempfile
 import time
 
 from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
+
+log = logging.getLogger(__name__)
 
 BINARY = "mooncake_master"
 PR_SET_PDEATHSIG = 1  # Linux prctl: the signal this process gets when its parent dies
@@ -144,15 +147,29 @@ class EmbeddedMaster:
 
     def restart(self) -> str:
         """Start it again on its port after its process died (as a supervisor would): its
-        clients find it where they left it, and theirs is the store's state from empty. Its
-        address."""
+        clients find it where they left it, the store empty. Its address. The dead one's log
+        is kept where it was not killed (the only account of why it ended)."""
         if self.alive():
             return self.address
-        self.stop()  # the dead process's log goes
+        if not self.port:
+            raise SharedStoreError(f"{BINARY} was never started: there is no port to start again")
+        process, self._process = self._process, None
+        if process is not None and self.log_path:
+            if process.returncode == -signal.SIGKILL:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.log_path)
+            else:
+                log.warning(
+                    "%s at %s ended with status %s (its log: %s); starting it again",
+                    BINARY,
+                    self.address,
+                    process.returncode,
+                    self.log_path,
+                )
         return self.start(self.port)
 
     def stop(self) -> None:
-        """Stop it (SIGTERM, then SIGKILL after 5 s) and remove its log if it ended cleanly."""
+        """Stop it (SIGTERM, then SIGKILL after 5 s) and remove its log."""
         process, self._process = self._process, None
         if process is None:
             return

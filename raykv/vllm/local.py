@@ -95,8 +95,8 @@ def stores_landed(
     while not all(tier.stats().writing == 0 for tier in tiers):
         if time.monotonic() > deadline:
             return False
+        if i and pause_s:  # between two steps (none after the one that found them landed)
+            time.sleep(pause_s)
         generate_s(llm, [prompt_of(i)], 1)
         i += 1
-        if pause_s:
-            time.sleep(pause_s)
     return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +26,10 @@ from typing import Any
 START_S = 600.0  # an engine's start (an import of vLLM, a compile): the bench gives up after
 BATCH_S = 900.0  # one batch, its writes included
 STOP_S = 60.0  # an engine's shutdown once asked (a stuck one is killed)
+# between the one-token steps that let a batch's last writes land: the cores are the writes'
+# then, as an engine's are once its requests are done (stepped back to back, the steps' compute
+# threads took them from the writes' threads, which run at the lowest priority)
+DRAIN_PAUSE_S = 0.005
 
 
 class PairedError(RuntimeError):
@@ -61,18 +66,25 @@ class Rounds:
 
 def _serve(connection: Any, model: str, contender: Contender, engine_args: dict) -> None:
     """A contender's process: its engine, then one batch per message until ``None``."""
-    from raykv.vllm.local import generate_s, local_engine, stores_landed
+    from raykv.vllm.local import generate_s, local_engine, stores_landed, worker_of
 
     try:
         with local_engine(model, contender.raykv, contender.extra, **engine_args) as llm:
             generate_s(llm, [[1] * 64], 1)
+            populator = worker_of(llm).populator if contender.raykv is not None else None
+            if populator is not None:
+                # ready once its CPU pool is resident: the start's work is none of a batch's
+                # (its pages faulted in beside the first round cost that round up to 20%)
+                populator.done.wait(START_S)
             connection.send(("ready", None))
             while (message := connection.recv()) is not None:
                 prompts, output_tokens = message
                 start = time.perf_counter()
                 generate_s(llm, prompts, output_tokens)
                 # its writes count in its time: none runs in another contender's batch
-                if contender.raykv is not None and not stores_landed(llm, lambda i: [2 + i % 1000]):
+                if contender.raykv is not None and not stores_landed(
+                    llm, lambda i: [2 + i % 1000], pause_s=DRAIN_PAUSE_S
+                ):
                     raise RuntimeError("raykv's stores did not land within the bench's wait")
                 connection.send(("done", time.perf_counter() - start))
     except Exception as exc:  # said to the bench, which stops the others
@@ -96,10 +108,13 @@ class _Engine:
         )
         self.process.start()
         theirs.close()
+        self.started = False
 
     def ready(self) -> None:
-        """Wait for its engine to have started (it answers one batch of one token first)."""
+        """Take its answer to its start (``PairedError`` where it failed): called once it has
+        one to read (it answers one batch of one token first)."""
         self._answer(START_S, "start")
+        self.started = True
 
     def _answer(self, timeout_s: float, what: str) -> Any:
         if not self.connection.poll(timeout_s):
@@ -117,6 +132,11 @@ class _Engine:
         return float(self._answer(BATCH_S, "batch"))
 
     def ask_to_stop(self) -> None:
+        """Ask a started engine to shut down; one still starting is ended (SIGTERM): it would
+        read the request only after its whole start and warm-up."""
+        if not self.started:
+            self.process.terminate()
+            return
         with contextlib.suppress(BrokenPipeError, OSError):  # it ended already
             self.connection.send(None)
 
@@ -127,6 +147,21 @@ class _Engine:
             self.process.kill()
             self.process.join(10)
         self.connection.close()
+
+
+def _wait_ready(engines: list[_Engine]) -> None:
+    """Each engine's answer to its start, in the order they come: the first to fail stops the
+    wait (``PairedError``), however long the others' starts would take."""
+    pending = {engine.connection: engine for engine in engines}
+    deadline = time.monotonic() + START_S
+    while pending:
+        left = deadline - time.monotonic()
+        answered = multiprocessing.connection.wait(list(pending), timeout=max(0.0, left))
+        if not answered:
+            names = ", ".join(engine.name for engine in pending.values())
+            raise PairedError(f"{names}: no answer to the start within {START_S:g} s")
+        for connection in answered:
+            pending.pop(connection).ready()
 
 
 def paired_throughput(
@@ -151,8 +186,7 @@ def paired_throughput(
         say(f"throughput: starting {', '.join(c.name for c in contenders)}")
         for contender in contenders:
             engines.append(_Engine(model, contender, engine_args))
-        for engine in engines:
-            engine.ready()
+        _wait_ready(engines)
         for r in range(rounds):
             for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
                 say(f"throughput: round {r + 1}/{rounds}, {engine.name}")

@@ -6,10 +6,14 @@ replica of the model joins the same master, and each loads what any other publis
 ``embedded``: a master for this engine alone, started by the first of its processes to need it
 (vLLM builds its workers before its scheduler, each in a process of its own where it runs more
 than one) and found by the others through the engine's private run directory, which also holds
-the master's address and the secret that seals every part. ``mount: true`` has the scheduler's
-process give ``segment`` bytes of its DRAM to the pool for as long as the engine runs (in
-process: vLLM's engine processes are daemons, which may not start processes of their own);
-``mount: false`` leaves the pool's memory to others (a store service, another replica).
+the master's address and the secret that seals every part. ``mount: true`` gives ``segment``
+bytes of DRAM to the pool for as long as the engine runs (in process: vLLM's engine processes
+are daemons, which may not start processes of their own): the embedded master's own process
+gives them, beside the master (a client lets its segment go only from a live master: from a
+dead one it retries for about 15 s with Python's lock held, and the process that started the
+master stops it when its half of the engine shuts down, before the other processes' halves);
+with a master at ``host:port``, the scheduler's process. ``mount: false`` leaves the pool's
+memory to others (a store service, another replica).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ START_WAIT_S = 60.0  # how long another process waits for that one to say where 
 # halves of the engine (its manager, its worker) use them: stopped when the last one closes
 # (a client that leaves a dead master, the segment's above all, retries for many seconds)
 _masters: dict[str, EmbeddedMaster] = {}
+_segments: dict[str, SegmentHolder] = {}  # the memory each of those masters' pool has here
 _users: dict[str, int] = {}
 _masters_lock = threading.Lock()
 
@@ -72,7 +77,7 @@ def endpoint(shared: SharedTierConfig, run_directory: str) -> StoreEndpoint:
             "memory (name a master at host:port that others give memory to, or mount)"
         )
     try:
-        address, secret = _embedded(run_directory)
+        address, secret = _embedded(run_directory, shared)
     except (SharedStoreError, OSError, ValueError) as exc:
         raise SharedUnavailable(
             f"raykv.shared.master: the engine's embedded master: {exc}"
@@ -97,7 +102,7 @@ def namespace_of(base: str, where: StoreEndpoint) -> str:
     return f"{base}-{mark}"
 
 
-def _embedded(run_directory: str) -> tuple[str, bytes]:
+def _embedded(run_directory: str, shared: SharedTierConfig) -> tuple[str, bytes]:
     path = os.path.join(run_directory, ENDPOINT_FILE)
     claim = os.path.join(run_directory, CLAIM_FILE)
     try:
@@ -107,11 +112,15 @@ def _embedded(run_directory: str) -> tuple[str, bytes]:
     master = EmbeddedMaster()
     try:
         address = master.start()
+        # the pool's memory, given from here: it goes before the master, in stop_embedded
+        segment = SegmentHolder(StoreEndpoint.of(shared, address, b""), shared.segment)
     except SharedStoreError as exc:
+        master.stop()
         _publish(path, f"failed {exc}")  # the others say why at once, not after a wait
         raise
     with _masters_lock:
         _masters[run_directory] = master
+        _segments[run_directory] = segment
     secret = new_secret()
     _publish(path, f"{address} {secret.hex()} {master.pid}")
     log.info("raykv: an embedded Mooncake master for this engine at %s", address)
@@ -153,6 +162,9 @@ def stop_embedded(run_directory: str) -> None:
             return
         _users.pop(run_directory, None)
         master = _masters.pop(run_directory)
+        segment = _segments.pop(run_directory, None)
+    if segment is not None:
+        _let_go(segment, master.address)
     close_idle(master.address)
     master.stop()
     for name in (ENDPOINT_FILE, CLAIM_FILE):
@@ -192,7 +204,7 @@ class StoreView:
         self.segment: SegmentHolder | None = None
         self._master = where.master
         try:
-            if shared.mount:
+            if shared.mount and shared.master != EMBEDDED:  # an embedded one's gives its own
                 self.segment = SegmentHolder(where, shared.segment)
             self.index = StoreIndex(where, namespace, ranks)
         except SharedStoreError as exc:
@@ -210,14 +222,18 @@ class StoreView:
             index.close()
         segment, self.segment = self.segment, None
         if segment is not None:
-            # against a master already gone (another process of the engine stopped it first,
-            # or it died), Mooncake's client retries the unmount for about 15 s, with the
-            # interpreter's lock held, when it is let go (here or at the process's exit)
-            if reachable(self._master, 0.2):
-                segment.close()
-            else:
-                log.warning(
-                    "raykv: the store's master at %s is gone; letting its segment go takes "
-                    "Mooncake about 15 s",
-                    self._master,
-                )
+            _let_go(segment, self._master)
+
+
+def _let_go(segment: SegmentHolder, master: str) -> None:
+    """Give the pool's memory back. Against a master already gone (it died), Mooncake's client
+    retries the unmount for about 15 s with the interpreter's lock held, whenever it is let go
+    (here, or at the process's exit): said, as nothing shortens it."""
+    if reachable(master, 0.2):
+        segment.close()
+    else:
+        log.warning(
+            "raykv: the store's master at %s is gone; letting its segment go takes Mooncake "
+            "about 15 s",
+            master,
+        )

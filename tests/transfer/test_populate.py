@@ -115,3 +115,37 @@ def test_the_room_a_cgroup_leaves(tmp_path, files: dict[str, str], room: int | N
         (tmp_path / name).write_text(text + "\n")
     names = ("memory.max", "memory.current", "inactive_file")
     assert populate._room(str(tmp_path), *names) == room
+
+
+def test_raykv_s_own_cpu_ranks_fault_a_private_pool_in_and_leave_a_shared_shard(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """raykv's own CPU ranks as the adapter's: a private pool is populated once the rank is
+    built; a shard in shared memory is not (its file's pages were allocated and zeroed when
+    made)."""
+    from raykv.config import load_config
+    from raykv.engine.workers import LocalWorkerGroup
+
+    started: list[PagePopulator] = []
+    real = populate.PagePopulator
+
+    def counted(tensor: torch.Tensor, name: str = "raykv-populate") -> PagePopulator:
+        started.append(real(tensor, name))
+        return started[-1]
+
+    monkeypatch.setattr(populate, "PagePopulator", counted)
+    cfg = load_config(None, ["offload.shared_pool=false", "parallel.tensor_parallel_size=2"])
+    with LocalWorkerGroup(cfg, 64, threaded=False) as workers:
+        assert len(started) == 2  # one per rank
+        for worker, populator in zip(workers.workers, started, strict=True):
+            assert worker.populator is populator
+            assert populator.done.wait(30)
+            if populator.refused:
+                pytest.skip("this kernel does not populate ahead of use (MADV_POPULATE_WRITE)")
+            pool = worker.pool
+            _, whole = populate.whole_pages(pool.data_ptr(), pool.numel() * pool.element_size())
+            assert populator.populated == whole > 0
+    shared = load_config(None, ["offload.shared_pool=true", f"offload.shared_pool_dir={tmp_path}"])
+    with LocalWorkerGroup(shared, 64, threaded=False) as workers:
+        assert workers.workers[0].shared is not None and workers.workers[0].populator is None
+    assert len(started) == 2

@@ -20,7 +20,6 @@ from raykv.transfer.shared_store import (
     SharedStoreError,
     StoreEndpoint,
     object_key,
-    reachable,
 )
 
 FORMAT = ChunkFormat(16 * 1024, 3)
@@ -228,11 +227,18 @@ def test_a_dead_master_fails_operations_instead_of_answering(shared_store: str) 
         holder.stop()
     try:
         pid = master.pid
-        # started again where its clients look for it
-        assert master.restart() == address and master.pid != pid and reachable(address, 1.0)
+        # started again where its clients look for it, the store empty
+        assert master.restart() == address and master.pid != pid
+        again = chunks(address, memory, "dead-master")
+        try:
+            assert again.exists([0x77]) == [False]
+        finally:
+            again.close()
     finally:
         master.stop()
     assert master.pid is None
+    with pytest.raises(SharedStoreError, match="never started"):
+        EmbeddedMaster().restart()
 
 
 def test_an_embedded_master_listens_on_loopback_only(shared_store: str) -> None:
