@@ -114,7 +114,7 @@ def _embedded(run_directory: str, shared: SharedTierConfig) -> tuple[str, bytes]
         address = master.start()
         # the pool's memory, given from here: it goes before the master, in stop_embedded
         segment = SegmentHolder(StoreEndpoint.of(shared, address, b""), shared.segment)
-    except SharedStoreError as exc:
+    except BaseException as exc:  # whatever failed: no master left behind, nobody left waiting
         master.stop()
         _publish(path, f"failed {exc}")  # the others say why at once, not after a wait
         raise
@@ -196,7 +196,8 @@ def kill_embedded(run_directory: str) -> bool:
 
 class StoreView:
     """The scheduler's side of the store: its index of what every rank's parts are there for,
-    and the segment this engine gives the pool (``mount``)."""
+    and, with a master at ``host:port``, the segment this engine gives the pool (``mount``; an
+    embedded master's process gives its own)."""
 
     def __init__(
         self, shared: SharedTierConfig, where: StoreEndpoint, namespace: str, ranks: int
