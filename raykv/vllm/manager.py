@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 # how long the slot of a read that may still land stays out of use (raykv's engine's hold)
 LATE_READ_HOLD_S = 120.0
+MAX_REFUSED = 4096  # requests remembered as refused a load (the oldest forgotten first)
 _MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk, the store) is vLLM's STORAGE
 # which tiers a worker's report of a bad chunk concerns
 _LEAVES = {
@@ -116,6 +117,14 @@ class RaykvOffloadingManager(OffloadingManager):
         self._bad_disk: set[int] = set()
         self._bad_shared: set[int] = set()
         self._late_reads: set[int] = set()  # promoted keys whose slots must be held
+        # what this step's lookups offered each request: its CPU hits, and how many hits below
+        # the CPU tier (each a promotion into a CPU slot). A hit offers no more promotions than
+        # the CPU tier has room for: a load refused for want of room fails, and vLLM looks the
+        # request up again at once, which found the same hit, for ever
+        self._offered: dict[str, tuple[set[int], int]] = {}
+        # requests whose load was refused: their next lookups offer nothing below the CPU tier
+        # (the room a lookup saw may be gone by the load; the request then computes)
+        self._refused: dict[str, int] = {}
         self.metrics = TierMetrics()
 
     # ---- lookups and loads -------------------------------------------------------------------
@@ -207,9 +216,24 @@ class RaykvOffloadingManager(OffloadingManager):
         asks = choice is not None and (found != HIT_PENDING or choice.deciding(req_context.req_id))
         if asks and self._beyond_choice(key, req_context):
             return LookupResult.MISS
+        if found == HIT and not self._room_to_promote(k, req_context.req_id):
+            return LookupResult.MISS
         if found == HIT:
             return LookupResult.HIT
         return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
+
+    def _room_to_promote(self, key: int, request: str) -> bool:
+        """Whether a hit on ``key`` can be loaded: one in the CPU tier always; one below it
+        only where the CPU tier has a slot for its promotion beside those this request's
+        hits already take (and the request's last load was not refused for want of one)."""
+        cpu_hits, below = self._offered.setdefault(request, (set(), 0))
+        if self.cpu.is_readable(key):
+            cpu_hits.add(key)
+            return True
+        if request in self._refused or below >= self.cpu.room(keep=cpu_hits):
+            return False
+        self._offered[request] = (cpu_hits, below + 1)
+        return True
 
     def _beyond_choice(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Whether ``key`` lies beyond where loading stops being faster than recomputing
@@ -277,6 +301,12 @@ class RaykvOffloadingManager(OffloadingManager):
                     shared.prepare_load(in_store)
                 slot_of.update(zip(plan.keys, plan.slots, strict=True))
         self._loads[req_context.req_id] = (in_cpu, on_disk, in_store)
+        self._refused.pop(req_context.req_id, None)
+        if refused:
+            self._refused[req_context.req_id] = self._step
+            if len(self._refused) > MAX_REFUSED:  # the oldest go: their requests are long done
+                for request in list(self._refused)[: len(self._refused) - MAX_REFUSED]:
+                    del self._refused[request]
         if self.choice is not None and not refused:
             self.choice.loading(req_context.req_id, len(in_cpu), len(on_disk), len(in_store))
         from_disk, from_shared = set(on_disk), set(in_store)
@@ -435,6 +465,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
         self._trim_names()
         self._step += 1
+        self._offered.clear()  # the next step's lookups see the room as it is then
         if self.choice is not None:
             self.choice.schedule_ended()
         if self._step in self.kill_master_at:

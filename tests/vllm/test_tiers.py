@@ -123,6 +123,47 @@ def test_a_second_vllm_process_loads_the_first_ones_disk_tier(
         same(got, reference[prompt])
 
 
+def stepped_answer(llm, prompt: str, max_steps: int = 200) -> tuple[list[int], list[float], int]:
+    """``answer``, stepping vLLM's engine by hand: an AssertionError, not a hang, where the
+    request has not finished within ``max_steps`` steps."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    llm.llm_engine.add_request("stepped", prompt, params)
+    for _ in range(max_steps):
+        for out in llm.llm_engine.step():
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+                steps = out.outputs[0].logprobs
+                logprobs = [step[t].logprob for step, t in zip(steps, tokens, strict=True)]
+                return tokens, logprobs, out.num_cached_tokens or 0
+    raise AssertionError(f"the request did not finish in {max_steps} steps")
+
+
+def stored_on_disk(model, path: str, prompt: str) -> int:
+    """An engine with room for every chunk answers ``prompt``: the chunks on its disk."""
+    with engine(model, {"cpu_bytes": "16MiB", "disk": {"enabled": True, "path": path}}) as llm:
+        answer(llm, prompt)
+        drain(llm)
+        return len(manager_of(llm).disk)
+
+
+def test_a_hit_larger_than_the_cpu_tier_loads_what_fits_and_computes_the_rest(
+    vllm_model, reference, tmp_path
+) -> None:
+    # a chunk on disk is loaded through a CPU slot: a hit on more chunks than the CPU tier has
+    # slots failed its load, and vLLM looked the request up again, found the same hit, and
+    # never ran it (seen with `vllm serve`). The hit is now what the CPU tier has room for
+    prompt = PROMPTS[2]
+    assert stored_on_disk(vllm_model, str(tmp_path), prompt) >= 2
+    settings = {"cpu_slots": 1, "disk": {"enabled": True, "path": str(tmp_path)}}
+    with engine(vllm_model, settings) as llm:  # a warm start: the disk holds every chunk
+        got = stepped_answer(llm, prompt)
+        same(got, reference[prompt])
+        assert got[2] == BLOCK_TOKENS  # the one that fits was loaded
+        assert manager_of(llm).disk.stats().loads > 0
+
+
 SECRET = "raykv-test-cluster-secret-0123456789"
 
 
