@@ -122,9 +122,9 @@ class RaykvOffloadingManager(OffloadingManager):
         # the CPU tier has room for: a load refused for want of room fails, and vLLM looks the
         # request up again at once, which found the same hit, for ever
         self._offered: dict[str, tuple[set[int], int]] = {}
-        # requests whose load was refused: their next lookups offer nothing below the CPU tier
-        # (the room a lookup saw may be gone by the load; the request then computes)
-        self._refused: dict[str, int] = {}
+        # requests whose load was refused all the same: their next lookups offer nothing below
+        # the CPU tier, so each makes progress whatever the room did (insertion-ordered)
+        self._refused: dict[str, None] = {}
         self.metrics = TierMetrics()
 
     # ---- lookups and loads -------------------------------------------------------------------
@@ -228,6 +228,10 @@ class RaykvOffloadingManager(OffloadingManager):
         hits already take (and the request's last load was not refused for want of one)."""
         cpu_hits, below = self._offered.setdefault(request, (set(), 0))
         if self.cpu.is_readable(key):
+            # kept for this load, it is a slot the promotions offered before it cannot have
+            # (the usual order: the CPU tier evicts a prompt's first chunks first)
+            if below and below > self.cpu.room(keep=cpu_hits | {key}):
+                return False
             cpu_hits.add(key)
             return True
         if request in self._refused or below >= self.cpu.room(keep=cpu_hits):
@@ -303,7 +307,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self._loads[req_context.req_id] = (in_cpu, on_disk, in_store)
         self._refused.pop(req_context.req_id, None)
         if refused:
-            self._refused[req_context.req_id] = self._step
+            self._refused[req_context.req_id] = None
             if len(self._refused) > MAX_REFUSED:  # the oldest go: their requests are long done
                 for request in list(self._refused)[: len(self._refused) - MAX_REFUSED]:
                     del self._refused[request]

@@ -162,6 +162,15 @@ def test_a_hit_larger_than_the_cpu_tier_loads_what_fits_and_computes_the_rest(
         same(got, reference[prompt])
         assert got[2] == BLOCK_TOKENS  # the one that fits was loaded
         assert manager_of(llm).disk.stats().loads > 0
+        # now the first chunk on disk and the second in the CPU tier's one slot (LRU evicted
+        # the first): keeping the second would leave no slot to promote the first into, so
+        # the hit is the first alone, and no load is refused
+        drain(llm)
+        llm.reset_prefix_cache()
+        got = stepped_answer(llm, prompt)
+        same(got, reference[prompt])
+        assert got[2] == BLOCK_TOKENS
+        assert all(r.ok for r in worker_of(llm).records if not r.is_store), "a load failed"
 
 
 SECRET = "raykv-test-cluster-secret-0123456789"
