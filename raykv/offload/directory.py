@@ -195,6 +195,10 @@ class Directory:
         """True if the key is ready; unlike ``lookup`` it counts nothing."""
         return key in self._slot and key not in self._writing
 
+    def is_idle(self, key: int) -> bool:
+        """True if the key is ready and nobody writes or reads it (an eviction may take it)."""
+        return key in self._slot and key not in self._writing and key not in self._readers
+
     def slot_of(self, key: int) -> int:
         return self._slot[key]
 

@@ -15,7 +15,6 @@ round trip) for a chunk no tier of this engine knows: what another engine publis
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -40,6 +39,7 @@ from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHAR
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
 from raykv.vllm.metrics import TierMetrics
+from raykv.vllm.room import PromotionRoom
 from raykv.vllm.shared import StoreView, kill_embedded, stop_embedded
 from raykv.vllm.worth import LoadChoice
 
@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 
 # how long the slot of a read that may still land stays out of use (raykv's engine's hold)
 LATE_READ_HOLD_S = 120.0
-MAX_REFUSED = 4096  # requests remembered as refused a load (the oldest forgotten first)
-# how long a request's hit waits for CPU room to promote it (slots being written or read free
-# within a load or a store; a slot kept from a late read, for minutes) before it is computed
-ROOM_WAIT_S = 2.0
 _MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk, the store) is vLLM's STORAGE
 # which tiers a worker's report of a bad chunk concerns
 _LEAVES = {
@@ -121,17 +117,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self._bad_disk: set[int] = set()
         self._bad_shared: set[int] = set()
         self._late_reads: set[int] = set()  # promoted keys whose slots must be held
-        # what this step's lookups offered each request: the CPU hits its load keeps, and the
-        # hits below the CPU tier (each promoted into a CPU slot). A load refused for want of
-        # room fails, and vLLM looks the request up again: a hit that can never fit the CPU
-        # tier is never offered, and one that does not fit now waits for room (RETRY)
-        self._offered: dict[str, tuple[set[int], set[int]]] = {}
-        # requests waiting for CPU room to promote their hits, since when (time.monotonic)
-        self._waiting_room: dict[str, float] = {}
-        self.room_wait_s = ROOM_WAIT_S
-        # requests whose load was refused all the same: their next lookups offer nothing below
-        # the CPU tier, so each makes progress whatever the room did (insertion-ordered)
-        self._refused: dict[str, None] = {}
+        self.room = PromotionRoom(cpu)  # the CPU slots a hit's load needs
         self.metrics = TierMetrics()
 
     # ---- lookups and loads -------------------------------------------------------------------
@@ -223,43 +209,15 @@ class RaykvOffloadingManager(OffloadingManager):
         asks = choice is not None and (found != HIT_PENDING or choice.deciding(req_context.req_id))
         if asks and self._beyond_choice(key, req_context):
             return LookupResult.MISS
-        if found == HIT:
-            return self._room_to_promote(k, req_context.req_id)
-        return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
-
-    def _room_to_promote(self, key: int, request: str) -> LookupResult:
-        """A hit on ``key`` as its load can take it. A chunk below the CPU tier is promoted
-        into a CPU slot, and a CPU hit the load keeps is a slot the request's promotions
-        cannot have: a hit they could never fit into misses (the rest is computed); one that
-        fits the tier but not its room now is asked again later (RETRY), for at most
-        ``room_wait_s``, while loads and stores free their slots."""
-        kept, promoted = self._offered.setdefault(request, (set(), set()))
-        if key in kept or key in promoted:  # looked up again in this step
-            return LookupResult.HIT
-        cpu = self.cpu
-        if cpu.is_readable(key):
-            # the usual order: the CPU tier evicts a prompt's first chunks first, so a CPU hit
-            # follows the chunks promoted before it
-            if not promoted:
-                kept.add(key)
-                return LookupResult.HIT
-            need, keep = len(promoted), kept | {key}
-        else:
-            if request in self._refused:
-                return LookupResult.MISS
-            need, keep = len(promoted) + 1, kept
-        if need + len(keep) > cpu.capacity:
-            return LookupResult.MISS
-        if need > cpu.room(keep=keep):
-            since = self._waiting_room.setdefault(request, time.monotonic())
-            if time.monotonic() - since < self.room_wait_s:
-                return LookupResult.RETRY
-            return LookupResult.MISS  # waited long enough: the rest is computed
-        if key in keep:
-            kept.add(key)
-        else:
-            promoted.add(key)
-        return LookupResult.HIT
+        if found != HIT:
+            return LookupResult.HIT_PENDING if found == HIT_PENDING else LookupResult.MISS
+        result = self.room.offer(k, req_context.req_id)
+        if result == LookupResult.MISS and choice is not None:
+            # no room to load it: the request computes from here, whatever the choice priced
+            position = req_context.get_offload_key_position(key)
+            if position is not None:
+                choice.cut(req_context.req_id, position - choice.chunk_tokens)
+        return result
 
     def _beyond_choice(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Whether ``key`` lies beyond where loading stops being faster than recomputing
@@ -327,15 +285,13 @@ class RaykvOffloadingManager(OffloadingManager):
                     shared.prepare_load(in_store)
                 slot_of.update(zip(plan.keys, plan.slots, strict=True))
         self._loads[req_context.req_id] = (in_cpu, on_disk, in_store)
-        self._refused.pop(req_context.req_id, None)
-        self._waiting_room.pop(req_context.req_id, None)
-        if refused:
-            self._refused[req_context.req_id] = None
-            if len(self._refused) > MAX_REFUSED:  # the oldest go: their requests are long done
-                for request in list(self._refused)[: len(self._refused) - MAX_REFUSED]:
-                    del self._refused[request]
+        self.room.loading(req_context.req_id, refused)
         if self.choice is not None and not refused:
-            self.choice.loading(req_context.req_id, len(in_cpu), len(on_disk), len(in_store))
+            ends = [req_context.get_offload_key_position(key) for key in keys]
+            end = max((e for e in ends if e is not None), default=None)
+            self.choice.loading(
+                req_context.req_id, len(in_cpu), len(on_disk), len(in_store), end=end
+            )
         from_disk, from_shared = set(on_disk), set(in_store)
         return ChunkLoad(
             keys=ks,
@@ -460,8 +416,7 @@ class RaykvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._waiting_room.pop(req_context.req_id, None)
-        self._refused.pop(req_context.req_id, None)
+        self.room.finished(req_context.req_id)
         if self.choice is not None:
             self.choice.finished(req_context.req_id)
 
@@ -494,7 +449,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
         self._trim_names()
         self._step += 1
-        self._offered.clear()  # the next step's lookups see the room as it is then
+        self.room.step_ended()
         if self.choice is not None:
             self.choice.schedule_ended()
         if self._step in self.kill_master_at:

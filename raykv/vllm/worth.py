@@ -128,9 +128,25 @@ class LoadChoice:
         self._tally = (total + tokens, attention + tokens * (since + position - 1) / 2)
         self._remember(self._computed, req_id, position)
 
-    def loading(self, req_id: str, cpu_chunks: int, disk_chunks: int, shared_chunks: int) -> None:
-        """A load of the request starts (chunks from each tier)."""
+    def cut(self, req_id: str, position: int) -> None:
+        """The request's hit ends at ``position`` at the latest, whatever was priced (the CPU
+        tier had no room to promote the rest): it computes from there."""
+        if position < self._computed.get(req_id, position):
+            self._computed[req_id] = position
+
+    def loading(
+        self,
+        req_id: str,
+        cpu_chunks: int,
+        disk_chunks: int,
+        shared_chunks: int,
+        end: int | None = None,
+    ) -> None:
+        """A load of the request starts (chunks from each tier; ``end``: the position its
+        last chunk ends at, from which the request computes)."""
         self._rounds.pop(req_id, None)  # a lookup after it (a preemption's) decides anew
+        if end is not None:
+            self._remember(self._computed, req_id, end)
         bpc = self.blocks_per_chunk
         since = time.perf_counter()
         chunks = (since, cpu_chunks * bpc, disk_chunks * bpc, shared_chunks * bpc)

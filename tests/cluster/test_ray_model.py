@@ -159,7 +159,12 @@ def test_the_model_step_bench_times_both_control_planes_with_and_without_async(
     ]
     for r in rows:
         assert r["batch"] == 4 and r["steps"] >= 6  # a prefill step, then the decodes
-        assert 0 < r["ranks_busy_ms"] < r["step_ms"]
+        assert r["ranks_busy_ms"] > 0
+        if not r["async_scheduling"]:
+            # one step at a time, a rank's work lies inside the step's wall time; planned
+            # ahead, a rank starts a step before the engine's clock for it does (CI saw 9.73
+            # ms busy in a step of 9.64)
+            assert r["ranks_busy_ms"] < r["step_ms"]
         assert r["outside_share"] == pytest.approx(1 - r["ranks_busy_ms"] / r["step_ms"])
         assert r["tokens_per_s"] > 0
         # a real model's TP ranks planned ahead: the same tokens as one step at a time
