@@ -7,7 +7,9 @@ back for ever. So a lookup offers no more promotions than the CPU tier's usable 
 the request's kept hits (the rest of the prompt is computed), and a hit that fits the tier but
 not its room now is asked again at a later step (vLLM's ``RETRY``) while loads and stores free
 their slots, for a bounded time. Only one KV group is served (``worker.py`` refuses more), so
-one budget per request is the whole load's.
+one budget per request is the whole load's. The budget counts hits in the order looked up, as
+vLLM's prefix scan makes them; a sliding window's scan (from the end, going on past a miss)
+counts hits it then drops, so there the room is underused, never overrun.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class _Offer:
     promoted: set[int] = field(default_factory=set)  # hits below, each into a CPU slot
     idle_kept: int = 0  # of the kept, those the room counted (nobody else reads them)
     waited: bool = False  # a hit was asked again later (RETRY)
+    expired: bool = False  # a hit missed for want of room after its wait
 
 
 class PromotionRoom:
@@ -87,7 +90,10 @@ class PromotionRoom:
         if promotions > offer.room - idle:
             offer.waited = True
             since = self._waiting.setdefault(request, self.clock())
-            return LookupResult.RETRY if self.clock() - since < self.wait_s else LookupResult.MISS
+            if self.clock() - since < self.wait_s:
+                return LookupResult.RETRY
+            offer.expired = True
+            return LookupResult.MISS
         if in_cpu:
             self._keep(offer, key)
         else:
@@ -115,8 +121,8 @@ class PromotionRoom:
 
     def step_ended(self) -> None:
         """The next step's lookups see the room as it is then; a request looked up in this
-        step and not asked again waits afresh next time."""
+        step and not asked again (or whose wait ran out) waits afresh next time."""
         for request, offer in self._offers.items():
-            if not offer.waited:
+            if offer.expired or not offer.waited:
                 self._waiting.pop(request, None)
         self._offers.clear()

@@ -107,10 +107,13 @@ def test_a_hit_waits_for_room_no_longer_than_its_bound(tmp_path) -> None:
     assert scan(manager, keys, "a") is None
     clock.now = 2.1
     assert scan(manager, keys, "a") == 0  # waited long enough: the prompt is computed
+    clock.now = 500.0  # preempted much later, say: its wait is timed afresh
+    assert scan(manager, keys, "a") is None
     # a later wait (the request was looked up without one in between) is timed afresh
     manager.cpu.complete_store(writing)
     assert scan(manager, keys, "a") == 2
     busy(manager, 2, first=210)
+    clock.now = 503.0
     assert scan(manager, keys, "a") is None
     manager.on_request_finished(ReqContext(req_id="a"))
     assert not manager.room._waiting, "a finished request is still remembered"
@@ -135,6 +138,38 @@ def test_a_cpu_hit_kept_leaves_room_for_the_promotions_before_it(tmp_path) -> No
     manager.cpu.complete_store(plan.keys)
     assert scan(manager, keys, "a") == 1
     assert loaded(manager, keys, "a")
+
+
+def in_cpu(manager: RaykvOffloadingManager, key) -> None:
+    """``key``'s chunk stored in the CPU tier."""
+    plan = manager.cpu.prepare_store([raykv_key(key)], admit_all=True)
+    assert plan is not None and plan.keys
+    manager.cpu.complete_store(plan.keys)
+
+
+def test_a_cpu_hit_kept_is_room_the_promotions_lose_unless_another_load_pins_it(
+    tmp_path,
+) -> None:
+    # first chunk on disk, second in the CPU tier, the other slot being written: keeping the
+    # second leaves the promotion no slot until the write lands
+    manager, keys = on_disk(tmp_path, cpu_slots=2, chunks=2)
+    in_cpu(manager, keys[1])
+    writing = busy(manager, 1)
+    assert scan(manager, keys, "a") is None
+    manager.cpu.complete_store(writing)
+    # the second being read by another request's load is room nobody had: the free slot is
+    # the promotion's
+    manager, keys = on_disk(tmp_path, cpu_slots=2, chunks=2)
+    in_cpu(manager, keys[1])
+    manager.cpu.prepare_load([raykv_key(keys[1])])
+    assert scan(manager, keys, "a") == 2
+    assert loaded(manager, keys, "a")
+    # the CPU hit first, the chunk on disk after it: the same (as vLLM's LRU evicts a prompt's
+    # tail first)
+    manager, keys = on_disk(tmp_path, cpu_slots=2, chunks=2)
+    in_cpu(manager, keys[0])
+    busy(manager, 1)
+    assert scan(manager, keys, "a") is None
 
 
 def test_the_choice_prices_the_recompute_from_where_the_room_cut_the_hit(tmp_path) -> None:
