@@ -30,6 +30,11 @@ os.environ["RAYKV_WEIGHTS_CACHE"] = _WEIGHTS_CACHE
 # the cluster's secret that seals the shared tier's parts, for the engines that join the
 # session's master (an external one to them); every process this session starts inherits it
 os.environ["RAYKV_SHARED_SECRET"] = os.urandom(24).hex()
+# the tiers' writes at the processes' own priority, not nice 19: with the cores busy (CI's were,
+# at times) they landed after a run's last step, and the tests that need a demotion or a
+# publish to land before a later request found nothing (three spinning processes beside them
+# made it happen every time). The tests check what lands, not how the writes yield
+os.environ["RAYKV_WRITE_NICENESS"] = "0"
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 # worse ones rank higher
 OUTCOMES = {"ok": 0, "failed": 1, "full": 2, "corrupt": 3, "unsettled": 4}
-WRITE_NICENESS = 19  # how far below the process's priority a write's thread runs (clamped at 19)
+# how far below the process's priority a write's thread runs (clamped at 19);
+# RAYKV_WRITE_NICENESS, 0 to 19, overrides it (where the writes must land whatever the load)
+WRITE_NICENESS = 19
+WRITE_NICENESS_VARIABLE = "RAYKV_WRITE_NICENESS"
 SHUTDOWN_WAIT_S = 30.0  # the longest a shutdown waits for the I/O threads to finish
 
 
@@ -313,8 +316,29 @@ class ChunkJobEngine:
         job.done.set()
 
 
+def write_niceness() -> int:
+    """How many levels below the process's priority a write's thread runs."""
+    given = os.environ.get(WRITE_NICENESS_VARIABLE)
+    if given is None:
+        return WRITE_NICENESS
+    try:
+        levels = int(given)
+    except ValueError:
+        levels = -1
+    if not 0 <= levels <= 19:
+        log.warning(
+            "%s=%r is not a number from 0 to 19: the writes run %d levels down",
+            WRITE_NICENESS_VARIABLE,
+            given,
+            WRITE_NICENESS,
+        )
+        return WRITE_NICENESS
+    return levels
+
+
 def lower_priority() -> None:
-    """Run this thread (Linux schedules threads one by one) ``WRITE_NICENESS`` levels below."""
+    """Run this thread (Linux schedules threads one by one) ``write_niceness()`` levels below."""
+    levels = write_niceness()
     with contextlib.suppress(AttributeError, OSError):
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WRITE_NICENESS)
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + levels)

@@ -462,3 +462,18 @@ def test_links_in_place_of_the_tiers_own_directories_are_never_followed(
     with pytest.raises(DiskUnavailable, match=r"offload\.disk\.path.*is a link"):
         engine(str(linked / "rank-0"), pool)
     assert sorted(os.listdir(victim)) == ["thesis.tex"]  # nothing made through the link
+
+
+def test_the_writes_niceness_comes_from_the_environment_where_it_is_valid(
+    monkeypatch, caplog
+) -> None:
+    from raykv.transfer.chunk_jobs import WRITE_NICENESS, write_niceness
+
+    monkeypatch.delenv("RAYKV_WRITE_NICENESS", raising=False)
+    assert write_niceness() == WRITE_NICENESS == 19
+    monkeypatch.setenv("RAYKV_WRITE_NICENESS", "5")
+    assert write_niceness() == 5
+    for wrong in ("20", "-1", "low"):
+        monkeypatch.setenv("RAYKV_WRITE_NICENESS", wrong)
+        assert write_niceness() == 19
+        assert "RAYKV_WRITE_NICENESS" in caplog.text
