@@ -199,7 +199,9 @@ class RaykvOffloadingManager(OffloadingManager):
         found = self.cpu.lookup(k)
         if found == MISS and self.disk is not None:
             found = self.disk.lookup(k)
-        if found == MISS and self.shared is not None:
+        # a paused shared tier offers nothing: its store failed, and a load from it would fail
+        # too (vLLM then recomputes the whole prompt, its GPU prefix-cache hit included)
+        if found == MISS and self.shared is not None and self._shared_usable():
             found = self.shared.lookup(k)
             if found == MISS and self._find_in_store(k):
                 found = HIT
@@ -249,7 +251,11 @@ class RaykvOffloadingManager(OffloadingManager):
             return "cpu"
         if self.disk is not None and self.disk.is_readable(k):
             return "disk"
-        if self.shared is not None and (self.shared.is_readable(k) or self._find_in_store(k)):
+        if (
+            self.shared is not None
+            and self._shared_usable()
+            and (self.shared.is_readable(k) or self._find_in_store(k))
+        ):
             return "shared"
         return None
 
