@@ -104,9 +104,9 @@ class Directory:
     def room(self, keep: Iterable[int] = ()) -> int:
         """At most how many new keys a store could take now: free slots, and ready keys
         nobody writes or reads outside ``keep`` (what eviction may take, if the policy does)."""
-        slot, busy = self._slot, self._writing.union(self._readers)
-        kept = sum(1 for k in set(keep) if k in slot and k not in busy)
-        return self._slots.num_free + len(slot) - len(busy) - kept
+        busy = len(self._writing.union(self._readers))
+        kept = sum(1 for k in set(keep) if self.is_idle(k))
+        return self._slots.num_free + len(self._slot) - busy - kept
 
     @property
     def num_leaving(self) -> int:

@@ -36,8 +36,7 @@ class _Offer:
     kept: set[int] = field(default_factory=set)  # CPU hits its load keeps
     promoted: set[int] = field(default_factory=set)  # hits below, each into a CPU slot
     idle_kept: int = 0  # of the kept, those the room counted (nobody else reads them)
-    waited: bool = False  # a hit was asked again later (RETRY)
-    expired: bool = False  # a hit missed for want of room after its wait
+    waiting: bool = False  # a hit was asked again later (RETRY), its wait not run out
 
 
 class PromotionRoom:
@@ -76,39 +75,35 @@ class PromotionRoom:
         if key in offer.kept or key in offer.promoted:  # looked up again in this step
             return LookupResult.HIT
         in_cpu = cpu.is_readable(key)
+        idle = in_cpu and cpu.is_idle(key)  # keeping it takes a slot the room counted
         if in_cpu and not offer.promoted:  # no promotion needs its slot
-            self._keep(offer, key)
+            self._keep(offer, key, idle)
             return LookupResult.HIT
         if not in_cpu and request in self._refused:
             return LookupResult.MISS
         # the load's promotions, and the slots it keeps, with this hit
         promotions = len(offer.promoted) + (0 if in_cpu else 1)
         kept = len(offer.kept) + (1 if in_cpu else 0)
-        idle = offer.idle_kept + (1 if in_cpu and cpu.is_idle(key) else 0)
         if promotions + kept > cpu.capacity - cpu.num_held:
             return LookupResult.MISS  # never fits: slots held for minutes count as gone
-        if promotions > offer.room - idle:
-            offer.waited = True
+        if promotions > offer.room - offer.idle_kept - idle:
             since = self._waiting.setdefault(request, self.clock())
-            if self.clock() - since < self.wait_s:
-                return LookupResult.RETRY
-            offer.expired = True
-            return LookupResult.MISS
+            offer.waiting = self.clock() - since < self.wait_s
+            return LookupResult.RETRY if offer.waiting else LookupResult.MISS
         if in_cpu:
-            self._keep(offer, key)
+            self._keep(offer, key, idle)
         else:
             offer.promoted.add(key)
         return LookupResult.HIT
 
-    def _keep(self, offer: _Offer, key: int) -> None:
+    @staticmethod
+    def _keep(offer: _Offer, key: int, idle: bool) -> None:
         offer.kept.add(key)
-        if self.cpu.is_idle(key):
-            offer.idle_kept += 1
+        offer.idle_kept += idle
 
     def loading(self, request: str, refused: bool) -> None:
         """The request's load was prepared (or refused for want of room after all)."""
-        self._waiting.pop(request, None)
-        self._refused.pop(request, None)
+        self.finished(request)
         if refused:
             self._refused[request] = None
             if len(self._refused) > MAX_REFUSED:  # the oldest go: their requests are long done
@@ -116,6 +111,7 @@ class PromotionRoom:
                     del self._refused[old]
 
     def finished(self, request: str) -> None:
+        """The request's wait and refusal are forgotten."""
         self._waiting.pop(request, None)
         self._refused.pop(request, None)
 
@@ -123,6 +119,6 @@ class PromotionRoom:
         """The next step's lookups see the room as it is then; a request looked up in this
         step and not asked again (or whose wait ran out) waits afresh next time."""
         for request, offer in self._offers.items():
-            if offer.expired or not offer.waited:
+            if not offer.waiting:
                 self._waiting.pop(request, None)
         self._offers.clear()
