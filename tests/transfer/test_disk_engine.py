@@ -474,6 +474,7 @@ def test_the_writes_niceness_comes_from_the_environment_where_it_is_valid(
     monkeypatch.setenv("RAYKV_WRITE_NICENESS", "5")
     assert write_niceness() == 5
     for wrong in ("20", "-1", "low"):
+        caplog.clear()
         monkeypatch.setenv("RAYKV_WRITE_NICENESS", wrong)
         assert write_niceness() == 19
         assert "RAYKV_WRITE_NICENESS" in caplog.text
