@@ -33,7 +33,7 @@ from raykv.config import ConfigError
 from raykv.core.step import TierMove, TransferStats
 from raykv.transfer.checksums import RowChecksums
 from raykv.transfer.chunk_io import ChunkIO, DiskFull, SourceCorrupt
-from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
+from raykv.transfer.chunk_jobs import WRITE_NICENESS, ChunkJobEngine, worse
 from raykv.transfer.disk_files import (
     ANONYMOUS,
     ChunkFormat,
@@ -67,7 +67,8 @@ class DiskTransferEngine(ChunkJobEngine):
     stored; without it a crash of the machine (not of raykv) may lose recent chunks, never serve
     a torn one. ``sums``: the CPU pool's row checksums (``offload.verify``). ``max_free_files``:
     evicted chunks' files kept to be written over. ``identity``: what this rank's parts are
-    (namespace, rank, TP size), written into every file and checked on every read."""
+    (namespace, rank, TP size), written into every file and checked on every read.
+    ``write_niceness``: how far below the process its writes run (``chunk_jobs``)."""
 
     name = "disk"
 
@@ -84,6 +85,7 @@ class DiskTransferEngine(ChunkJobEngine):
         max_free_files: int = 256,
         claim_wait_s: float = 0.0,
         identity: ChunkIdentity = ANONYMOUS,
+        write_niceness: int = WRITE_NICENESS,
     ) -> None:
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
@@ -113,7 +115,7 @@ class DiskTransferEngine(ChunkJobEngine):
         # without the disk tier when they ran at the same priority; on the trace as whole
         # conversations, 100 requests and no tier hit, 3 runs each way pooled, TTFT p50 1.14x
         # and mean 1.05x with demotions 5 levels down, 1.01x and 1.02x at the lowest)
-        super().__init__(io_threads)
+        super().__init__(io_threads, write_niceness)
 
     # ---------------------------------------------------------------- public API
 

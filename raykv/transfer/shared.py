@@ -30,7 +30,7 @@ import torch
 
 from raykv.core.step import TierMove
 from raykv.transfer.checksums import NO_CHECKSUM, RowChecksums
-from raykv.transfer.chunk_jobs import ChunkJobEngine, worse
+from raykv.transfer.chunk_jobs import WRITE_NICENESS, ChunkJobEngine, worse
 from raykv.transfer.disk_files import ANONYMOUS, ChunkFormat, ChunkIdentity
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.shared_store import (
@@ -57,7 +57,8 @@ class SharedTransferEngine(ChunkJobEngine):
     is a configuration error (``SharedUnavailable``); else (a rank replacing a dead one, the
     store down meanwhile) the engine starts without it, fails its jobs, and joins the store
     again at most every ``RECONNECT_S`` seconds. ``identity``: what this rank's parts are
-    (namespace, rank, TP size), in every part's sealed header."""
+    (namespace, rank, TP size), in every part's sealed header. ``write_niceness``: how far
+    below the process its publishes run (``chunk_jobs``)."""
 
     name = "shared"
 
@@ -73,6 +74,7 @@ class SharedTransferEngine(ChunkJobEngine):
         sums: RowChecksums | None = None,
         required: bool = True,
         identity: ChunkIdentity = ANONYMOUS,
+        write_niceness: int = WRITE_NICENESS,
     ) -> None:
         self.format = ChunkFormat(layout.page_bytes, layout.blocks_per_chunk, identity)
         self.sums = sums
@@ -91,7 +93,7 @@ class SharedTransferEngine(ChunkJobEngine):
             if required:
                 raise SharedUnavailable(f"offload.shared.master: {exc}") from exc
             log.warning("shared tier: rank %d starts without the store (%s)", rank, exc)
-        super().__init__(io_threads)
+        super().__init__(io_threads, write_niceness)
 
     def _store(self) -> SharedChunks | None:
         """The store's client, joined again (at most every ``RECONNECT_S``) where it was not."""

@@ -26,7 +26,7 @@ from raykv.config.sections import OffloadConfig
 from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, EventLog
 from raykv.faults import FaultyBackend, FaultyTier, RankFaults
 from raykv.offload.directory import Directory
-from raykv.transfer.chunk_jobs import ChunkJobEngine
+from raykv.transfer.chunk_jobs import THROUGH_WRITE_NICENESS, ChunkJobEngine
 from raykv.transfer.disk import DiskTransferEngine
 from raykv.transfer.disk_files import ChunkFormat, RankDirectory
 from raykv.transfer.layout import KVLayout
@@ -259,6 +259,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
                 fsync=disk_settings.fsync,
                 sums=copies.checksums,
                 identity=namespace.identity(self.parts, self.rank),
+                write_niceness=THROUGH_WRITE_NICENESS,
             )
             disk.index()  # sweeps what a crashed writer left, takes in older directories
         if self.shared is not None:
@@ -273,6 +274,7 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     layout,
                     sums=copies.checksums,
                     identity=namespace.identity(self.parts, self.rank),
+                    write_niceness=THROUGH_WRITE_NICENESS,
                 )
             )
         faults = RankFaults(self.rank, self.faults)

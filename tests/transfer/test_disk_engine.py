@@ -478,3 +478,30 @@ def test_the_writes_niceness_comes_from_the_environment_where_it_is_valid(
         monkeypatch.setenv("RAYKV_WRITE_NICENESS", wrong)
         assert write_niceness() == 19
         assert "RAYKV_WRITE_NICENESS" in caplog.text
+
+
+@pytest.mark.parametrize(("given", "levels"), [(None, 10), ("3", 3)])
+def test_an_engine_s_writes_run_at_its_own_niceness_unless_the_environment_says(
+    disk_dir: str, monkeypatch, given: str | None, levels: int
+) -> None:
+    # inside vLLM a store completes only when its writes do: they run 10 levels down, not 19
+    if given is None:
+        monkeypatch.delenv("RAYKV_WRITE_NICENESS", raising=False)
+    else:
+        monkeypatch.setenv("RAYKV_WRITE_NICENESS", given)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    eng = engine(disk_dir, filled_pool(), write_niceness=10)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS, [0, 1, 2], False)) == ([1], [])
+        assert run(eng, TierMove.of(2, True, KEYS, [5, 6, 7], False)) == ([2], [])
+        niceness = {
+            thread.name.rsplit("-", 1)[0]: os.getpriority(os.PRIO_PROCESS, thread.native_id)
+            for thread in threading.enumerate()
+            if thread.name.startswith("raykv-disk-") and thread.native_id is not None
+        }
+        assert niceness == {
+            "raykv-disk-write": min(19, base + levels),
+            "raykv-disk-read": base,  # a request waits for a promotion
+        }
+    finally:
+        eng.shutdown()

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from raykv.transfer.chunk_jobs import THROUGH_WRITE_NICENESS
 from tests.vllm.conftest import (
     BLOCK_TOKENS,
     answer,
@@ -69,6 +70,8 @@ def evicted_then_loaded(model, reference, settings: dict, tier: str) -> None:
     """With four CPU slots each prompt (three chunks) evicts the one before, which ``tier``
     keeps: all prompts again (the GPU copies gone) load from it, and answer as vLLM does."""
     with engine(model, {"cpu_slots": 4, **settings}) as llm:
+        # written through: a store completes only when its writes do (``chunk_jobs``)
+        assert worker_of(llm).lower[tier].write_niceness == THROUGH_WRITE_NICENESS
         for prompt in PROMPTS:
             answer(llm, prompt)
             drain(llm)
