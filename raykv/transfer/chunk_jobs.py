@@ -133,6 +133,8 @@ class ChunkJobEngine:
     def __init__(self, io_threads: int, niceness: int = WRITE_NICENESS) -> None:
         if io_threads <= 0:
             raise ValueError(f"io_threads must be positive, got {io_threads}")
+        if not 0 <= niceness <= 19:  # never above the model's threads
+            raise ValueError(f"niceness must be from 0 to 19, got {niceness}")
         self.io_threads = io_threads
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}
@@ -145,7 +147,7 @@ class ChunkJobEngine:
         self._stats = TransferStats()
         self._reads = IOThreads(io_threads, f"raykv-{self.name}-read")
         self.write_niceness = niceness  # asked for: the environment's wins where it says
-        levels = write_niceness(niceness)
+        levels = write_niceness(niceness)  # read once, as the engine is built
         self._writes = IOThreads(
             io_threads, f"raykv-{self.name}-write", lambda: lower_priority(levels)
         )

@@ -110,7 +110,8 @@ class DiskTransferEngine(ChunkJobEngine):
         self.layout = layout
         self.chunks = ChunkIO(self.files, self.format, pool, direct, fsync, sums)
         self._special_said = 0  # special files already in a report
-        # promotions at the process's priority, demotions at the lowest (measured: a trace
+        # promotions at the process's priority, demotions at the lowest unless the caller
+        # writes through (``write_niceness``: inside vLLM, 10 levels down) (measured: a trace
         # whose CPU tier demoted 3 GB ran its requests without a tier hit 3% slower than
         # without the disk tier when they ran at the same priority; on the trace as whole
         # conversations, 100 requests and no tier hit, 3 runs each way pooled, TTFT p50 1.14x

@@ -410,24 +410,30 @@ class _Store:
         rounds. A store that has run a while has its segment's pages; a fresh one pays their
         faults on its first fill (measured: the pool's process spent 0.15 s of CPU per no-reuse
         batch on a fresh segment, 0.05 s on a warm one, on the model's cores)."""
-        client = connect(StoreEndpoint(self.address), 0, LOCAL_BUFFER)
         buffer = mmap.mmap(-1, WARM_OBJECT_BYTES)
         pointer = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        client = connect(StoreEndpoint(self.address), 0, LOCAL_BUFFER)
         names: list[str] = []
         try:
             if client.register_buffer(pointer, WARM_OBJECT_BYTES) != 0:
+                client.close()
                 raise VllmBenchError("the store refused the bench's buffer to warm its pool")
-            # short of the whole segment: the store evicts near its top
-            for i in range(int(segment * 0.9) // WARM_OBJECT_BYTES):
-                name = f"raykv-bench-warm/{os.getpid()}/{i}"
-                if client.put_from(name, pointer, WARM_OBJECT_BYTES) != 0:
-                    break
-                names.append(name)
-            for name in names:
-                client.remove(name, True)
+            try:
+                # short of the whole segment: the store evicts near its top
+                for i in range(int(segment * 0.9) // WARM_OBJECT_BYTES):
+                    name = f"raykv-bench-warm/{os.getpid()}/{i}"
+                    if client.put_from(name, pointer, WARM_OBJECT_BYTES) != 0:
+                        break  # what is resident by then is what the store would take
+                    names.append(name)
+                left = [name for name in names if client.remove(name, True) != 0]
+                if left:  # they would hold the engines' room in the pool
+                    raise VllmBenchError(
+                        f"the store kept {len(left)} of the objects that warmed its pool"
+                    )
+            finally:
+                client.unregister_buffer(pointer)
+                client.close()
         finally:
-            client.unregister_buffer(pointer)
-            client.close()
             buffer.close()
 
     def pool_cpu_s(self) -> float | None:

@@ -28,7 +28,7 @@ BATCH_S = 900.0  # one batch, its writes included
 STOP_S = 60.0  # an engine's shutdown once asked (a stuck one is killed)
 # between the one-token steps that let a batch's last writes land: the cores are the writes'
 # then, as an engine's are once its requests are done (stepped back to back, the steps' compute
-# threads took them from the writes' threads, which run at the lowest priority)
+# threads took them from the writes' threads, which run below the process's priority)
 DRAIN_PAUSE_S = 0.005
 
 
