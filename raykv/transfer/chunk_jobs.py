@@ -47,7 +47,8 @@ WRITE_NICENESS = 19
 # every block written to disk and put into the store, ~3% of a core's time): at nice 19 a
 # write thread gets about 1.5% of a core beside a model's thread, the puts fell behind and
 # the batch waited 0.35-0.5 s at its end for them (0.90x of vLLM alone); at 10 levels (about
-# 10%) they keep up (0.97x); at 0 they took the model's cores (0.95x).
+# 10%) they keep up (0.955x and 0.971x in two paired runs); at 0 they took the model's cores
+# (0.948x).
 THROUGH_WRITE_NICENESS = 10
 WRITE_NICENESS_VARIABLE = "RAYKV_WRITE_NICENESS"
 SHUTDOWN_WAIT_S = 30.0  # the longest a shutdown waits for the I/O threads to finish
