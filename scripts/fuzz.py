@@ -173,7 +173,7 @@ def episode(rng: random.Random) -> tuple[list[str], dict, int, Chaos, bool]:
         f"engine.async_scheduling={rng.choice(['true', 'false'])}",
         f"engine.max_num_seqs={rng.choice([1, 3, 6])}",
         f"engine.max_num_batched_tokens={rng.choice([8, 16, 48])}",
-        f"engine.max_deferred_steps={rng.choice([8, 64])}",
+        f"engine.max_wait_s={rng.choice([0.01, 5.0])}",
         f"engine.ack_timeout_steps={rng.choice([4, 16])}",
         f"engine.rank_timeout_steps={rng.choice([40, 120])}",
         f"engine.keep_finished={'true' if keep_finished else 'false'}",

@@ -49,6 +49,8 @@ def test_parse_size_rejects(bad: object) -> None:
         ({"offload": {"policy": "a b"}}, "offload.policy: neither a policy name"),
         ({"offload": {"cpu_bytes": "1GiB", "cpu_slots": 3}}, "offload: cpu_bytes .* exclusive"),
         ({"offload": 5}, "offload: "),
+        # waits are bounded by time now: the old key says where the bound went
+        ({"engine": {"max_deferred_steps": 64}}, "max_deferred_steps is gone.*engine.max_wait_s"),
     ],
 )
 def test_errors_name_the_key_path_and_value(tree: dict, message: str) -> None:

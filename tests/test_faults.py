@@ -210,9 +210,10 @@ def test_a_rank_that_never_acks_is_declared_dead_and_replaced(fault_free):
 
 def test_a_request_stops_waiting_for_a_write_that_never_finishes(fault_free):
     # rank 1 holds every completion for ever (well, 10**6 steps): lookups that reach those
-    # chunks are deferred until the request's bound, then it recomputes; at the end the jobs
-    # still unacked make rank 1 count as silent, and its replacement lets the run drain
-    extra = ("engine.max_deferred_steps=5", "engine.rank_timeout_steps=300")
+    # chunks are deferred until the request's bound (by the clock), then it recomputes; at the
+    # end the jobs still unacked make rank 1 count as silent, and its replacement lets the run
+    # drain
+    extra = ("engine.max_wait_s=0.05", "engine.rank_timeout_steps=300")
     report, _, _ = run(["delay-acks:rank=1:steps=1000000"], extra=extra)
     assert report["deferral_timeouts"] > 0
     assert report["output_digest"] == fault_free["output_digest"]

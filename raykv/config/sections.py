@@ -241,6 +241,18 @@ SchedulePolicy = Literal["fcfs", "shortest-prefill"]  # the engine scheduler's a
 
 
 class EngineConfig(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _gone_keys(cls, data: object) -> object:
+        # waits were once counted in steps, whose length depends on the load: an idle
+        # engine's steps are short, and its requests gave up on their disk hits
+        if isinstance(data, dict) and "max_deferred_steps" in data:
+            raise ValueError(
+                "max_deferred_steps is gone: a request's wait is bounded by time "
+                "(engine.max_wait_s, in seconds)"
+            )
+        return data
+
     max_num_seqs: int = Field(default=32, gt=0, description="Requests running or loading at once.")
     max_num_batched_tokens: int = Field(
         default=2048,
@@ -271,13 +283,15 @@ class EngineConfig(_Strict):
         description="Plan each step while the ranks run the one before (its decodes' input "
         "tokens written in once that one answers); acks count a step later.",
     )
-    max_deferred_steps: int = Field(
-        default=64,
+    max_wait_s: float = Field(
+        default=5.0,
         ge=0,
-        description="Steps a request may wait, in all, for chunks still being written (or "
-        "loaded by another request) before it recomputes instead. Its own transfers in flight "
-        "always make it wait: they end by themselves (acked, asked again, or failed with a "
-        "rank declared dead).",
+        description="Seconds a request may wait, in all, before it is admitted for what the "
+        "tiers hold (chunks still being written or loaded by another request, a promotion from "
+        "disk or the shared store, room in the CPU tier) before it recomputes instead; with "
+        "offload.take_hits: faster it also stops waiting once recomputing would have been "
+        "sooner. Its own load or stores in flight always make it wait: they end by themselves "
+        "(acked, asked again, or failed with a rank declared dead).",
     )
     ack_timeout_steps: int = Field(
         default=32,

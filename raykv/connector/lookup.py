@@ -11,14 +11,22 @@ further, the chunks only a lower tier holds are promoted into the CPU tier (``Di
 ``SharedMoves.promote``; from the nearest tier that holds each) and the request asks again until
 they have landed; then it loads them like any CPU hit (one load per admission). What the shared
 store holds is asked once per admission, for the chunks past what the local tiers hold
-(``SharedMoves.discover``).
+(``SharedMoves.discover``). A hit is promoted only as far as the CPU tier can hold it beside
+what the load reads there: the longest prefix that fits, the rest computed.
+
+Every wait is bounded by the clock, never by a count of steps (an idle engine's steps are
+short, a busy one's long): a request stops waiting once it has waited ``max_wait_s`` in all, or,
+where the choice priced its hit, once loading less (recomputing at worst) would have given its
+first token sooner (``Decision.wait_s``). Then it takes what the CPU tier holds readable now,
+or recomputes. Only its own load or stores in flight are waited for unbounded (DESIGN
+invariant 3: they end by themselves).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from raykv.connector.shared_moves import SharedMoves
 from raykv.connector.state import RequestOffloadState
@@ -28,10 +36,6 @@ from raykv.connector.tier_view import UnionView
 from raykv.connector.worth import Candidate, TierCosts
 from raykv.core.kv_groups import KVGroup
 from raykv.offload.directory import Directory
-
-# lookups a request waits for room in the CPU tier for a promotion before it takes what the
-# CPU tier alone holds
-ROOM_WAIT_STEPS = 4
 
 _DELAY_SAMPLES = 4096
 
@@ -45,9 +49,12 @@ class PrefixLookup:
         groups: Sequence[KVGroup],
         block_size: int,
         blocks_per_chunk: int,
-        max_deferred_steps: int,
+        max_wait_s: float,
         stats: ConnectorStats,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``max_wait_s``: the seconds a request may wait, in all, for what the tiers hold;
+        ``clock``: what the waits are timed by (a test's own clock)."""
         self.directory = directory
         self.moves: DiskMoves | None = None  # the disk tier's moves, where there is one
         self.shared_moves: SharedMoves | None = None  # the shared tier's, where there is one
@@ -57,7 +64,8 @@ class PrefixLookup:
         self.block_size = block_size
         self.bpc = blocks_per_chunk
         self.tpc = block_size * blocks_per_chunk
-        self.max_deferred_steps = max_deferred_steps
+        self.max_wait_s = max_wait_s
+        self.clock = clock
         self.stats = stats
         # the latest lookup delays, for the metrics; bounded in case nobody reads them
         self.lookup_seconds: deque[float] = deque(maxlen=_DELAY_SAMPLES)
@@ -68,12 +76,12 @@ class PrefixLookup:
     ) -> int | None:
         """Tokens after the ``num_local`` already on the GPU that the CPU tier can supply, or
         None to ask again next step. ``loading``: keys that loads in flight are reading."""
-        start = time.perf_counter()
+        start = self.clock()
         result = self._lookup(state, num_local, loading)
         if result is not None:
-            state.choice = None  # answered: a later admission decides afresh
+            state.choice = state.wait_limit_s = None  # answered: a later admission decides afresh
             state.store_asked = False
-        now = time.perf_counter()
+        now = self.clock()
         self.lookup_seconds.append(now - start)
         if result is None:
             if state.deferred_since is None:
@@ -81,7 +89,16 @@ class PrefixLookup:
         elif state.deferred_since is not None:
             self.deferred_seconds.append(now - state.deferred_since)
             state.deferred_since = None
+        if result is not None:
+            self._end_wait(state)
         return result
+
+    def _end_wait(self, state: RequestOffloadState) -> None:
+        """A spell of waiting for the tiers ended: its seconds count towards the request's
+        share."""
+        if state.wait_since is not None:
+            state.waited_s += self.clock() - state.wait_since
+            state.wait_since = None
 
     def peek(self, state: RequestOffloadState, num_local: int) -> int:
         """About how many tokens after ``num_local`` the tier holds for this request: the prefix
@@ -105,7 +122,7 @@ class PrefixLookup:
     ) -> list[tuple[DiskMoves | SharedMoves, Directory]]:
         """The tiers below the CPU tier a lookup of ``state`` may reach, nearest first, with
         their moves (none once a promotion it waited for failed)."""
-        if state.disk_failed:
+        if state.disk_failed or state.wait_over:
             return []
         out: list[tuple[DiskMoves | SharedMoves, Directory]] = []
         if self.moves is not None and self.moves.readable():
@@ -128,7 +145,9 @@ class PrefixLookup:
         self.stats.lookups += 1
         if state.jobs:
             # DESIGN invariant 3, whatever the deferral budget says: these jobs end by themselves
-            # (acked, asked again after ack_timeout_steps, or failed with a rank declared dead)
+            # (acked, asked again after ack_timeout_steps, or failed with a rank declared dead);
+            # a wait for them is not the tiers' and does not count against its share
+            self._end_wait(state)
             self.stats.deferred_lookups += 1
             return None
         if state.load_failed:
@@ -156,9 +175,12 @@ class PrefixLookup:
                 for gs in state.groups:
                     shared.discover(gs.keys[end:max_chunks], disk)
             union = UnionView(cpu, *(d for _, d in lowers))
-            far, far_used, far_pending = self._converge(state, start, max_chunks, union)
-            if far > end:
-                end, used, pending, view = far, far_used, far_pending, union
+            far = self._converge(state, start, max_chunks, union)
+            if far[0] > end:
+                far = self._within_room(state, start, far, union)
+            if far[0] > end:
+                end, used, pending = far
+                view = union
                 promote = union.sources(used)
         # refresh what resuming at ``end`` needs: a full-attention group's whole prefix, a
         # sliding-window group's last window only (older chunks of it are never read again)
@@ -179,16 +201,21 @@ class PrefixLookup:
                 promote = [[] for _ in lowers]
         if end <= start:
             return 0
+        # what it takes once its wait is over: the CPU tier's readable hit where it waits for
+        # more than that, else nothing
+        near_end, near_used, near_pending = near
+        fallback = 0
+        if start < near_end < end and not near_pending and not any(k in loading for k in near_used):
+            fallback = near_end * tpc - num_local
         if pending or any(k in loading for k in used):
-            return self._defer(state, self._own_promotions(state, used, view))
+            return self._defer(state, fallback)
         if any(promote):
-            started = waiting = False
-            refused = False
+            started = waiting = refused = False
             for (mover, _), keys in zip(lowers, promote, strict=True):
                 if not keys:
                     continue
                 # what it loads beside them is never evicted to make their room
-                job = mover.promote(keys, state, keep=[*used, *near[1]])
+                job = mover.promote(keys, state, keep=[*used, *near_used])
                 if job == WAIT:
                     waiting = True
                 elif job is None:
@@ -196,18 +223,42 @@ class PrefixLookup:
                 else:
                     started = True
                     (state.fetched if mover is self.shared_moves else state.promoted).update(keys)
-            if waiting and not refused and state.deferred_steps < ROOM_WAIT_STEPS:
-                return self._defer(state)  # the next plans make room: ask again
-            if started and not waiting and not refused:  # ask again once they have landed
-                self.stats.promotions_waited += 1
-                return self._defer(state)
-            # no room in the CPU tier for them (not yet, or never): what it alone holds
+            if not refused and (started or waiting):
+                if started and not waiting:  # ask again once they have landed
+                    self.stats.promotions_waited += 1
+                return self._defer(state, fallback)  # or once the next plans made room
+            # never room in the CPU tier for them: what it alone holds
             end, used, pending = near
             if end <= start:
                 return 0
             if pending or any(k in loading for k in used):
-                return self._defer(state)
+                return self._defer(state, 0)
         return max(0, end * tpc - num_local)
+
+    def _within_room(
+        self,
+        state: RequestOffloadState,
+        start: int,
+        far: tuple[int, list[int], bool],
+        union: UnionView,
+    ) -> tuple[int, list[int], bool]:
+        """``far`` (a boundary over every tier, the keys its load reads, whether any is being
+        written), or the furthest boundary before it whose chunks the CPU tier can hold at once
+        (those promoted into it beside those the load reads there): a hit larger than the CPU
+        tier loads what fits and computes the rest."""
+        room = self.directory.capacity - self.directory.num_held
+        if len(set(far[1])) <= room:
+            return far
+        lo, hi = start, far[0]  # a boundary at ``lo`` fits (the start: nothing), at ``hi`` not
+        best: tuple[int, list[int], bool] = (start, [], False)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = self._converge(state, start, mid, union, count=False)
+            if len(set(found[1])) <= room:
+                lo, best = mid, found
+            else:
+                hi = mid
+        return best
 
     def _tier_name(self, mover: DiskMoves | SharedMoves) -> str:
         return "shared" if mover is self.shared_moves else "disk"
@@ -239,30 +290,26 @@ class PrefixLookup:
         req = state.req
         decision = self.costs.choose(num_local, req.num_tokens, options)
         req.predicted_s, req.predicted_recompute_s = decision.predicted_s, decision.recompute_s
-        state.choice = decision.end
+        state.choice, state.wait_limit_s = decision.end, decision.wait_s
         return decision.end // tpc if decision.end > num_local else start
 
-    @staticmethod
-    def _own_promotions(
-        state: RequestOffloadState, used: list[int], view: Directory | UnionView
-    ) -> bool:
-        """Every chunk it waits for is one a promotion started for it is still writing."""
-        mine = state.promoted | state.fetched
-        waiting = [k for k in used if not view.is_readable(k)]
-        return bool(mine) and bool(waiting) and all(k in mine for k in waiting)
-
-    def _defer(self, state: RequestOffloadState, own: bool = False) -> int | None:
-        """Ask again next step, unless this request has waited its share: then it recomputes
-        (vLLM #49829: a write that never finishes must not park a request forever). A wait
-        for a promotion started for it (``own``) is not counted: steps while the I/O runs are
-        idle and quick, and the promotion ends by itself (acked, failed, or its rank dead)."""
-        if own:
-            self.stats.deferred_lookups += 1
-            return None
-        state.deferred_steps += 1
-        if state.deferred_steps > self.max_deferred_steps:
-            self.stats.deferral_timeouts += 1
-            return 0
+    def _defer(self, state: RequestOffloadState, fallback: int) -> int | None:
+        """Ask again next step (None), unless this request has waited its share, in all: then
+        ``fallback`` tokens (what it takes without waiting; vLLM #49829: a write that never
+        finishes must not park a request for ever). Its share is ``max_wait_s``, and no more
+        than its hit is worth where the choice priced it (``state.wait_limit_s``)."""
+        now = self.clock()
+        if state.wait_since is None:
+            state.wait_since = now
+        waited = state.waited_s + now - state.wait_since
+        limit = self.max_wait_s
+        if state.wait_limit_s is not None:
+            limit = min(limit, state.wait_limit_s)
+        if state.wait_over or waited >= limit:
+            if not state.wait_over:
+                state.wait_over = True
+                self.stats.deferral_timeouts += 1
+            return fallback
         self.stats.deferred_lookups += 1
         return None
 

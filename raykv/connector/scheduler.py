@@ -44,7 +44,8 @@ class ConnectorScheduler:
             corrupt chunk fails its load and leaves the tier.
         load_in_step: every load is finished by each rank before that step's model runs, so
             its request can compute in the step that loads it (``TransferSpec.same_step``).
-        max_deferred_steps: lookups a request may be deferred, in all, before it recomputes.
+        max_wait_s: seconds a request may wait for the tiers, in all, before it takes what is
+            readable or recomputes (``connector/lookup.py``).
         ack_timeout_steps: steps a job may go unacked before the ranks are asked again.
         disk: the disk tier.
         cpu_reserve: the CPU slots kept free ahead of need by the disk's demotions, or by the
@@ -63,7 +64,7 @@ class ConnectorScheduler:
         blocks_per_chunk: int,
         num_ranks: int,
         verify: bool = False,
-        max_deferred_steps: int = 64,
+        max_wait_s: float = 5.0,
         ack_timeout_steps: int = 32,
         check_sums: bool = False,
         load_in_step: bool = False,
@@ -100,7 +101,7 @@ class ConnectorScheduler:
         )  # fmt: skip
         self.moves, self.shared_moves = self.lower.disk, self.lower.shared
         self._lookup = PrefixLookup(
-            directory, groups, block_size, blocks_per_chunk, max_deferred_steps, self.stats
+            directory, groups, block_size, blocks_per_chunk, max_wait_s, self.stats
         )
         self._lookup.moves, self._lookup.shared_moves = self.moves, self.shared_moves
         self.costs = costs

@@ -224,10 +224,10 @@ class SharedMoves(LowerTierMoves):
         """Start reading these store-only chunks into CPU slots (the coldest chunks evicted to
         make room, as a store would; never one of ``keep``: what the request loads beside
         them): the job's id; ``WAIT`` while no room can be made (every other slot pinned);
-        None when the CPU tier could never hold them beside its other readers."""
+        None when the CPU tier could never hold them beside ``keep``'s chunks there."""
         keys = list(dict.fromkeys(keys))
         cpu = self.cpu
-        if len(keys) > (cpu.capacity - cpu.num_held) // 2:
+        if len(keys) > cpu.room_beside(keep):
             return None
         plan = cpu.prepare_store(keys, admit_all=True, keep=keep)
         if plan is None:

@@ -38,7 +38,15 @@ class RequestOffloadState:
     finished: bool = False
     finished_signaled: bool = False  # its last store was planned: no more jobs after that
     deferred_since: float | None = None  # when its lookups started being deferred
-    deferred_steps: int = 0  # lookups deferred so far, in all (the wait is bounded per request)
+    # seconds it waited for the tiers (chunks being written, promotions, room) in the spells
+    # before this one, and when this one began (the wait is bounded by time, per request, in
+    # all; ``PrefixLookup``'s clock)
+    waited_s: float = 0.0
+    wait_since: float | None = None
+    # the longest its wait for the chosen hit is worth (``Decision.wait_s``; None: only
+    # ``engine.max_wait_s`` bounds it), decided with ``choice``
+    wait_limit_s: float | None = None
+    wait_over: bool = False  # it waited its share: it takes what is readable now, or recomputes
     # a load of this request failed on some rank: it recomputes from then on, or a copy path
     # that fails every time would have it load, fail and load again for ever
     load_failed: bool = False

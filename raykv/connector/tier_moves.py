@@ -81,7 +81,7 @@ class DiskMoves(LowerTierMoves):
         self.reserve_slots = reserve_slots
         self.check_sums = check_sums
         self.stats = DiskMoveStats()
-        self._room_wanted = 0  # free CPU slots a waiting promotion needs, beyond the reserve
+        self._room_wanted = 0  # free CPU slots a waiting promotion needs
         # told of the chunks leaving the CPU tier before they go (the shared tier's write-back)
         self.on_leaving: Callable[[list[int]], None] | None = None
 
@@ -96,12 +96,13 @@ class DiskMoves(LowerTierMoves):
         """Start reading these disk-only chunks into free CPU slots: the job's id; ``WAIT``
         when there are not enough free slots yet (the next plans demote to make them: a
         promotion evicts nothing that is not on disk already); None when the CPU tier could
-        never hold them all at once. ``waiting``: the request that waits for them (if the
-        promotion fails, it looks past the CPU tier no more). ``keep``: nothing is evicted
-        here (the promotion waits for room), so nothing of it is at risk."""
-        del keep
+        never hold them all at once beside ``keep``'s chunks there (what the request loads
+        beside them). ``waiting``: the request that waits for them (if the promotion fails,
+        it looks past the CPU tier no more). A promotion may take the slots the demotions
+        keep free (the reserve): what it reads is on disk, so its chunks leave again without
+        a write."""
         keys = list(dict.fromkeys(keys))
-        if len(keys) > self.cpu.capacity - self.reserve_slots - self.cpu.num_held:
+        if len(keys) > self.cpu.room_beside(keep):
             return None
         if len(keys) > self.cpu.num_free:
             self._room_wanted = max(self._room_wanted, len(keys))
@@ -151,7 +152,7 @@ class DiskMoves(LowerTierMoves):
         cpu, disk = self.cpu, self.disk
         writable = self.writable(step)
         reserve = self.reserve_slots if writable else 0
-        want = reserve + self._room_wanted - cpu.num_free - cpu.num_leaving
+        want = max(reserve, self._room_wanted) - cpu.num_free - cpu.num_leaving
         self._room_wanted = 0
         if want <= 0:
             return

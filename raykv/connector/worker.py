@@ -36,11 +36,11 @@ from raykv.core.step import (
 BlockVerifier = Callable[[int, BlockContent], bool]
 
 _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
-# An idle step (no model work) gives copies this long to land before polling. Without it an
-# engine whose every request waits on loads spins through empty steps, and in one process the
-# spinning thread starves the copy thread of the GIL: measured, 1-block loads then took 32
-# steps and were only finished by the overdue-job flush.
-IDLE_WAIT_S = 0.002
+# An idle step (no model work) blocks until a copy or a move lands, this long at most, before
+# polling: an idle engine waits on what its requests wait for instead of spinning through empty
+# steps (in one process the spinning thread starved the copy thread of the GIL: 1-block loads
+# took 32 steps), and a request that arrives meanwhile waits no longer than this.
+IDLE_WAIT_S = 0.01
 
 
 class TransferBackend(Protocol):

@@ -170,6 +170,10 @@ class Decision:
     end: int
     predicted_s: float | None
     recompute_s: float | None
+    # the longest the request may wait for what the chosen option waits on (its promotions,
+    # chunks still being written, room in the CPU tier) before the best option that loads
+    # less would have given the first token sooner (None: not priced)
+    wait_s: float | None = None
 
 
 class TierCosts:
@@ -304,7 +308,8 @@ class TierCosts:
         for option, seconds in priced:
             if seconds < best_s:
                 best_end, best_s = option.end, seconds
-        best = Decision(best_end, best_s, recompute)
+        wait_s = self._wait_s(start, recompute, priced, best_end)
+        best = Decision(best_end, best_s, recompute, wait_s)
         passed = [(o, s) for o, s in priced if o.end > best_end]
         for tier in dict.fromkeys(_tier(o) for o, _ in passed):
             # passed over: one in PROBE_EVERY is taken anyway, to keep measuring the tier
@@ -312,9 +317,32 @@ class TierCosts:
             if self._skips[tier] % PROBE_EVERY == 0:
                 self.probes[tier] += 1
                 option, seconds = next((o, s) for o, s in reversed(passed) if _tier(o) == tier)
-                return Decision(option.end, seconds, recompute)
+                wait_s = self._wait_s(start, recompute, priced, option.end)
+                return Decision(option.end, seconds, recompute, wait_s)
             self.skipped_slower[tier] += 1
         return best
+
+    def _wait_s(
+        self,
+        start: int,
+        recompute: float,
+        priced: list[tuple[Candidate, float]],
+        end: int,
+    ) -> float | None:
+        """How long the option ending at ``end`` may wait before its first token would come
+        later than the soonest option that loads less (recomputing at worst): that one's
+        predicted seconds, less what the chosen one takes once its wait is over (its moves
+        from the tiers below are the wait)."""
+        if end <= start:
+            return None
+        chosen = next(s for o, s in priced if o.end == end)
+        option = next(o for o, _ in priced if o.end == end)
+        moves = max(
+            self.move_s("disk", option.disk_blocks) if option.disk_blocks else 0.0,
+            self.move_s("shared", option.shared_blocks) if option.shared_blocks else 0.0,
+        )
+        fallback = min([recompute, *(s for o, s in priced if o.end < end)])
+        return max(0.0, fallback - (chosen - moves))
 
     def summary(self) -> dict[str, float]:
         """The current estimates, for the report."""

@@ -96,7 +96,7 @@ class EngineCore:
                 workers.num_ranks,
                 # the synthetic model's byte checks; any model's checksums of loaded chunks
                 verify=checked and cfg.model.path is None,
-                max_deferred_steps=cfg.engine.max_deferred_steps,
+                max_wait_s=cfg.engine.max_wait_s,
                 ack_timeout_steps=cfg.engine.ack_timeout_steps,
                 check_sums=checked,
                 load_in_step=cfg.load_in_step(),

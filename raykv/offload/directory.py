@@ -108,6 +108,13 @@ class Directory:
         kept = sum(1 for k in set(keep) if self.is_idle(k))
         return self._slots.num_free + len(self._slot) - busy - kept
 
+    def room_beside(self, keep: Iterable[int] = ()) -> int:
+        """At most how many new keys the tier could ever hold at once beside those of ``keep``
+        it holds: its slots, less those out of use for a while and ``keep``'s (a promotion
+        larger than this never fits, however much is evicted)."""
+        beside = sum(1 for k in set(keep) if k in self._slot)
+        return self._slots.capacity - self._slots.num_held - beside
+
     @property
     def num_leaving(self) -> int:
         return len(self._leaving)

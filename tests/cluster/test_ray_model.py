@@ -171,3 +171,14 @@ def test_the_model_step_bench_times_both_control_planes_with_and_without_async(
         assert r["same_tokens_as_sync"]
     assert [r["tokens_per_s_over_sync"] for r in rows][::2] == [1.0, 1.0]
     assert "outside" in format_model_share_table(rows)
+
+
+def test_a_second_generate_at_tp2_on_ray_loads_every_full_chunk_from_disk(
+    ray_session, tmp_path: Path
+) -> None:
+    """The restart's disk hit at TP 2 on Ray: every rank's files, every full chunk."""
+    from tests.model.test_generate import generate_twice_on_one_disk_path
+
+    generate_twice_on_one_disk_path(
+        tmp_path, "llama-tied", "parallel.tensor_parallel_size=2", engine="ray"
+    )

@@ -53,7 +53,7 @@ class Runner:
         offload: bool = True,
         keep_finished: bool = True,
         store_threshold: int = 0,
-        max_deferred_steps: int = 64,
+        max_wait_s: float = 5.0,
         load_in_step: bool = False,
         settings: tuple[str, ...] = (),
     ) -> None:
@@ -74,7 +74,7 @@ class Runner:
                 f"engine.max_num_seqs={max_num_seqs}",
                 f"engine.max_num_batched_tokens={max_num_batched_tokens}",
                 f"offload.store_threshold={store_threshold}",
-                f"engine.max_deferred_steps={max_deferred_steps}",
+                f"engine.max_wait_s={max_wait_s}",
                 f"offload.load_in_step={'true' if load_in_step else 'false'}",
                 "faults=[" + ",".join(f'"{f}"' for f in faults) + "]",
                 # every hit loaded: the protocol is what these tests drive, not the choice of

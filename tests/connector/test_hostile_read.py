@@ -132,7 +132,7 @@ def test_a_request_with_jobs_in_flight_defers_its_lookup_past_the_deferral_budge
     its deferral budget is spent (that budget bounds waiting for other requests' writes; its own
     jobs end by themselves: acked, asked again, or failed with a rank declared dead)."""
     late = ("delay-acks:rank=1:steps=12",)
-    r = Runner(block_size=4, num_gpu_blocks=6, tp=2, faults=late, max_deferred_steps=1)
+    r = Runner(block_size=4, num_gpu_blocks=6, tp=2, faults=late, max_wait_s=0)
     make_preemption(r)
     r.resume_copies()
     victim = r.engine.requests["victim"]

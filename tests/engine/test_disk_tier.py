@@ -31,10 +31,6 @@ SMALL = [
     "model.head_dim=8",
     "offload.cpu_slots=24",  # far smaller than the conversations: the CPU tier churns
     "offload.take_hits=always",  # every hit loaded: the protocol, not the choice, is tested
-    # a request waits for its promotion rather than giving up on it after 64 steps: on a busy
-    # machine the disk's threads may lag the (fast) synthetic steps, and what the tests count
-    # (hits, failed promotions) then depended on timing
-    "engine.max_deferred_steps=400",
 ]
 
 

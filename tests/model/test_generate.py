@@ -216,3 +216,43 @@ def test_a_prompt_loaded_from_the_shared_tier_has_transformers_logprobs(
     second, prompt = generate_through_the_shared_tier(tmp_path, "local", store)
     assert second["report"]["shared_hit_tokens"] >= 28  # 7 of the 8 full blocks of 4 tokens
     assert second["report"]["shared_hit_tokens"] < len(prompt)
+
+
+def generate_twice_on_one_disk_path(
+    tmp_path: Path, name: str, *more: str, engine: str = "local"
+) -> None:
+    """``raykv generate`` of one prompt, then again by a fresh engine on the same disk path:
+    the second is answered with every full chunk of the prompt from the disk tier (the first
+    one's stop spilled its CPU tier there), and gives transformers' tokens."""
+    path, model = checkpoint(tmp_path / "ckpt", name)
+    gen = torch.Generator().manual_seed(5)
+    prompt_ids = torch.randint(1, SHAPE["vocab_size"], (41,), generator=gen).tolist()
+    file = tmp_path / "prompt.jsonl"
+    file.write_text(json.dumps({"prompt_token_ids": prompt_ids}) + "\n")
+    # a CPU tier that holds the prompt's 10 chunks, and little more: the whole hit needs
+    # slots the disk tier's demotions otherwise keep free (it was refused: 0 tokens loaded)
+    sets = ["cache.block_size=4", "offload.cpu_slots=16", "offload.take_hits=always"]
+    sets += ["offload.disk.enabled=true", f"offload.disk.path={tmp_path / 'disk'}", *more]
+    reports = []
+    for run in ("first", "second"):
+        out = tmp_path / f"{run}.json"
+        argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--json", str(out)]
+        argv += ["--max-tokens", "3", "--logprobs", "1", "--engine", engine]
+        for s in sets:
+            argv += ["--set", s]
+        assert main(argv) == 0
+        result = json.loads(out.read_text())
+        assert_matches_transformers(model, prompt_ids, result["outputs"][0], top=1)
+        reports.append(result["report"])
+    first, second = reports
+    assert first["disk_hit_tokens"] == 0
+    assert second["tiers"]["disk"]["warm_start_chunks"] >= 10
+    assert second["disk_hit_tokens"] == 40  # every full chunk; the last token is computed
+
+
+def test_a_second_generate_on_a_disk_path_loads_every_full_chunk_from_disk(
+    tmp_path: Path,
+) -> None:
+    """Found by a new user: the second run found 42 chunks at its warm start and loaded none
+    (an idle engine's wait was counted in steps; the promotion was refused for the reserve)."""
+    generate_twice_on_one_disk_path(tmp_path, "llama-tied")

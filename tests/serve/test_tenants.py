@@ -36,12 +36,18 @@ def test_salts_by_isolation_mode() -> None:
     check_cache_salt(request_salt("per_key", a, "x" * MAX_SALT_CHARS))
 
 
-def cached(client, model: str, prompt: str, **extra) -> tuple[int, int, str]:
+def cached(client, model: str, prompt: str, **extra) -> tuple[int, int, str, int]:
+    """Cached tokens, of them the disk tier's, the answer, and the prompt's tokens."""
     out = client.completions.create(
         model=model, prompt=prompt, max_tokens=3, temperature=0, extra_body=extra or None
     )
     details = out.usage.prompt_tokens_details
-    return details.cached_tokens, details.disk_tier_tokens, out.choices[0].text
+    return (
+        details.cached_tokens,
+        details.disk_tier_tokens,
+        out.choices[0].text,
+        out.usage.prompt_tokens,
+    )
 
 
 def test_tenants_share_no_cached_token_and_a_restart_answers_from_disk(
@@ -86,12 +92,19 @@ def test_tenants_share_no_cached_token_and_a_restart_answers_from_disk(
     finally:
         server.stop()
     files = list((tmp_path / "disk").rglob("*.kv"))
-    assert files  # the stop spilled the CPU tier
-    server = Server(load_config(None, sets), options).start()
+    assert files  # the stop spilled the CPU tier (as SIGTERM's stop does)
+    # started again with a CPU tier that holds the prompt's chunks and little more: the first
+    # request, alone on an idle engine, gets every full chunk from disk (it got none: its wait
+    # was counted in the idle engine's short steps, and its promotion was refused the slots
+    # the demotions keep free)
+    restart = [*sets, "offload.cpu_slots=48"]
+    server = Server(load_config(None, restart), options).start()
     try:
         a = openai.OpenAI(base_url=server.url + "/v1", api_key=KEYS[0], max_retries=0)
         warm = cached(a, model, prompt)
-        assert warm[1] > 0 and warm[0] >= warm[1] and warm[2] == first[2]
+        full = (warm[3] - 1) // 16 * 16
+        assert 24 < full // 16 < 48  # more chunks than half the tier, fewer than all of it
+        assert warm[1] == warm[0] == full and warm[2] == first[2]
         # a salt nobody used finds none of the warm disk tier
         assert cached(a, model, prompt, cache_salt="fresh")[0] == 0
     finally:
