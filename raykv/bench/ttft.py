@@ -13,9 +13,13 @@ system allows it: cold, not from the page cache), promoted into the CPU tier and
 (``disk_tier_s``). With a shared tier, a second engine (a CPU tier of its own, the same Mooncake
 Store) then asks for the prompt: what the first engine computed and published, it finds in the
 store, promotes into its CPU tier and loads (``shared_tier_s``: computed on one engine, loaded by
-another). Every hit is loaded (``offload.take_hits: always``): the tiers are measured,
-not the choice. Each is the request's TTFT as the engine measures it (from its arrival at the
-engine to its first token). The fastest of the repeats is kept each way, and ``speedup`` and
+another). With a disk tier, a restart too: once every way was measured, the engine stops and,
+for each length, a fresh engine on the same disk path (its warm start indexes the files) asks
+for that length's last prompt once, alone on an idle engine (``restart_s``, and the tokens it
+found against the prompt's full chunks: ``restart_hit_tokens``, ``full_chunk_tokens``). Every
+hit is loaded (``offload.take_hits: always``): the tiers are measured, not the choice. Each is
+the request's TTFT as the engine measures it (from its arrival at the engine to its first
+token). The fastest of the repeats is kept each way, and ``speedup`` and
 ``disk_speedup`` are recomputing's ratios to them. transformers' number is a forward pass over
 the same number of tokens on the same weights in this process, fastest of the repeats.
 """
@@ -63,6 +67,10 @@ class TTFTResult:
     shared_tier_s: float | None = None  # None: no shared tier
     shared_speedup: float | None = None
     shared_hit_tokens: int = 0  # of the other engine's run (the fastest repeat's)
+    restart_s: float | None = None  # None: no disk tier
+    restart_speedup: float | None = None
+    restart_hit_tokens: int = 0  # what the fresh engine found in the tiers
+    full_chunk_tokens: int = 0  # the prompt's tokens in full chunks: all a tier can hold
 
 
 @dataclass(slots=True)
@@ -172,10 +180,12 @@ def run_ttft_bench(
     progress: Callable[[str], None] | None = None,
     seed: int = 0,
     reader: TTFTEngine | None = None,
+    asked: dict[int, list[int]] | None = None,
 ) -> list[TTFTResult]:
     """Every way for every length (see the module's docstring); ``reference`` times
     transformers' forward pass over a prompt (None: not measured); ``reader``: the second
-    engine on the same shared tier (None: no shared tier)."""
+    engine on the same shared tier (None: no shared tier); ``asked``: filled with each
+    length's last prompt (for ``measure_restarts``)."""
     rng = random.Random(seed)
     vocab = cfg.model.vocab_size
     results = []
@@ -219,6 +229,8 @@ def run_ttft_bench(
                     best_shared, shared_hits = shared, found
             if reference is not None:
                 best_reference = min(best_reference, reference(prompt))
+            if asked is not None:
+                asked[n] = prompt
         results.append(
             TTFTResult(
                 n,
@@ -236,6 +248,36 @@ def run_ttft_bench(
             )
         )
     return results
+
+
+def measure_restarts(
+    cfg: RaykvConfig,
+    results: list[TTFTResult],
+    prompts: dict[int, list[int]],
+    start_engine: Callable[[], TTFTEngine],
+    progress: Callable[[str], None] | None = None,
+    seed: int = 1,
+) -> None:
+    """For each result, a fresh engine (``start_engine``, on the disk path of the engine that
+    stored its prompt, which has stopped) asks for its prompt once: ``restart_s`` and what it
+    found, into the result. Its first request, a short prompt of its own, pays for lazy
+    initialisation as the other ways' warm-up does."""
+    rng = random.Random(seed)
+    tokens_per_chunk = cfg.cache.block_size * cfg.offload.blocks_per_chunk
+    for result in results:
+        n = result.prompt_tokens
+        if progress is not None:
+            progress(f"{n} tokens, a fresh engine on the disk path")
+        engine = start_engine()
+        try:
+            engine.first_token("warm-up", [rng.randrange(cfg.model.vocab_size) for _ in range(16)])
+            seconds, found = engine.first_token(f"restart-{n}", prompts[n])
+        finally:
+            engine.close()
+        result.restart_s = seconds
+        result.restart_speedup = result.recompute_s / seconds
+        result.restart_hit_tokens = found
+        result.full_chunk_tokens = (n - 1) // tokens_per_chunk * tokens_per_chunk
 
 
 def transformers_model(path: Path, dtype: str, device: str = "cpu") -> Any:
@@ -287,6 +329,13 @@ def plot_ttft(report: TTFTReport, path: str) -> None:
     axes.plot(lengths, [r.cpu_tier_s for r in report.results], "o-", label="from the CPU tier")
     if all(r.disk_tier_s is not None for r in report.results):
         axes.plot(lengths, [r.disk_tier_s for r in report.results], "o-", label="from disk")
+    if all(r.restart_s is not None for r in report.results):
+        axes.plot(
+            lengths,
+            [r.restart_s for r in report.results],
+            "o-",
+            label="after a restart (a fresh engine, from disk)",
+        )
     if all(r.shared_tier_s is not None for r in report.results):
         axes.plot(
             lengths,
@@ -320,6 +369,7 @@ def format_ttft_table(report: TTFTReport) -> str:
         f"TP {report.tensor_parallel_size} (fastest of the repeats)",
         f"{'tokens':>7} {'recompute_s':>12} {'cpu_tier_s':>11} {'speedup':>8} "
         f"{'disk_tier_s':>12} {'speedup':>8} {'shared_tier_s':>14} {'speedup':>8} "
+        f"{'restart_s':>10} {'speedup':>8} {'hit/full':>11} "
         f"{'transformers_s':>15} {'recompute/transformers':>23}",
     ]
     for r in report.results:
@@ -331,8 +381,12 @@ def format_ttft_table(report: TTFTReport) -> str:
         shared = f"{'-':>14} {'-':>8}"
         if r.shared_tier_s is not None and r.shared_speedup is not None:
             shared = f"{r.shared_tier_s:>14.4f} {r.shared_speedup:>8.1f}"
+        restart = f"{'-':>10} {'-':>8} {'-':>11}"
+        if r.restart_s is not None and r.restart_speedup is not None:
+            hits = f"{r.restart_hit_tokens}/{r.full_chunk_tokens}"
+            restart = f"{r.restart_s:>10.4f} {r.restart_speedup:>8.1f} {hits:>11}"
         lines.append(
             f"{r.prompt_tokens:>7} {r.recompute_s:>12.3f} {r.cpu_tier_s:>11.4f} "
-            f"{r.speedup:>8.1f} {disk} {shared} {ref} {ratio}"
+            f"{r.speedup:>8.1f} {disk} {shared} {restart} {ref} {ratio}"
         )
     return "\n".join(lines)

@@ -214,6 +214,7 @@ def _ttft(
         LocalTTFTEngine,
         TTFTReport,
         format_ttft_table,
+        measure_restarts,
         plot_ttft,
         run_ttft_bench,
         transformers_forward,
@@ -231,14 +232,19 @@ def _ttft(
         reference = None
         if not args.no_transformers:
             reference = transformers_forward(path, cfg.model.dtype, cfg.parallel.device)
-        if args.engine == "local":
-            engine = LocalTTFTEngine(cfg)
-        else:
+
+        def start() -> Any:
+            if args.engine == "local":
+                return LocalTTFTEngine(cfg)
             from raykv.cluster.bench import RayTTFTEngine
 
-            engine = RayTTFTEngine(cfg)
+            return RayTTFTEngine(cfg)
+
+        engine = start()
         # the shared tier's other engine: a CPU tier of its own, the same store
         reader = LocalTTFTEngine(reader_cfg) if reader_cfg is not None else None
+        prompts: dict[int, list[int]] = {}
+        progress = lambda what: status.update(f"measuring: {what}")  # noqa: E731
         try:
             results = run_ttft_bench(
                 cfg,
@@ -246,13 +252,16 @@ def _ttft(
                 lengths,
                 args.repeat,
                 reference,
-                progress=lambda what: status.update(f"measuring: {what}"),
+                progress=progress,
                 reader=reader,
+                asked=prompts,
             )
         finally:
             engine.close()
             if reader is not None:
                 reader.close()
+        if cfg.offload.disk.enabled:  # the engine has stopped: its files are for the next one
+            measure_restarts(cfg, results, prompts, start, progress)
     report = TTFTReport(
         cfg.model.path or "",
         cfg.parallel.device,

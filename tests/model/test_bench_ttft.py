@@ -36,6 +36,9 @@ def check(result: dict) -> None:
         assert r["speedup"] == pytest.approx(r["recompute_s"] / r["cpu_tier_s"])
         # loaded: every block of the prompt but the one holding its last token
         assert r["cpu_hit_tokens"] == (r["prompt_tokens"] - 1) // 4 * 4
+        if r["disk_tier_s"] is not None:  # a fresh engine on the disk path finds all of them
+            assert r["restart_s"] > 0 and r["restart_speedup"] > 0
+            assert r["restart_hit_tokens"] == (r["prompt_tokens"] - 1) // 4 * 4
 
 
 def test_bench_ttft_measures_both_ways_and_transformers(tmp_path: Path) -> None:
