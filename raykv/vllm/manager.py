@@ -10,6 +10,13 @@ without a copy, a later vLLM on the same path finds every chunk (a warm restart)
 other engine on the same store can load it. A chunk found only on disk or in the store is
 promoted into a CPU slot by the load that needs it, in the same job. The store is asked (one
 round trip) for a chunk no tier of this engine knows: what another engine published.
+
+The disk and shared tiers are used only under a namespace the workers agreed on
+(``namespace.py``): what they run, model and weights. Until then (a step or two at start, and
+after a reset) a lookup of a chunk the CPU tier lacks is asked again (vLLM's ``RETRY``, for a
+bounded time), so the first request after a restart still finds what the disk holds; a reset
+forgets what every tier held and has the namespace agreed on again, from the weights the
+workers hold then.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHAR
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
 from raykv.vllm.metrics import TierMetrics
+from raykv.vllm.namespace import NamespaceAgreement
 from raykv.vllm.room import PromotionRoom
 from raykv.vllm.shared import StoreView, kill_embedded, stop_embedded
 from raykv.vllm.worth import LoadChoice
@@ -73,6 +81,8 @@ class RaykvOffloadingManager(OffloadingManager):
             (``kill-shared-master``).
         choice: the choice between a load and a recompute (``take_hits: faster``); None:
             every hit is loaded (``always``).
+        namespace: the agreement on the disk and shared tiers' namespace; None: they are
+            used as given, at once.
     """
 
     def __init__(
@@ -86,11 +96,18 @@ class RaykvOffloadingManager(OffloadingManager):
         retry_steps: int = 512,
         kill_master_at: Collection[int] = (),
         choice: LoadChoice | None = None,
+        namespace: NamespaceAgreement | None = None,
     ) -> None:
         self.cpu = cpu
+        # the tiers below the CPU tier, in use (None: absent, or no namespace agreed on yet)
         self.disk = disk
         self.shared = shared
         self.store = store
+        self.namespace = namespace
+        self._below = (disk, shared, store)  # ... and as built, whether in use or not
+        self._agreed_step = -1  # the step whose lookups last asked for the namespace
+        if namespace is not None:
+            self.disk = self.shared = self.store = None
         self.retry_steps = retry_steps
         self.kill_master_at = set(kill_master_at)
         self.choice = choice
@@ -193,10 +210,39 @@ class RaykvOffloadingManager(OffloadingManager):
         self.metrics.found += 1
         return True
 
+    def _agreed(self) -> bool:
+        """Whether the tiers below the CPU tier are in use under an agreed namespace (asked of
+        the workers' files at most once a step until they are)."""
+        agreement = self.namespace
+        if agreement is None or self.disk is not None or self.shared is not None:
+            return True
+        if self._agreed_step == self._step:
+            return False
+        self._agreed_step = self._step
+        parts = agreement.poll()
+        if parts is None:
+            return False
+        disk, shared, store = self._below
+        try:
+            found = agreement.open_tiers(parts, store)
+        except (OSError, SharedStoreError) as exc:
+            log.error("raykv: the disk and shared tiers stay out of use: %s", exc)
+            agreement.parts = None  # composed again, and tried again, next step
+            return False
+        if disk is not None:
+            disk.adopt(found)
+        self.disk, self.shared, self.store = disk, shared, store
+        return True
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = raykv_key(key)
         # every tier counts the lookup (its frequency filter admits on asks, hits or not)
         found = self.cpu.lookup(k)
+        if found == MISS and not self._agreed():
+            # the workers are agreeing on the namespace (a step or two): ask again rather
+            # than compute what the disk or the store may hold
+            waiting = self.namespace is not None and self.namespace.waiting()
+            return LookupResult.RETRY if waiting else LookupResult.MISS
         if found == MISS and self.disk is not None:
             found = self.disk.lookup(k)
         # a paused shared tier offers nothing: its store failed, and a load from it would fail
@@ -452,6 +498,7 @@ class RaykvOffloadingManager(OffloadingManager):
             self._names = {k: v for k, v in self._names.items() if any(k in t for t in tiers)}
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._agreed()
         self._forget_bad()  # once a step: the lookups of the next step see the bad chunks gone
         self._trim_names()
         self._step += 1
@@ -473,10 +520,13 @@ class RaykvOffloadingManager(OffloadingManager):
         return self.metrics.report({name: tier.stats() for name, tier, _ in self._tiers()}, skipped)
 
     def shutdown(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        store = self._below[2]
+        if store is not None:
+            store.close()
+        self.store = None
         stop_embedded(self.bad_keys.directory)  # where this process started the master
+        if self.namespace is not None:
+            self.namespace.board.remove()
         self.bad_keys.remove()
 
     def reset_cache(self) -> None:
@@ -487,7 +537,18 @@ class RaykvOffloadingManager(OffloadingManager):
         for _, tier, bad in self._tiers():
             tier.reset()
             bad.clear()
+        for tier in self._below[:2]:  # built, not in use yet: nothing in them must outlive it
+            if tier is not None and tier is not self.disk and tier is not self.shared:
+                tier.reset()
         self._writing_disk.clear()
         self._writing_shared.clear()
         self._late_reads.clear()
         self._loads.clear()
+        self._absent.clear()
+        self._shunned.clear()
+        if self.namespace is not None:
+            # the weights may be new: the namespace is agreed on again, from what the workers
+            # hold now (the old one's files and parts stay, for the engines still on it)
+            self.disk = self.shared = self.store = None
+            self.namespace.next_epoch()
+            self._agreed_step = -1

@@ -195,30 +195,39 @@ def kill_embedded(run_directory: str) -> bool:
 
 
 class StoreView:
-    """The scheduler's side of the store: its index of what every rank's parts are there for,
-    and, with a master at ``host:port``, the segment this engine gives the pool (``mount``; an
-    embedded master's process gives its own)."""
+    """The scheduler's side of the store: its index of what every rank's parts are there for
+    (under the namespace of ``use_namespace``), and, with a master at ``host:port``, the segment
+    this engine gives the pool (``mount``; an embedded master's process gives its own). Built
+    at start, so that a store that cannot be had is said then: the index joins the store under
+    a provisional namespace until the workers agree on the real one."""
 
-    def __init__(
-        self, shared: SharedTierConfig, where: StoreEndpoint, namespace: str, ranks: int
-    ) -> None:
+    def __init__(self, shared: SharedTierConfig, where: StoreEndpoint, ranks: int) -> None:
         self.segment: SegmentHolder | None = None
+        self.where = where
         self._master = where.master
+        self.index: StoreIndex | None = None
         try:
             if shared.mount and shared.master != EMBEDDED:  # an embedded one's gives its own
                 self.segment = SegmentHolder(where, shared.segment)
-            self.index = StoreIndex(where, namespace, ranks)
+            self.index = StoreIndex(where, "raykv-provisional", ranks)
         except SharedStoreError as exc:
             self.close()
             raise SharedUnavailable(f"raykv.shared.master: {exc}") from None
 
+    def use_namespace(self, namespace: str) -> None:
+        """Ask the store about chunks under ``namespace`` from now on."""
+        if self.index is not None:
+            self.index.namespace = namespace
+
     def present(self, keys: list[int]) -> list[bool]:
         """Whether every rank's part of each chunk is in the store (``SharedStoreError`` when
         the store cannot say)."""
+        if self.index is None:
+            raise SharedStoreError("the store's index is not joined")
         return self.index.present(keys)
 
     def close(self) -> None:
-        index = getattr(self, "index", None)
+        index, self.index = self.index, None
         if index is not None:
             index.close()
         segment, self.segment = self.segment, None

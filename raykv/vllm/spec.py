@@ -3,7 +3,10 @@
 vLLM's ``OffloadingConnector`` builds it from ``kv_connector_extra_config``
 (``{"spec_name": "RaykvOffloadingSpec", "spec_module_path": "raykv.vllm", "raykv": {...}}``) in
 the scheduler process, where ``get_manager`` gives the tiers' directories, and in each worker
-process, where ``get_worker`` gives that rank's engines.
+process, where ``get_worker`` gives that rank's engines. The disk and shared tiers' namespace is
+agreed on at run time (``namespace.py``): each worker says what model and weights it runs, the
+manager composes the namespace, and the workers build their engines of those tiers under it
+(``WorkerTiers``), again after every reset of the connector.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from raykv.transfer.disk_files import ChunkFormat, RankDirectory
 from raykv.transfer.layout import KVLayout
 from raykv.transfer.rank import piece_copies
 from raykv.transfer.shared_store import StoreEndpoint, chunks_in_segment
-from raykv.vllm import metrics, namespace, shared
+from raykv.vllm import metrics, namespace, shared, weights
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.run_directory import engine_run_directory
@@ -79,9 +82,10 @@ class RaykvOffloadingSpec(OffloadingSpec):
         self.faults = fault_settings(self.extra_config, self.world_size, self.settings)
         self.chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.num_slots = self._cpu_slots()
-        self.parts = namespace.namespace_parts(config, self._device())
+        self.base = namespace.base_parts(config, self._device())
         self.run_directory = self._run_directory()
         self.bad_keys = BadKeys(self.run_directory, self.world_size)
+        self.board = namespace.NamespaceBoard(self.run_directory, self.world_size)
         self.shared = shared.shared_settings(self.settings)
         self._manager: RaykvOffloadingManager | None = None
         self._worker: RaykvOffloadingWorker | None = None
@@ -118,9 +122,11 @@ class RaykvOffloadingSpec(OffloadingSpec):
         assert self.shared is not None
         return shared.endpoint(self.shared, self.run_directory)
 
-    def store_namespace(self, where: StoreEndpoint) -> str:
-        """The store's namespace of this engine's chunks, marked with the secret it seals with."""
-        return shared.namespace_of(namespace.directory_name(self.parts), where)
+    @staticmethod
+    def store_namespace(parts: dict[str, Any], where: StoreEndpoint) -> str:
+        """The store's namespace of chunks under ``parts``, marked with the secret they are
+        sealed with."""
+        return shared.namespace_of(namespace.directory_name(parts), where)
 
     def _joined(self, build: Callable[[StoreEndpoint], T]) -> T:
         """``build`` on where this process joins the store, as one of its users; an embedded
@@ -151,10 +157,11 @@ class RaykvOffloadingSpec(OffloadingSpec):
         # where the workers tell the manager of bad chunks: this user's, one per engine
         return engine_run_directory(self.config.engine_id)
 
-    def disk_root(self, rank: int) -> str:
+    def disk_root(self, parts: dict[str, Any], rank: int) -> str:
+        """Where ``rank`` keeps its disk files of the namespace ``parts``."""
         assert self.settings.disk.path is not None
         return os.path.join(
-            self.settings.disk.path, namespace.directory_name(self.parts), f"rank-{rank}"
+            self.settings.disk.path, namespace.directory_name(parts), f"rank-{rank}"
         )
 
     # ---- the halves --------------------------------------------------------------------------
@@ -180,10 +187,6 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     events=events,
                     medium=MEDIUM_DISK,
                 )
-                found = self._keys_on_disk()
-                taken = disk.adopt(found)
-                if taken:
-                    log.info("raykv: %d chunks found in the disk tier (warm start)", len(taken))
             index = store = None
             if self.shared is not None:
                 index = Directory(
@@ -194,10 +197,10 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     medium=MEDIUM_SHARED,
                 )
                 settings_shared = self.shared
+                # joined now, so that a store that cannot be had is said at start; its index
+                # asks under the namespace once the workers have agreed on it
                 store = self._joined(
-                    lambda where: shared.StoreView(
-                        settings_shared, where, self.store_namespace(where), self.world_size
-                    )
+                    lambda where: shared.StoreView(settings_shared, where, self.world_size)
                 )
             self._manager = RaykvOffloadingManager(
                 cpu,
@@ -217,16 +220,31 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     if settings.take_hits == "faster"
                     else None
                 ),
+                namespace=(
+                    namespace.NamespaceAgreement(self.board, self.base, self._open_tiers)
+                    if disk is not None or index is not None
+                    else None
+                ),
             )
         return self._manager
 
-    def _keys_on_disk(self) -> list[int]:
-        """Keys whose files every rank holds (names only: the workers check the bytes)."""
+    def _open_tiers(self, parts: dict[str, Any], store: shared.StoreView | None) -> list[int]:
+        """The manager's tiers below the CPU tier under the namespace ``parts``: the keys whose
+        files every rank holds (a warm start: names only, the workers check the bytes), the
+        store's index asked under it."""
+        if store is not None:
+            store.use_namespace(self.store_namespace(parts, store.where))
+        if not self.settings.disk.enabled:
+            return []
+        namespace.describe(os.path.dirname(self.disk_root(parts, 0)), parts)
         common: set[int] | None = None
         for rank in range(self.world_size):
-            keys = set(RankDirectory(self.disk_root(rank)).listing())
+            keys = set(RankDirectory(self.disk_root(parts, rank)).listing())
             common = keys if common is None else common & keys
-        return sorted(common or ())
+        found = sorted(common or ())
+        if found:
+            log.info("raykv: %d chunks found in the disk tier (warm start)", len(found))
+        return found
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
@@ -247,45 +265,123 @@ class RaykvOffloadingSpec(OffloadingSpec):
             pieces, layout, threaded=bool(self.settings.copy_thread), sharers=self.world_size
         )
         pool, copies = made.pool, made.engine
-        lower: dict[str, ChunkJobEngine] = {}
-        disk_settings = self.settings.disk
-        if disk_settings.enabled:
-            lower["disk"] = disk = DiskTransferEngine(
-                self.disk_root(self.rank),
-                pool,
-                layout,
-                io_threads=disk_settings.io_threads,
-                direct_io=disk_settings.direct_io,
-                fsync=disk_settings.fsync,
-                sums=copies.checksums,
-                identity=namespace.identity(self.parts, self.rank),
-                write_niceness=THROUGH_WRITE_NICENESS,
-            )
-            disk.index()  # sweeps what a crashed writer left, takes in older directories
-        if self.shared is not None:
-            from raykv.transfer.shared import SharedTransferEngine
-
-            lower["shared"] = self._joined(
-                lambda where: SharedTransferEngine(
-                    where,
-                    self.store_namespace(where),
-                    self.rank,
-                    pool,
-                    layout,
-                    sums=copies.checksums,
-                    identity=namespace.identity(self.parts, self.rank),
-                    write_niceness=THROUGH_WRITE_NICENESS,
-                )
-            )
         faults = RankFaults(self.rank, self.faults)
         wrapped = FaultyBackend(copies, faults) if faults.active else copies
-        for tier in lower:
-            if faults.tier_active(tier):
-                lower[tier] = FaultyTier(lower[tier], faults, tier)
+        tiers = None
+        if self.settings.disk.enabled or self.shared is not None:
+            tiers = WorkerTiers(self, pool, layout, copies.checksums, faults)
         return RaykvOffloadingWorker(
-            self.rank, wrapped, lower, self.bad_keys, self.blocks_per_chunk, made.populator
+            self.rank, wrapped, self.bad_keys, self.blocks_per_chunk, made.populator, tiers
         )
 
     def take_failed_loads(self) -> list[int]:
         """Failed loads of this rank's worker, for ``failures.report_failed_loads``."""
         return [] if self._worker is None else self._worker.take_failed_loads()
+
+
+class WorkerTiers:
+    """A worker's side of the namespace (``namespace.py``): what its rank runs, posted for each
+    epoch, and its engines of the disk and shared tiers, built under the namespace the manager
+    composed from every rank's post."""
+
+    def __init__(
+        self,
+        spec: RaykvOffloadingSpec,
+        pool: Any,
+        layout: KVLayout,
+        sums: Any,
+        faults: RankFaults,
+    ) -> None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        self.spec = spec
+        self.pool, self.layout, self.sums, self.faults = pool, layout, sums, faults
+        # what runs: vLLM's resolved configuration, and the model its attention layers are in
+        # (found again at each post: a reload may replace the modules)
+        self._vllm_config = get_current_vllm_config_or_none()
+        self._said_no_model = False
+        # joined once, for every epoch's engine (each join counts a user of an embedded master)
+        self._where: StoreEndpoint | None = None
+        if spec.shared is not None:
+            self._where = spec._joined(lambda where: where)
+
+    def epoch(self) -> int:
+        return self.spec.board.epoch()
+
+    def post(self, epoch: int) -> None:
+        """Post what this rank runs now, for ``epoch``."""
+        spec = self.spec
+        config = self._vllm_config
+        model = None
+        if config is not None:
+            configuration = weights.model_configuration(config)
+            model = weights.served_model(config.compilation_config.static_forward_context)
+        else:
+            configuration = {"name": spec.config.model.name, "dtype": spec.config.model.dtype}
+        if model is not None:
+            fingerprint = weights.weights_fingerprint(model)
+        else:
+            if not self._said_no_model:
+                self._said_no_model = True
+                log.warning(
+                    "raykv: the model vLLM loaded was not found; the disk and shared tiers' "
+                    "namespace takes the weight files under %s, and a weight update in memory "
+                    "does not move it",
+                    spec.config.model.name,
+                )
+            fingerprint = weights.files_fingerprint(spec.config.model.name)
+        spec.board.post(epoch, spec.rank, configuration, fingerprint)
+
+    def build(self, epoch: int) -> dict[str, ChunkJobEngine] | None:
+        """This rank's engines under ``epoch``'s namespace (None: not composed yet; empty:
+        they could not be built, said in the log)."""
+        spec = self.spec
+        parts = spec.board.namespace(epoch)
+        if parts is None:
+            return None
+        lower: dict[str, ChunkJobEngine] = {}
+        try:
+            disk_settings = spec.settings.disk
+            if disk_settings.enabled:
+                lower["disk"] = disk = DiskTransferEngine(
+                    spec.disk_root(parts, spec.rank),
+                    self.pool,
+                    self.layout,
+                    io_threads=disk_settings.io_threads,
+                    direct_io=disk_settings.direct_io,
+                    fsync=disk_settings.fsync,
+                    sums=self.sums,
+                    identity=namespace.identity(parts, spec.rank),
+                    write_niceness=THROUGH_WRITE_NICENESS,
+                )
+                disk.index()  # sweeps what a crashed writer left, takes in older directories
+            if self._where is not None:
+                from raykv.transfer.shared import SharedTransferEngine
+
+                lower["shared"] = SharedTransferEngine(
+                    self._where,
+                    spec.store_namespace(parts, self._where),
+                    spec.rank,
+                    self.pool,
+                    self.layout,
+                    sums=self.sums,
+                    identity=namespace.identity(parts, spec.rank),
+                    write_niceness=THROUGH_WRITE_NICENESS,
+                )
+        except Exception as exc:  # the tiers stay out of use; the CPU tier serves on
+            log.error(
+                "raykv rank %d: the disk and shared tiers could not start: %s: %s",
+                spec.rank,
+                type(exc).__name__,
+                exc,
+            )
+            for engine in lower.values():
+                engine.shutdown(wait=False)
+            return {}
+        for tier in lower:
+            if self.faults.tier_active(tier):
+                lower[tier] = FaultyTier(lower[tier], self.faults, tier)
+        return lower
+
+    def ready(self, epoch: int) -> None:
+        self.spec.board.ready(epoch, self.spec.rank)

@@ -14,6 +14,12 @@ admitted into the store (both at once); a load first promotes the chunks only th
 store holds into their slots, then copies the pages out. vLLM hears of the job when all of it
 is done.
 
+Its disk and shared engines are built under the namespace the engine's processes agree on
+(``namespace.py``): at start, and again after each reset of the connector, the worker posts
+what its rank runs (``WorkerTiers``, the spec's), and builds the engines once the manager has
+composed the namespace. A store that was under way at a reset writes nothing to the new
+namespace's tiers.
+
 A load that fails (a chunk whose checksum fails, a file missing or forged, no room for a
 promotion) is reported done to vLLM, whose 0.32 connector cannot take a failure, and named to
 ``failures.report_failed_loads``, which tells vLLM's scheduler to recompute the request; the
@@ -27,6 +33,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -69,6 +76,7 @@ class _Job:
     failed: list[str] = field(default_factory=list)  # lower tiers whose part of it failed
     bad: list[int] = field(default_factory=list)  # chunks a promotion found bad at the source
     held: list[int] = field(default_factory=list)  # chunks whose reads may still land
+    epoch: int = -1  # the namespace epoch of the lower tiers' engines when it was submitted
     started: float = field(default_factory=time.perf_counter)
 
     def positions(self, tier: str) -> list[int]:
@@ -123,6 +131,16 @@ def block_copy(spec: GPULoadStoreSpec, slots: list[int], blocks_per_chunk: int) 
     )
 
 
+class LowerTiers(Protocol):
+    """Where a worker's engines of the tiers below the CPU tier come from (the spec's
+    ``WorkerTiers``)."""
+
+    def epoch(self) -> int: ...
+    def post(self, epoch: int) -> None: ...
+    def build(self, epoch: int) -> dict[str, ChunkJobEngine] | None: ...
+    def ready(self, epoch: int) -> None: ...
+
+
 class RaykvOffloadingWorker(OffloadingWorker):
     """vLLM's ``OffloadingWorker`` on raykv's engines, for one rank."""
 
@@ -130,17 +148,19 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self,
         rank: int,
         copies: CpuTransferEngine | CudaTransferEngine,
-        lower: dict[str, ChunkJobEngine],
         bad_keys: BadKeys,
         blocks_per_chunk: int,
         populator: PagePopulator | None = None,
+        tiers: LowerTiers | None = None,
     ) -> None:
-        """``lower``: the engines of the tiers under the CPU tier this rank has (``disk``,
-        ``shared``); ``populator``: the thread faulting the CPU pool's pages in, stopped at
-        shutdown."""
+        """``populator``: the thread faulting the CPU pool's pages in, stopped at shutdown;
+        ``tiers``: where the engines of the tiers under the CPU tier come from (``disk``,
+        ``shared``; None: the CPU tier alone)."""
         self.rank = rank
         self.copies = copies
-        self.lower = lower
+        self.tiers = tiers
+        self.lower: dict[str, ChunkJobEngine] = {}  # by tier, under the namespace of _built
+        self._posted = self._built = -1  # the epochs this rank posted for and built under
         self.bad_keys = bad_keys
         self.blocks_per_chunk = blocks_per_chunk
         self.populator = populator
@@ -151,6 +171,44 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self._reported_failures: list[int] = []
         self.records: deque[JobRecord] = deque(maxlen=1024)  # the latest finished jobs
         self._last_poll = 0.0  # when the last get_finished returned
+        self._sync_tiers()  # what this rank runs, posted at once: the manager waits for it
+
+    # ---- the namespace -----------------------------------------------------------------------
+
+    def _sync_tiers(self) -> None:
+        """Follow the manager's epoch: post what this rank runs for a new one (its engines of
+        the epoch before retired first), and build the engines once its namespace is there."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        epoch = tiers.epoch()
+        if epoch != self._posted:
+            self._retire_lower()
+            tiers.post(epoch)
+            self._posted = epoch
+        if self._built != epoch:
+            lower = tiers.build(epoch)
+            if lower is None:
+                return
+            self.lower, self._built = lower, epoch
+            if lower:
+                tiers.ready(epoch)
+
+    def _retire_lower(self) -> None:
+        """Let the lower tiers' jobs end (bounded), then shut their engines down: a job of
+        theirs that is left ends as failed, and no later stage of a job submitted before
+        reaches the engines of the next namespace."""
+        deadline = time.monotonic() + WAIT_S
+        while any(job.waiting for job in self._jobs.values()) and time.monotonic() < deadline:
+            for engine in self.lower.values():
+                engine.wait(0.01)
+            self._advance()
+        for job in [job for job in self._jobs.values() if job.waiting]:
+            self._give_up(job)
+        for engine in self.lower.values():
+            with contextlib.suppress(Exception):
+                engine.shutdown(wait=True)
+        self.lower, self._built = {}, -1
 
     # ---- vLLM's calls ------------------------------------------------------------------------
 
@@ -158,19 +216,21 @@ class RaykvOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, ChunkStore)
+        self._sync_tiers()
         disk = self.lower.get("disk")
         if disk is not None and dst_spec.disk_drops:
             disk.drop(dst_spec.disk_drops)  # type: ignore[attr-defined]
         copy = block_copy(src_spec, dst_spec.slots, self.blocks_per_chunk)
-        job = _Job(job_id, dst_spec, copy, is_store=True, stage="copy")
+        job = _Job(job_id, dst_spec, copy, is_store=True, stage="copy", epoch=self._built)
         self._jobs[job_id] = job
         self.copies.submit(TransferSpec(job_id, True, copy, check_sums=dst_spec.check_sums))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, ChunkLoad)
+        self._sync_tiers()
         copy = block_copy(dst_spec, src_spec.slots, self.blocks_per_chunk)
-        job = _Job(job_id, src_spec, copy, is_store=False, stage="copy")
+        job = _Job(job_id, src_spec, copy, is_store=False, stage="copy", epoch=self._built)
         self._jobs[job_id] = job
         sources = [tier for tier in ("disk", "shared") if job.positions(tier)]
         if src_spec.refused or any(tier not in self.lower for tier in sources):
@@ -183,6 +243,7 @@ class RaykvOffloadingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        self._sync_tiers()
         if self._promoting() and time.perf_counter() - self._last_poll < IDLE_POLL_S:
             # vLLM has nothing to compute but a request waiting for its load, and spins on
             # this poll, taking a core and the GIL from the threads reading the disk or the
@@ -234,6 +295,8 @@ class RaykvOffloadingWorker(OffloadingWorker):
             else:
                 for engine in self.lower.values():
                     engine.wait(0.01 / len(self.lower))
+                if not self.lower:
+                    time.sleep(0.001)
             self._advance()
             if time.monotonic() > deadline:
                 stuck = sorted(
@@ -243,18 +306,19 @@ class RaykvOffloadingWorker(OffloadingWorker):
                     "raykv rank %d: jobs %s unfinished after %.0f s", self.rank, stuck, WAIT_S
                 )
                 for job_id in stuck:
-                    job = self._jobs[job_id]
-                    if job.is_store:  # what it stored is not sure in any tier
-                        self.bad_keys.append(self.rank, list(job.spec.keys), EVERY_TIER)
-                        self._end(job, ok=False)
-                    elif job.stage == "promote":  # its reads run on: their slots are held
-                        job.held.extend(
-                            job.spec.keys[i] for t in job.waiting for i in job.positions(t)
-                        )
-                        self._fail_promotion(job)
-                    else:
-                        self._end(job, ok=False)
+                    self._give_up(self._jobs[job_id])
                 break
+
+    def _give_up(self, job: _Job) -> None:
+        """End a job that did not finish in time, as failed."""
+        if job.is_store:  # what it stored is not sure in any tier
+            self.bad_keys.append(self.rank, list(job.spec.keys), EVERY_TIER)
+            self._end(job, ok=False)
+        elif job.stage == "promote":  # its reads run on: their slots are held
+            job.held.extend(job.spec.keys[i] for t in job.waiting for i in job.positions(t))
+            self._fail_promotion(job)
+        else:
+            self._end(job, ok=False)
 
     def shutdown(self) -> None:
         if self.populator is not None:
@@ -315,7 +379,11 @@ class RaykvOffloadingWorker(OffloadingWorker):
                 elif job_id in corrupt:
                     self.bad_keys.append(self.rank, list(job.spec.keys), CPU_TIER)
                 self._end(job, ok=False)
-            elif job.is_store and (writes := [t for t in self.lower if job.positions(t)]):
+            elif (
+                job.is_store
+                and job.epoch == self._built  # never into the tiers of a later namespace
+                and (writes := [t for t in self.lower if job.positions(t)])
+            ):
                 job.stage = "write"
                 self._submit_lower(job, writes, promote=False)
             else:

@@ -27,7 +27,8 @@ def test_the_master_s_process_gives_its_pool_memory_and_takes_it_back_first(
     settings = SharedTierConfig(enabled=True, segment=16 << 20)
     run_directory = str(tmp_path)
     where = shared.endpoint(settings, run_directory)  # this process starts the master
-    view = shared.StoreView(settings, where, "embedded-pool", 1)  # as the scheduler would
+    view = shared.StoreView(settings, where, 1)  # as the scheduler would
+    view.use_namespace("embedded-pool")
     try:
         assert view.segment is None  # the master's process gave the pool its memory
         memory = np.random.default_rng(3).integers(0, 255, (4, FORMAT.data_bytes), dtype=np.uint8)

@@ -70,11 +70,11 @@ def evicted_then_loaded(model, reference, settings: dict, tier: str) -> None:
     """With four CPU slots each prompt (three chunks) evicts the one before, which ``tier``
     keeps: all prompts again (the GPU copies gone) load from it, and answer as vLLM does."""
     with engine(model, {"cpu_slots": 4, **settings}) as llm:
-        # written through: a store completes only when its writes do (``chunk_jobs``)
-        assert worker_of(llm).lower[tier].write_niceness == THROUGH_WRITE_NICENESS
         for prompt in PROMPTS:
             answer(llm, prompt)
             drain(llm)
+        # written through: a store completes only when its writes do (``chunk_jobs``)
+        assert worker_of(llm).lower[tier].write_niceness == THROUGH_WRITE_NICENESS
         manager = manager_of(llm)
         assert manager.cpu.stats().evictions > 0
         llm.reset_prefix_cache()
@@ -119,8 +119,8 @@ def test_a_second_vllm_process_loads_the_first_ones_disk_tier(
     settings = {"cpu_bytes": "16MiB", "disk": {"enabled": True, "path": str(tmp_path)}}
     with engine(vllm_model, settings) as llm:
         manager = manager_of(llm)
+        got = answer(llm, prompt)  # its first request: the namespace agreed on meanwhile
         assert len(manager.disk) >= 2, "the first process left nothing on disk"
-        got = answer(llm, prompt)
         assert got[2] >= BLOCK_TOKENS
         assert manager.disk.stats().loads > 0
         same(got, reference[prompt])
