@@ -51,8 +51,11 @@ class AckStats:
     bad_rank: int = 0
 
 
-NETWORK_MOVES = ("publish", "fetch")  # the shared store's moves (``connector/shared_moves.py``)
-NETWORK_MOVE_S = 60.0  # well past the store's own timeouts (seconds per operation)
+# how old a move between the tiers must also be, in seconds, before its unacked ranks count as
+# silent: the shared store's (``connector/shared_moves.py``) well past its own timeouts (seconds
+# per operation), the disk's past a slow disk's I/O (an idle engine runs hundreds of steps a
+# second: counted in steps alone, an 800 ms promotion declared its rank dead)
+MOVE_AGE_S = {"publish": 60.0, "fetch": 60.0, "promote": 30.0, "demote": 30.0}
 
 
 class JobTable:
@@ -126,16 +129,17 @@ class JobTable:
 
     def silent_ranks(self, step: int, timeout_steps: int) -> list[int]:
         """Ranks that have not acked some job created ``timeout_steps`` or more steps ago. A
-        move to or from the shared store counts only once it is also ``NETWORK_MOVE_S`` old:
-        a rank that answers every step while the store takes its time (an unreachable master
-        fails an operation after seconds, hundreds of steps) is not dead."""
+        move between the tiers counts only once it is also ``MOVE_AGE_S`` old: a rank that
+        answers every step while its disk or the store takes its time (an unreachable master
+        fails an operation after seconds; an idle engine's steps take milliseconds) is not
+        dead."""
         silent = 0
         full = (1 << self.num_ranks) - 1
         now = time.perf_counter()
         for job in self.jobs.values():
             if step - job.created_step < timeout_steps:
                 continue
-            if job.move in NETWORK_MOVES and now - job.created_s < NETWORK_MOVE_S:
+            if job.move and now - job.created_s < MOVE_AGE_S.get(job.move, 0.0):
                 continue
             silent |= full & ~job.acked_ranks
         return [r for r in range(self.num_ranks) if silent >> r & 1]

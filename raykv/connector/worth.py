@@ -178,10 +178,18 @@ class Decision:
 
 class TierCosts:
     """The measured costs of the tiers and of the model, and the choice they make.
-    ``step_tokens``: the most tokens a step computes (``engine.max_num_batched_tokens``)."""
+    ``step_tokens``: the most tokens a step computes (``engine.max_num_batched_tokens``);
+    ``min_samples``: the observations a fit needs before it prices anything."""
 
-    def __init__(self, step_tokens: int, load_in_step: bool = False, ack_steps: int = 1) -> None:
+    def __init__(
+        self,
+        step_tokens: int,
+        load_in_step: bool = False,
+        ack_steps: int = 1,
+        min_samples: int = MIN_SAMPLES,
+    ) -> None:
         self.step_tokens = step_tokens
+        self.min_samples = min_samples
         self.load_in_step = load_in_step  # CPU-tier loads land in their own step
         self.ack_steps = ack_steps  # steps until a job's acks are seen (2: async scheduling)
         self.cpu = LineFit()  # seconds a CPU-tier load delays its request, by blocks
@@ -264,7 +272,7 @@ class TierCosts:
     # ---- the choice ------------------------------------------------------------------------
 
     def measured(self, tier: str) -> bool:
-        return len(self._fit(tier)) >= MIN_SAMPLES
+        return len(self._fit(tier)) >= self.min_samples
 
     def _fit(self, tier: str) -> LineFit:
         return {"cpu": self.cpu, "disk": self.disk, "shared": self.shared}[tier]
@@ -293,6 +301,10 @@ class TierCosts:
         )
         return seconds
 
+    def priced(self) -> bool:
+        """Whether the model is measured: a recompute can be priced."""
+        return len(self.prefill) >= self.min_samples and bool(self.durations)
+
     def choose(self, start: int, prompt: int, options: list[Candidate]) -> Decision:
         """Of recomputing from ``start`` (what the GPU holds) to the prompt's end and the
         ``options`` (each loading further than the one before: the CPU tier's hit, then the
@@ -301,7 +313,7 @@ class TierCosts:
         recompute = self.cost(start, prompt, Candidate(start))
         if not options:
             return Decision(start, recompute, recompute)
-        if len(self.prefill) < MIN_SAMPLES or not self.durations:
+        if not self.priced():
             return Decision(options[-1].end, None, None)
         best_end, best_s = start, recompute
         priced = [(o, self.cost(start, prompt, o)) for o in options]

@@ -99,8 +99,13 @@ class FaultyTier:
         return out_ok, out_failed
 
     def wait(self, timeout_s: float) -> None:
-        if not self._failed and not self._held:
-            self.inner.wait(timeout_s)
+        if self._failed:
+            return
+        if self._held:  # as a slow disk would: nothing lands before the first is due
+            due = min(self._due.get(job_id, 0.0) for job_id, _ in self._held)
+            time.sleep(min(timeout_s, max(0.0, due - time.monotonic())))
+            return
+        self.inner.wait(timeout_s)
 
     def in_flight(self) -> int:
         return self.inner.in_flight() + len(self._held) + len(self._failed)

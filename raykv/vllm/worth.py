@@ -13,8 +13,15 @@ step waits for). Partial chunks and decodes are not offered, so their tokens cou
 step's overhead. A load is measured from ``prepare_load`` to ``complete_load``: vLLM schedules
 the request in the step after that, so that is what the load delayed it; a load that promoted
 chunks from the disk or the store measures that tier with the CPU part taken off. Before a tier
-has its samples it is priced by the prior of raykv's engine (a load waits a step: the median of
-the busy steps), and before the prefill has its samples every hit is loaded.
+has its samples (``MIN_SAMPLES``, fewer than raykv's engine wants: a slow tier costs every
+request it serves meanwhile) it is priced by the prior of raykv's engine (a load waits a step:
+the median of the busy steps).
+
+A request served wholly from the tiers offers no chunk for storing, so traffic where every
+request hits would never price the recompute (found: a warm restart from a disk at 800 ms a
+load took it for all 12 requests, 10.8x vLLM alone's time to first token). So until the prefill
+has its samples, every other request that would load recomputes instead (``recompute_probes``):
+its chunks are offered, and timed; from then on the choice is priced.
 
 The lookup looks ahead: at the first key of a request's lookup, the keys after it (vLLM hands
 the request's chunk boundaries in the lookup's context; those of the key's KV group and whole
@@ -37,6 +44,8 @@ from raykv.connector.worth import Candidate, TierCosts
 
 T = TypeVar("T")
 REMEMBERED = 4096  # requests whose lookup or load is remembered (bounded memory)
+MIN_SAMPLES = 2  # observations the prefill's and each tier's fit need to price anything
+RECOMPUTE_PROBE_EVERY = 2  # while the prefill is not priced: one request in this recomputes
 IDLE_GAP = 10.0  # a step this many times the usual one followed an idle engine
 
 
@@ -57,7 +66,9 @@ class LoadChoice:
         self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = blocks_per_chunk
         # one step per prompt: a request's measured recompute is its steps' whole time
-        self.costs = TierCosts(step_tokens=1 << 40)
+        self.costs = TierCosts(step_tokens=1 << 40, min_samples=MIN_SAMPLES)
+        self._unpriced = 0  # decisions with a hit made while the prefill was not priced
+        self.recompute_probes = 0  # of them, those recomputed to measure the prefill
         self._rounds: OrderedDict[str, _Round] = OrderedDict()
         self._computed: OrderedDict[str, int] = OrderedDict()  # where each request computes from
         self._loading: OrderedDict[str, tuple[float, int, int, int]] = OrderedDict()
@@ -100,9 +111,15 @@ class LoadChoice:
             blocks[tier] += self.blocks_per_chunk
             options.append(Candidate(end, blocks["cpu"], blocks["disk"], blocks["shared"]))
         decision = self.costs.choose(start, prompt, options)
-        end = None if options and decision.end >= options[-1].end else decision.end
+        decided = decision.end
+        if options and not self.costs.priced():
+            self._unpriced += 1
+            if self._unpriced % RECOMPUTE_PROBE_EVERY == 0:  # computed, to price the next ones
+                self.recompute_probes += 1
+                decided = start
+        end = None if options and decided >= options[-1].end else decided
         self._remember(self._rounds, req_id, _Round(position, end))
-        self._remember(self._computed, req_id, max(start, decision.end))
+        self._remember(self._computed, req_id, max(start, decided))
         return end
 
     def deciding(self, req_id: str) -> bool:
@@ -155,6 +172,9 @@ class LoadChoice:
     def loaded(self, req_id: str, ok: bool) -> None:
         """The request's load ended; a good one measures its tiers."""
         started = self._loading.pop(req_id, None)
+        # a forward has run by the time a load's request computes (what an engine's first
+        # forward initializes is paid): the next step that offers chunks is timed
+        self._warm = True
         if started is None or not ok:
             return
         since, cpu, disk, shared = started

@@ -219,8 +219,8 @@ def test_a_prompt_loaded_from_the_shared_tier_has_transformers_logprobs(
 
 
 def generate_twice_on_one_disk_path(
-    tmp_path: Path, name: str, *more: str, engine: str = "local"
-) -> None:
+    tmp_path: Path, name: str, *more: str, engine: str = "local", second: tuple[str, ...] = ()
+) -> dict:
     """``raykv generate`` of one prompt, then again by a fresh engine on the same disk path:
     the second is answered with every full chunk of the prompt from the disk tier (the first
     one's stop spilled its CPU tier there), and gives transformers' tokens."""
@@ -238,7 +238,7 @@ def generate_twice_on_one_disk_path(
         out = tmp_path / f"{run}.json"
         argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--json", str(out)]
         argv += ["--max-tokens", "3", "--logprobs", "1", "--engine", engine]
-        for s in sets:
+        for s in [*sets, *(second if run == "second" else ())]:
             argv += ["--set", s]
         assert main(argv) == 0
         result = json.loads(out.read_text())
@@ -248,6 +248,7 @@ def generate_twice_on_one_disk_path(
     assert first["disk_hit_tokens"] == 0
     assert second["tiers"]["disk"]["warm_start_chunks"] >= 10
     assert second["disk_hit_tokens"] == 40  # every full chunk; the last token is computed
+    return second
 
 
 def test_a_second_generate_on_a_disk_path_loads_every_full_chunk_from_disk(
@@ -256,3 +257,15 @@ def test_a_second_generate_on_a_disk_path_loads_every_full_chunk_from_disk(
     """Found by a new user: the second run found 42 chunks at its warm start and loaded none
     (an idle engine's wait was counted in steps; the promotion was refused for the reserve)."""
     generate_twice_on_one_disk_path(tmp_path, "llama-tied")
+
+
+def test_an_idle_engine_waits_for_a_slow_disk_without_declaring_its_rank_dead(
+    tmp_path: Path,
+) -> None:
+    """Found with slow-disk:ms=800: the promotion's job went unacked for 256 (idle, quick)
+    steps, its rank was declared dead and replaced, and the request recomputed. A move between
+    the tiers counts against its rank only once it is old by the clock too."""
+    second = generate_twice_on_one_disk_path(
+        tmp_path, "llama-tied", second=('faults=["slow-disk:ms=600"]',)
+    )
+    assert second["rank_restarts"] == 0
