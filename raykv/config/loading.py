@@ -76,7 +76,8 @@ class RaykvConfig(_Strict):
         for i, g in enumerate(self.cache.groups):
             if g.window_tokens is not None and g.window_tokens < 2:
                 raise ValueError(f"cache.groups.{i}.window_tokens must be at least 2")
-        if self.offload.enabled and self.offload.cpu_bytes is not None:
+        # a real model's chunk is known once its checkpoint is read (``cpu_slots`` checks it)
+        if self.offload.enabled and self.offload.cpu_bytes is not None and not self.model.path:
             chunk = self.chunk_bytes_total()
             if self.offload.cpu_bytes < chunk:
                 raise ValueError(
@@ -148,7 +149,15 @@ class RaykvConfig(_Strict):
         if o.cpu_slots is not None:
             return o.cpu_slots
         if o.cpu_bytes is not None:
-            return max(1, o.cpu_bytes // self.chunk_bytes_total())
+            # checked again here: a real model's geometry comes from its checkpoint, after
+            # the config was read (a chunk of SmolLM2 is 720 KiB)
+            chunk = self.chunk_bytes_total()
+            if o.cpu_bytes < chunk:
+                raise ConfigError(
+                    f"offload.cpu_bytes ({o.cpu_bytes}) is smaller than one chunk of the model "
+                    f"({chunk} bytes across {self.parallel.tensor_parallel_size} ranks)"
+                )
+            return o.cpu_bytes // chunk
         return max(1, 4 * self.cache.num_gpu_blocks // o.blocks_per_chunk)
 
 

@@ -24,7 +24,9 @@ class OffloadConfig(_Strict):
         default=True, description="Use the CPU tier at all (--no-offload sets it false)."
     )
     cpu_bytes: ByteSize | None = Field(
-        default=None, description="CPU tier size in bytes across all ranks (e.g. 8GiB)."
+        default=None,
+        gt=0,
+        description="CPU tier size in bytes across all ranks (e.g. 8GiB); at least one chunk.",
     )
     cpu_slots: int | None = Field(
         default=None, gt=0, description="CPU tier size in chunks; exclusive with cpu_bytes."

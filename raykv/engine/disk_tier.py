@@ -4,8 +4,9 @@ from the files an earlier run left.
 At start every rank lists the chunk files of its directory of the namespace
 (``LocalWorker.disk_index``; stale temporary files of crashed writers are swept on the way). A
 chunk is served only where every rank holds its part: those are taken into the directory as
-ready (as many as its capacity holds), and the files of the others (a part some rank lacks, or
-beyond the capacity) are deleted on every rank by the first step. The capacity must fit the file
+ready (as many as its capacity holds, the newest files where there are more: a tier restarted
+with a smaller capacity), and the files of the others (a part some rank lacks, or beyond the
+capacity) are deleted on every rank by the first step. The capacity must fit the file
 system: at most its free space plus what this namespace's files already take.
 """
 
@@ -90,7 +91,8 @@ def warm_start(cfg: RaykvConfig, disk: Directory, workers: Workers) -> WarmStart
     everywhere = set.intersection(*per_rank)
     anywhere = set.union(*per_rank)
     check_room(cfg, len(anywhere))
-    taken = disk.adopt(sorted(everywhere))
+    # rank 0's order (oldest file first): past the capacity, the oldest go
+    taken = disk.adopt([k for k in index[0][1] if k in everywhere])
     drop = sorted(anywhere - set(taken))
     if taken or drop:
         log.info(

@@ -292,10 +292,13 @@ class Directory:
         self._unread(keys)
 
     def adopt(self, keys: Iterable[int]) -> list[int]:
-        """Take in ready chunks found where this tier keeps them (a warm restart), as many as
-        there are free slots; returns those taken (one ``BlockStored`` announces them)."""
+        """Take in ready chunks found where this tier keeps them (a warm restart), oldest
+        first: as many as there are free slots, the newest where there are more (the policy
+        then evicts the oldest of them first); returns those taken (one ``BlockStored``
+        announces them)."""
         fresh = [k for k in dict.fromkeys(keys) if k not in self._slot]
-        fresh = fresh[: self._slots.num_free]
+        room = self._slots.num_free
+        fresh = fresh[len(fresh) - room :] if len(fresh) > room else fresh
         if not fresh:
             return []
         slots = self._slots.allocate(len(fresh))

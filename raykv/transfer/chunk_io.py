@@ -146,12 +146,7 @@ class ChunkIO:
                     self.files.take_away(tmp)  # replaced behind raykv's back: not written over
                     tmp = None
             if tmp is None:
-                tmp = self.files.temporary(key)
-                fd = os.open(
-                    tmp,
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags | SAFE_OPEN,
-                    0o600,
-                )
+                fd, tmp = self._create(key)
             try:
                 if whole is None:
                     parts = [header, data] + ([self._pad] if self._pad else [])
@@ -178,6 +173,18 @@ class ChunkIO:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(str(exc)) from exc
             raise
+
+    def _create(self, key: int) -> tuple[int, str]:
+        """A new temporary file for ``key`` (its descriptor and path); where the directory
+        went behind raykv's back, it is made again first."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags | SAFE_OPEN
+        try:
+            tmp = self.files.temporary(key)
+            return os.open(tmp, flags, 0o600), tmp
+        except FileNotFoundError:
+            self.files.make_again()
+            tmp = self.files.temporary(key)
+            return os.open(tmp, flags, 0o600), tmp
 
     def read(self, key: int, slot: int, check: bool) -> None:
         """``key``'s file into slot ``slot``, checked (``check``: recording the checksums it

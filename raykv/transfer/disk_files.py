@@ -225,6 +225,7 @@ class RankDirectory:
         # names of chunks found to be no regular file of this user's (taken away)
         self.special_files = 0
         self._said_special = False
+        self._said_gone = False
 
     def path(self, key: int) -> str:
         name = f"{key:018x}"
@@ -252,6 +253,23 @@ class RankDirectory:
         anything else in ``free/``'s place is taken away first); the 256 subdirectories come
         with their first files."""
         self._real_directory(self.free_dir)
+
+    def make_again(self) -> None:
+        """The directory went while this rank held it (``rm -rf`` of the tier's path): make it
+        again, its parents with it, and forget which subdirectories were made; said once in
+        the log. Its files went with it (their reads fail, and their chunks leave the tier)."""
+        with self._free_lock:
+            self._made.clear()
+            self._free.clear()
+            if not self._said_gone:
+                self._said_gone = True
+                log.warning(
+                    "disk tier: the directory %s was removed while in use; made again (the "
+                    "chunks in it are gone and will be recomputed)",
+                    self.root,
+                )
+        make_private_dirs(self.root)
+        self.make()
 
     def _real_directory(self, path: str) -> None:
         """``path`` a directory of this user's alone, made where missing; something else there
@@ -353,20 +371,20 @@ class RankDirectory:
             pass
 
     def scan(self) -> tuple[list[int], int]:
-        """The keys whose files are here, and how many stale temporary files were removed on
-        the way: every one this instance did not make. Only the holder of the directory's lock
-        writes here (``claim_directory``), so a temporary file of any other writer is an earlier
-        holder's, left by a crash, whether or not its pid runs now (a pid the system gave
-        again, or an engine of this process that came before). Names raykv did not write are
-        left alone."""
+        """The keys whose files are here, oldest file first, and how many stale temporary
+        files were removed on the way: every one this instance did not make. Only the holder
+        of the directory's lock writes here (``claim_directory``), so a temporary file of any
+        other writer is an earlier holder's, left by a crash, whether or not its pid runs now
+        (a pid the system gave again, or an engine of this process that came before). Names
+        raykv did not write are left alone."""
         self._adopt_free()
-        keys: list[int] = []
+        keys: list[tuple[int, int]] = []
         swept = 0
         for entry in self._entries():
             m = _NAME_RE.match(entry.name)
             if m is not None:
                 if entry.is_file(follow_symlinks=False):
-                    keys.append(int(m["key"], 16))
+                    keys.append((_mtime(entry), int(m["key"], 16)))
                 else:
                     self._special(entry.path)
                 continue
@@ -375,18 +393,18 @@ class RankDirectory:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                     swept += 1
-        return keys, swept
+        return [key for _, key in sorted(keys)], swept
 
     def listing(self) -> list[int]:
-        """The keys whose files are here, by name alone: nothing is opened, swept or taken
-        away (for a process that only plans, such as vLLM's scheduler; the rank that holds the
-        directory checks each file when it reads it)."""
-        keys: list[int] = []
+        """The keys whose files are here, oldest file first, by name and age alone: nothing is
+        opened, swept or taken away (for a process that only plans, such as vLLM's scheduler;
+        the rank that holds the directory checks each file when it reads it)."""
+        keys: list[tuple[int, int]] = []
         for entry in self._entries():
             m = _NAME_RE.match(entry.name)
             if m is not None and entry.is_file(follow_symlinks=False):
-                keys.append(int(m["key"], 16))
-        return keys
+                keys.append((_mtime(entry), int(m["key"], 16)))
+        return [key for _, key in sorted(keys)]
 
     def absorb(self, other: str) -> int:
         """Take in the chunk files of ``other``, a directory of the same namespace and rank that
@@ -618,3 +636,12 @@ def _try_lock(root: str, make: bool = True) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _mtime(entry: os.DirEntry[str]) -> int:
+    """When a chunk's file was written (0 where it went meanwhile): a warm start that finds
+    more than the tier's capacity keeps the newest."""
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return 0

@@ -13,7 +13,7 @@ import multiprocessing
 import os
 from typing import Any
 
-from raykv.transfer.shared_master import die_with_parent
+from raykv.transfer.shared_master import die_with_parent, spawn_from_lasting_thread
 from raykv.transfer.shared_store import (
     SegmentHolder,
     SharedStoreError,
@@ -65,7 +65,8 @@ class HeldSegment:
     def start(self) -> None:
         """Start the child and wait until its segment is given (``SharedStoreError`` naming
         what went wrong)."""
-        self._process.start()
+        # from a thread that lasts: the child dies with the thread that started it
+        spawn_from_lasting_thread(self._process.start)
         try:
             problem = self._ready.get(timeout=START_S)
         except Exception:

@@ -4,7 +4,16 @@ raykv does for an embedded Ray.
 
 Its RPC port is where clients join (``StoreEndpoint.master``); clients exchange their transfer
 metadata directly (``P2PHANDSHAKE``), so no metadata server runs. The master's log goes to a
-file of its own in the temporary directory (named in the error if it fails to start)."""
+file of its own in the temporary directory, or in the directory its owner names (an engine's run
+directory inside vLLM, swept with it when the engine was killed); it is named in the error if
+the master fails to start.
+
+A master or a segment process must not outlive the run that started it, and the kernel ends
+such a child when its parent dies (``die_with_parent``). That parent is the *thread* that
+started it, not the process: a child started from a thread that ended (vLLM's engine starts its
+tiers from whichever thread builds them) was killed with that thread. So every such child is
+started from one thread of the process's own that lives as long as the process
+(``spawn_from_lasting_thread``)."""
 
 from __future__ import annotations
 
@@ -13,13 +22,17 @@ import ctypes
 import functools
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from raykv.transfer.shared_store import SharedStoreError, mooncake_problem
 
@@ -27,6 +40,56 @@ log = logging.getLogger(__name__)
 
 BINARY = "mooncake_master"
 PR_SET_PDEATHSIG = 1  # Linux prctl: the signal this process gets when its parent dies
+T = TypeVar("T")
+
+
+class _LastingThread:
+    """One daemon thread that runs what it is given, in turn, until the process ends."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], Any]] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, work: Callable[[], T]) -> T:
+        """``work()`` on the thread (its result, or what it raised, here)."""
+        with self._lock:  # a forked child has none: it starts its own
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="raykv-child-starter", daemon=True
+                )
+                self._thread.start()
+        if threading.current_thread() is self._thread:
+            return work()
+        done = threading.Event()
+        box: dict[str, Any] = {}
+        self._work.put((work, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _loop(self) -> None:
+        while True:
+            work, box, done = self._work.get()
+            try:
+                box["value"] = work()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+
+_lasting = _LastingThread()
+
+
+def spawn_from_lasting_thread(start: Callable[[], T]) -> T:
+    """``start()`` (which starts a child that must die with this process) from a thread that
+    lives as long as the process: the kernel's parent-death signal follows the thread that
+    forked, not the process."""
+    return _lasting.run(start)
 
 
 def master_binary() -> str:
@@ -72,9 +135,15 @@ class EmbeddedMaster:
     ``lease_ms``: how long an object read stays safe from eviction."""
 
     def __init__(
-        self, host: str = "127.0.0.1", lease_ms: int = 5000, start_timeout_s: float = 15.0
+        self,
+        host: str = "127.0.0.1",
+        lease_ms: int = 5000,
+        start_timeout_s: float = 15.0,
+        log_dir: str | None = None,
     ) -> None:
+        """``log_dir``: where its log goes (None: the temporary directory)."""
         self.host = host
+        self.log_dir = log_dir
         self.lease_ms = lease_ms
         self.start_timeout_s = start_timeout_s
         self.port = 0
@@ -101,7 +170,9 @@ class EmbeddedMaster:
             return self.address
         binary = master_binary()
         self.port = port or free_port(self.host)
-        fd, self.log_path = tempfile.mkstemp(prefix="raykv-mooncake-master-", suffix=".log")
+        fd, self.log_path = tempfile.mkstemp(
+            prefix="raykv-mooncake-master-", suffix=".log", dir=self.log_dir
+        )
         args = [
             binary,
             f"--rpc_address={self.host}",
@@ -112,12 +183,14 @@ class EmbeddedMaster:
             f"--default_kv_lease_ttl={self.lease_ms}",
         ]
         with os.fdopen(fd, "wb") as log:
-            self._process = subprocess.Popen(
-                args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            self._process = spawn_from_lasting_thread(
+                lambda: subprocess.Popen(
+                    args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
+                )
             )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:

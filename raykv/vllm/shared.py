@@ -109,7 +109,9 @@ def _embedded(run_directory: str, shared: SharedTierConfig) -> tuple[str, bytes]
         os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
         return _wait_for(path)
-    master = EmbeddedMaster()
+    # its log in the run directory: removed with it, also where the engine was killed (each
+    # SIGINT of vllm serve left one in the temporary directory)
+    master = EmbeddedMaster(log_dir=run_directory)
     try:
         address = master.start()
         # the pool's memory, given from here: it goes before the master, in stop_embedded

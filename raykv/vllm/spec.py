@@ -39,7 +39,7 @@ from raykv.vllm import metrics, namespace, shared, weights
 from raykv.vllm.failures import BadKeys, report_failed_loads
 from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.run_directory import engine_run_directory
-from raykv.vllm.settings import fault_settings, offload_settings
+from raykv.vllm.settings import INLINE, fault_settings, offload_settings
 from raykv.vllm.worker import RaykvOffloadingWorker, page_pieces_of
 from raykv.vllm.worth import LoadChoice
 
@@ -101,9 +101,15 @@ class RaykvOffloadingSpec(OffloadingSpec):
         if settings.cpu_slots is not None:
             return settings.cpu_slots
         assert settings.cpu_bytes is not None
-        if self.chunk_bytes <= 0:
+        chunk = self.chunk_bytes * self.world_size
+        if chunk <= 0:
             return 1
-        return max(1, settings.cpu_bytes // (self.chunk_bytes * self.world_size))
+        if settings.cpu_bytes < chunk:
+            raise ConfigError(
+                f"{INLINE}.cpu_bytes ({settings.cpu_bytes}) is smaller than one chunk of this "
+                f"model ({chunk} bytes across {self.world_size} workers)"
+            )
+        return settings.cpu_bytes // chunk
 
     def _chunk_format(self) -> ChunkFormat:
         return ChunkFormat(self.config.worker_kv_bytes_per_block, self.blocks_per_chunk)
@@ -145,7 +151,14 @@ class RaykvOffloadingSpec(OffloadingSpec):
         file_bytes = ChunkFormat(
             self.config.worker_kv_bytes_per_block, self.blocks_per_chunk
         ).file_bytes
-        return max(1, self.settings.disk.capacity // (file_bytes * self.world_size))
+        chunk = file_bytes * self.world_size
+        capacity = self.settings.disk.capacity
+        if capacity < chunk:
+            raise ConfigError(
+                f"{INLINE}.disk.capacity ({capacity}) is smaller than one chunk's files of this "
+                f"model ({chunk} bytes across {self.world_size} workers)"
+            )
+        return capacity // chunk
 
     @staticmethod
     def _device() -> str:
@@ -230,21 +243,33 @@ class RaykvOffloadingSpec(OffloadingSpec):
 
     def _open_tiers(self, parts: dict[str, Any], store: shared.StoreView | None) -> list[int]:
         """The manager's tiers below the CPU tier under the namespace ``parts``: the keys whose
-        files every rank holds (a warm start: names only, the workers check the bytes), the
-        store's index asked under it."""
+        files every rank holds, oldest first, as many of the newest as the tier's capacity
+        holds (a warm start: names only, the workers check the bytes), the others' files
+        deleted on every rank (no store to the tier has been asked for yet); the store's
+        index asked under it."""
         if store is not None:
             store.use_namespace(self.store_namespace(parts, store.where))
         if not self.settings.disk.enabled:
             return []
         namespace.describe(os.path.dirname(self.disk_root(parts, 0)), parts)
-        common: set[int] | None = None
-        for rank in range(self.world_size):
-            keys = set(RankDirectory(self.disk_root(parts, rank)).listing())
-            common = keys if common is None else common & keys
-        found = sorted(common or ())
-        if found:
-            log.info("raykv: %d chunks found in the disk tier (warm start)", len(found))
-        return found
+        ranks = [RankDirectory(self.disk_root(parts, rank)) for rank in range(self.world_size)]
+        listings = [directory.listing() for directory in ranks]
+        everywhere = set.intersection(*(set(keys) for keys in listings))
+        ordered = [k for k in listings[0] if k in everywhere]
+        kept = ordered[max(0, len(ordered) - self._disk_slots()) :]
+        taken = set(kept)
+        for directory, keys in zip(ranks, listings, strict=True):
+            for key in keys:
+                if key not in taken:  # a part another rank lacks, or past the capacity
+                    directory.remove(key)
+        if kept or len(taken) < sum(map(len, listings)):
+            log.info(
+                "raykv: %d chunks found in the disk tier (warm start); the files of %d others "
+                "(partial, or past the capacity) deleted",
+                len(kept),
+                len(set().union(*listings)) - len(kept),
+            )
+        return kept
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:

@@ -217,3 +217,41 @@ def test_a_disk_that_refuses_direct_io_on_is_exit_2_naming_the_key(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "offload.disk.direct_io" in err[0] and "Traceback" not in err[0]
+
+
+def _chunk_files(root: str) -> dict[int, Path]:
+    """A rank's chunk files by key (not the evicted ones kept in ``free/`` to write over)."""
+    return {
+        int(p.stem, 16): p
+        for p in Path(root).glob("*/*.kv")
+        if p.parent.name != "free"
+    }
+
+
+def test_a_restart_with_a_smaller_capacity_keeps_the_newest_chunks_and_deletes_the_rest(
+    disk_dir: str,
+) -> None:
+    """Found by an audit: a tier restarted with a smaller capacity took what fitted in key
+    order and left the rest (vLLM's kept 12 MiB under a 4 MiB capacity)."""
+    from raykv.engine.disk_tier import disk_slots
+
+    run(SMALL + disk(disk_dir))
+    cfg = load_config(None, SMALL + disk(disk_dir))
+    roots = [disk_rank_root(cfg, rank) for rank in range(2)]
+    common = sorted(set(_chunk_files(roots[0])) & set(_chunk_files(roots[1])))
+    # an age for every chunk, the same on both ranks, in no order of the keys'
+    ages = {key: 1_700_000_000 + (key * 7919) % 100_003 for key in common}
+    for root in roots:
+        for key, path in _chunk_files(root).items():
+            os.utime(path, (ages.get(key, 1), ages.get(key, 1)))
+    smaller = load_config(None, SMALL + disk(disk_dir, "offload.disk.capacity=1MiB"))
+    slots = disk_slots(smaller)
+    assert 0 < slots < len(common), (slots, len(common))
+    newest = sorted(common, key=ages.__getitem__)[-slots:]
+    with LocalWorkerGroup(smaller, smaller.cpu_slots()) as workers:
+        engine = EngineCore(smaller, workers, offload=True, verify=True)
+        assert engine.connector is not None and engine.connector.moves is not None
+        assert sorted(k for k in common if k in engine.connector.moves.disk) == sorted(newest)
+        engine.step()  # the first step deletes the others' files
+        for root in roots:
+            assert sorted(_chunk_files(root)) == sorted(newest)

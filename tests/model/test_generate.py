@@ -269,3 +269,20 @@ def test_an_idle_engine_waits_for_a_slow_disk_without_declaring_its_rank_dead(
         tmp_path, "llama-tied", second=('faults=["slow-disk:ms=600"]',)
     )
     assert second["rank_restarts"] == 0
+
+
+def test_a_cpu_tier_smaller_than_one_chunk_of_the_model_is_refused_naming_the_key(
+    tmp_path: Path, capsys
+) -> None:
+    """Found by an audit: a size below one chunk was rounded up to one slot; and the check
+    used the synthetic model's chunk, not the checkpoint's (12 KiB here: 3 layers, 2 KV heads of
+    16, 16 tokens, float32)."""
+    path, _ = checkpoint(tmp_path / "ckpt", "llama-tied")
+    file = tmp_path / "x.jsonl"
+    file.write_text('{"prompt_token_ids": [1, 2, 3]}\n')
+    argv = ["generate", "--model", str(path), "--prompt-file", str(file), "--max-tokens", "1"]
+    assert main([*argv, "--set", "offload.cpu_bytes=8KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "offload.cpu_bytes (8192) is smaller than one chunk of the model (12288 bytes" in err
+    assert err.count("raykv: error") == 1 and "Traceback" not in err
+    assert main([*argv, "--set", "offload.cpu_bytes=32KiB"]) == 0  # two chunks: taken

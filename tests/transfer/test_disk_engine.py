@@ -504,3 +504,30 @@ def test_an_engine_s_writes_run_at_its_own_niceness_unless_the_environment_says(
         assert niceness(eng._reads._threads) == {base}  # a request waits for a promotion
     finally:
         eng.shutdown()
+
+
+def test_a_directory_removed_under_a_running_engine_is_made_again_and_said_once(
+    disk_dir: str, caplog
+) -> None:
+    """Found by an audit: ``rm -rf`` of the tier's path under a running engine failed every
+    later write, with a warning per chunk, until a restart."""
+    import logging
+    import shutil
+
+    pool = filled_pool()
+    root = os.path.join(disk_dir, "namespace", "rank-0")
+    eng = engine(root, pool)
+    try:
+        assert run(eng, TierMove.of(1, False, KEYS[:1], [0], False)) == ([1], [])
+        shutil.rmtree(os.path.join(disk_dir, "namespace"))
+        with caplog.at_level(logging.WARNING):
+            assert run(eng, TierMove.of(2, False, KEYS[1:], [1, 2], False)) == ([2], [])
+            assert run(eng, TierMove.of(3, False, KEYS[:1], [0], False)) == ([3], [])
+        assert sorted(eng.index()) == sorted(KEYS)
+        assert caplog.text.count("was removed while in use") == 1
+        assert "disk job" not in caplog.text  # no failed chunk, no warning per chunk
+        assert os.stat(root).st_mode & 0o777 == 0o700
+        pool[5:8] = 0
+        assert run(eng, TierMove.of(4, True, KEYS, [5, 6, 7], False)) == ([4], [])
+    finally:
+        eng.shutdown()

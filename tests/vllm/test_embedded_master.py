@@ -7,6 +7,8 @@ for about 15 s with Python's lock held. Here both halves are in this process, in
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import numpy as np
 import pytest
@@ -45,3 +47,37 @@ def test_the_master_s_process_gives_its_pool_memory_and_takes_it_back_first(
             view.close()  # ...then the scheduler's
     assert "is gone" not in caplog.text
     assert run_directory not in shared._masters and run_directory not in shared._segments
+
+
+def test_the_master_outlives_the_thread_that_started_it_and_logs_in_the_run_directory(
+    tmp_path,
+) -> None:
+    """Found by an audit: the kernel's parent-death signal follows the thread that started a
+    child, and the master died with it; and each killed engine left its log in the system's
+    temporary directory."""
+    import glob
+    import tempfile
+    import threading
+
+    problem = mooncake_problem()
+    if problem is not None:
+        pytest.skip(f"Mooncake Store cannot start here: {problem}")
+    settings = SharedTierConfig(enabled=True, segment=16 << 20)
+    run_directory = str(tmp_path)
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "raykv-mooncake-master-*")))
+    started: list = []
+    thread = threading.Thread(
+        target=lambda: started.append(shared.endpoint(settings, run_directory))
+    )
+    thread.start()
+    thread.join()
+    try:
+        (master,) = [shared._masters[run_directory]]
+        time.sleep(0.5)  # a parent-death signal would have landed by now
+        assert master.alive(), "the master died with the thread that started it"
+        assert os.path.dirname(master.log_path) == run_directory
+        assert (
+            set(glob.glob(os.path.join(tempfile.gettempdir(), "raykv-mooncake-master-*"))) == before
+        )
+    finally:
+        shared.stop_embedded(run_directory)

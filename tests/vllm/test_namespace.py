@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import BLOCK_TOKENS, answer, drain, engine, manager_of, prompt_text
+from tests.vllm.conftest import (
+    BLOCK_TOKENS,
+    answer,
+    drain,
+    engine,
+    manager_of,
+    prompt_text,
+    worker_of,
+)
 from tests.vllm.test_tiers import SECRET, same
 
 PROMPT = prompt_text(5)
@@ -127,3 +135,44 @@ def test_a_weight_update_and_a_reset_move_the_engine_to_its_new_weights_namespac
         same(got, vllm_alone["updated"])
 
     run(vllm_model, settings, same_update)
+
+
+@pytest.fixture(scope="module")
+def bin_model(tmp_path_factory, smollm2_hf_tokenizer) -> Path:
+    """The tiny test model with its weights in ``pytorch_model.bin`` only (which vLLM serves)."""
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("vllm-tiny-llama-bin")
+    smollm2_hf_tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(smollm2_hf_tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=smollm2_hf_tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    config.save_pretrained(out)
+    torch.save(model.state_dict(), out / "pytorch_model.bin")
+    return out
+
+
+def test_a_model_of_bin_weights_starts_with_the_disk_tier(bin_model, tmp_path) -> None:
+    """Found by an audit: the namespace fingerprinted safetensors files only, and a directory
+    of ``pytorch_model.bin`` was refused at start (a traceback of 26 frames)."""
+    settings = {"cpu_bytes": "16MiB", "disk": {"enabled": True, "path": str(tmp_path)}}
+
+    def served(llm) -> None:
+        stored(llm)
+        assert worker_of(llm).lower, "the disk tier did not start"
+        llm.reset_prefix_cache()
+        assert answer(llm, PROMPT)[2] >= BLOCK_TOKENS
+
+    run(bin_model, settings, served)
+    assert len(namespaces(tmp_path)) == 1

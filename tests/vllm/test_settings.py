@@ -86,3 +86,44 @@ def test_a_fault_vllm_cannot_have_or_a_bad_spec_is_named(faults, named) -> None:
     with pytest.raises(ConfigError) as caught:
         fault_settings({"raykv_faults": faults}, world_size=2, settings=NO_SHARED_TIER)
     assert named in str(caught.value) and "\n" not in str(caught.value)
+
+
+def offloading_config(raykv: dict):
+    """vLLM's offloading config of a one-worker engine whose block is 64 KiB, with ``raykv``."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(128, ("layer.0",), 0),),
+        worker_kv_bytes_per_block=64 << 10,
+        enable_kv_cache_events=False,
+        extra_config={"raykv": raykv},
+        engine_id="raykv-settings-test",
+        model=OffloadingModelConfig("model", "float32"),
+        cache=OffloadingCacheConfig(128, 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+
+
+@pytest.mark.parametrize(
+    ("raykv", "named"),
+    [
+        ({"cpu_bytes": 0}, "raykv.cpu_bytes (0) is smaller than one chunk"),
+        ({"cpu_bytes": "1KiB"}, "raykv.cpu_bytes (1024) is smaller than one chunk"),
+        (
+            {"cpu_bytes": "1MiB", "disk": {"enabled": True, "path": "/tmp", "capacity": "1KiB"}},
+            "raykv.disk.capacity (1024) is smaller than one chunk",
+        ),
+    ],
+)
+def test_a_tier_smaller_than_one_chunk_is_refused_naming_the_key(raykv, named) -> None:
+    """Found by an audit: ``cpu_bytes: 0`` and ``1KiB`` were taken as one slot."""
+    from raykv.vllm.spec import RaykvOffloadingSpec
+
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        RaykvOffloadingSpec(offloading_config(raykv)).get_manager()

@@ -282,3 +282,37 @@ def test_a_killed_master_costs_hits_never_answers(vllm_model, reference) -> None
         # up again before the engine stops: Mooncake's clients retry their goodbyes to a dead
         # master for 15 s each, with the interpreter's lock held
         master.restart()
+
+
+def disk_files(path) -> list:
+    return [p for p in path.rglob("rank-0/*/*.kv") if p.parent.name != "free"]
+
+
+def stored_all(model, settings: dict) -> None:
+    with engine(model, settings) as llm:
+        for prompt in PROMPTS:
+            answer(llm, prompt)
+            drain(llm)
+
+
+def restarted_smaller(model, settings: dict) -> tuple[int, int]:
+    """A fresh engine on the path with a smaller capacity, after its first request: the
+    chunks its disk tier took, and its capacity."""
+    with engine(model, settings) as llm:
+        answer(llm, PROMPTS[0])
+        disk = manager_of(llm).disk
+        return len(disk), disk.capacity
+
+
+def test_a_restart_with_a_smaller_disk_capacity_keeps_that_many_files(
+    vllm_model, tmp_path
+) -> None:
+    """Found by an audit: restarted with 4 MiB, the tier took what fitted and left 12 MiB of
+    files on disk for ever; now the newest are kept and the others' files deleted."""
+    settings = {"cpu_slots": 4, "disk": {"enabled": True, "path": str(tmp_path)}}
+    stored_all(vllm_model, settings)
+    before = len(disk_files(tmp_path))
+    smaller = {**settings, "disk": {**settings["disk"], "capacity": "600KiB"}}
+    taken, capacity = restarted_smaller(vllm_model, smaller)
+    assert 0 < taken == capacity < before
+    assert len(disk_files(tmp_path)) == capacity
