@@ -201,12 +201,13 @@ class PrefixLookup:
                 promote = [[] for _ in lowers]
         if end <= start:
             return 0
-        # what it takes once its wait is over: the CPU tier's readable hit where it waits for
-        # more than that, else nothing
-        near_end, near_used, near_pending = near
-        fallback = 0
-        if start < near_end < end and not near_pending and not any(k in loading for k in near_used):
-            fallback = near_end * tpc - num_local
+        near_end, near_used, _ = near
+
+        def fallback() -> int:
+            # what it takes once its wait is over: what the CPU tier holds readable now
+            ready = self._ready_prefix(state, start, min(near_end, end), loading)
+            return max(0, ready * tpc - num_local) if ready > start else 0
+
         if pending or any(k in loading for k in used):
             return self._defer(state, fallback)
         if any(promote):
@@ -232,8 +233,23 @@ class PrefixLookup:
             if end <= start:
                 return 0
             if pending or any(k in loading for k in used):
-                return self._defer(state, 0)
+                return self._defer(state, fallback)
         return max(0, end * tpc - num_local)
+
+    def _ready_prefix(
+        self, state: RequestOffloadState, start: int, limit: int, loading: Mapping[int, int]
+    ) -> int:
+        """The furthest boundary up to ``limit`` the CPU tier can load from now: every chunk
+        it reads ready there, none being loaded by another request (the start: none)."""
+        best, lo, hi = start, start, limit + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            end, used, pending = self._converge(state, start, mid, self.directory, count=False)
+            if not pending and not any(k in loading for k in used):
+                lo, best = mid, end
+            else:
+                hi = mid
+        return best
 
     def _within_room(
         self,
@@ -293,9 +309,9 @@ class PrefixLookup:
         state.choice, state.wait_limit_s = decision.end, decision.wait_s
         return decision.end // tpc if decision.end > num_local else start
 
-    def _defer(self, state: RequestOffloadState, fallback: int) -> int | None:
+    def _defer(self, state: RequestOffloadState, fallback: Callable[[], int]) -> int | None:
         """Ask again next step (None), unless this request has waited its share, in all: then
-        ``fallback`` tokens (what it takes without waiting; vLLM #49829: a write that never
+        ``fallback()`` tokens (what it takes without waiting; vLLM #49829: a write that never
         finishes must not park a request for ever). Its share is ``max_wait_s``, and no more
         than its hit is worth where the choice priced it (``state.wait_limit_s``)."""
         now = self.clock()
@@ -309,7 +325,7 @@ class PrefixLookup:
             if not state.wait_over:
                 state.wait_over = True
                 self.stats.deferral_timeouts += 1
-            return fallback
+            return fallback()
         self.stats.deferred_lookups += 1
         return None
 

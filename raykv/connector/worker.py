@@ -36,11 +36,14 @@ from raykv.core.step import (
 BlockVerifier = Callable[[int, BlockContent], bool]
 
 _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
-# An idle step (no model work) blocks until a copy or a move lands, this long at most, before
-# polling: an idle engine waits on what its requests wait for instead of spinning through empty
-# steps (in one process the spinning thread starved the copy thread of the GIL: 1-block loads
-# took 32 steps), and a request that arrives meanwhile waits no longer than this.
+# An idle step (no model work) blocks until a copy or a promotion lands, this long at most,
+# before polling: an idle engine waits on what its requests wait for instead of spinning through
+# empty steps (in one process the spinning thread starved the copy thread of the GIL: 1-block
+# loads took 32 steps), and a request that arrives meanwhile waits no longer than this. Where
+# only writes run (demotions, publishes: nobody waits for them) it blocks a shorter while, so
+# that an arrival is not held up behind them.
 IDLE_WAIT_S = 0.01
+WRITES_IDLE_WAIT_S = 0.002
 
 
 class TransferBackend(Protocol):
@@ -66,6 +69,7 @@ class DiskBackend(Protocol):
     def poll(self) -> tuple[list[int], list[int]]: ...
     def wait(self, timeout_s: float) -> None: ...
     def in_flight(self) -> int: ...
+    def reading(self) -> bool: ...
     def pending_slots(self) -> tuple[set[int], set[int]]: ...
     def take_stats(self) -> TransferStats: ...
     def take_corrupt(self) -> list[int]: ...
@@ -170,7 +174,7 @@ class ConnectorWorker:
             backend.wait(IDLE_WAIT_S)
             for lower in self.lowers.values():
                 if lower.in_flight():
-                    lower.wait(IDLE_WAIT_S)
+                    lower.wait(IDLE_WAIT_S if lower.reading() else WRITES_IDLE_WAIT_S)
         completed, failed = backend.poll()
         stats = backend.take_stats()
         corrupt, full, unsettled = backend.take_corrupt(), [], []

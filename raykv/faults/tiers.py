@@ -35,6 +35,7 @@ class FaultyTier:
         self._corrupt: dict[int, list[int]] = {}  # demotion -> its keys, corrupted once landed
         self._due: dict[int, float] = {}  # job -> when it may be reported (slow-disk)
         self._held: list[tuple[int, bool]] = []  # finished, not yet due: (job, ok)
+        self._reads: set[int] = set()  # promotions held back or in flight (slow-disk)
         self._room = faults.tier_room(tier)
         self._written = 0
 
@@ -53,6 +54,8 @@ class FaultyTier:
         delay = f.tier_delay_s(tier)
         if delay:
             self._due[move.job_id] = time.monotonic() + delay
+            if move.promote:
+                self._reads.add(move.job_id)
         if not move.promote and f.tier_corrupts(tier):
             self._corrupt[move.job_id] = move.chunks.unpack()
         if not move.promote and f.tier_loses(tier):
@@ -94,6 +97,7 @@ class FaultyTier:
                 keep.append((job_id, ok))
                 continue
             self._due.pop(job_id, None)
+            self._reads.discard(job_id)
             (out_ok if ok else out_failed).append(job_id)
         self._held = keep
         return out_ok, out_failed
@@ -109,6 +113,9 @@ class FaultyTier:
 
     def in_flight(self) -> int:
         return self.inner.in_flight() + len(self._held) + len(self._failed)
+
+    def reading(self) -> bool:
+        return bool(self._reads) or self.inner.reading()
 
     def take_full(self) -> list[int]:
         full, self._full = self._full, []

@@ -268,6 +268,11 @@ class ChunkJobEngine:
         with self._cond:
             return len(self._jobs)
 
+    def reading(self) -> bool:
+        """A promotion runs (a request waits for it), not only writes."""
+        with self._cond:
+            return any(job.move.promote for job in self._jobs.values())
+
     def shutdown(self, wait: bool = True, timeout_s: float | None = None) -> int:
         """Stop the I/O threads; ``wait``: finish every queued chunk first (else queued chunks
         are dropped and their jobs never reported: what a crash leaves). Returns once no thread

@@ -252,3 +252,17 @@ def test_a_promotion_is_waited_for_while_it_is_worth_it_and_given_up_after(lands
     assert t.lookup.lookup(state, 0, {}) == 0  # recomputed: the disk is slower than priced
     assert t.lookup.stats.deferral_timeouts == 1
     assert t.lookup.lookup(state, 0, {}) == 0  # and it does not wait again
+
+
+def test_a_promotion_given_up_leaves_the_request_what_the_cpu_tier_holds() -> None:
+    """Its wait over, a request takes the CPU tier's readable prefix (its own promotion's chunks,
+    still being written there, end it), not nothing."""
+    t = setup(cpu_slots=16)
+    state = request(6)
+    keys = state.groups[0].keys
+    store(t.cpu, keys[:2])
+    t.disk.adopt(keys[2:])
+    assert t.lookup.lookup(state, 0, {}) is None  # promoting the other four
+    t.clock.now += MAX_WAIT_S
+    assert t.lookup.lookup(state, 0, {}) == 2 * BLOCK
+    assert t.lookup.stats.deferral_timeouts == 1

@@ -221,11 +221,7 @@ def test_a_disk_that_refuses_direct_io_on_is_exit_2_naming_the_key(
 
 def _chunk_files(root: str) -> dict[int, Path]:
     """A rank's chunk files by key (not the evicted ones kept in ``free/`` to write over)."""
-    return {
-        int(p.stem, 16): p
-        for p in Path(root).glob("*/*.kv")
-        if p.parent.name != "free"
-    }
+    return {int(p.stem, 16): p for p in Path(root).glob("*/*.kv") if p.parent.name != "free"}
 
 
 def test_a_restart_with_a_smaller_capacity_keeps_the_newest_chunks_and_deletes_the_rest(

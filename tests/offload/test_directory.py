@@ -292,14 +292,16 @@ def test_leaving_never_takes_a_chunk_being_read_or_written() -> None:
     d.check_invariants()
 
 
-def test_adopt_takes_ready_chunks_up_to_the_free_slots_and_announces_them() -> None:
+def test_adopt_takes_the_newest_ready_chunks_up_to_the_free_slots_and_announces_them() -> None:
+    """Keys come oldest first (a warm start's files by age): past the room, the newest stay."""
     d = Directory(3, "lru", medium="DISK")
     stored(d, [9])
     d.take_events()
-    assert d.adopt([1, 9, 2, 3, 4]) == [1, 2]
-    assert all(d.is_readable(k) for k in (1, 2, 9)) and 3 not in d
+    assert d.adopt([1, 9, 2, 3, 4]) == [3, 4]
+    assert all(d.is_readable(k) for k in (3, 4, 9)) and 1 not in d and 2 not in d
     (event,) = d.take_events()
-    assert event.keys == (1, 2) and event.medium == "DISK"
+    assert event.keys == (3, 4) and event.medium == "DISK"
+    assert d.start_leaving(1) == [9]  # the oldest goes first (the tier's own chunk was first)
     d.check_invariants()
 
 

@@ -113,7 +113,7 @@ def offloading_config(raykv: dict):
 @pytest.mark.parametrize(
     ("raykv", "named"),
     [
-        ({"cpu_bytes": 0}, "raykv.cpu_bytes (0) is smaller than one chunk"),
+        ({"cpu_bytes": 0}, "raykv.cpu_bytes: Input should be greater than 0"),
         ({"cpu_bytes": "1KiB"}, "raykv.cpu_bytes (1024) is smaller than one chunk"),
         (
             {"cpu_bytes": "1MiB", "disk": {"enabled": True, "path": "/tmp", "capacity": "1KiB"}},

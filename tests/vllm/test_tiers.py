@@ -304,9 +304,7 @@ def restarted_smaller(model, settings: dict) -> tuple[int, int]:
         return len(disk), disk.capacity
 
 
-def test_a_restart_with_a_smaller_disk_capacity_keeps_that_many_files(
-    vllm_model, tmp_path
-) -> None:
+def test_a_restart_with_a_smaller_disk_capacity_keeps_that_many_files(vllm_model, tmp_path) -> None:
     """Found by an audit: restarted with 4 MiB, the tier took what fitted and left 12 MiB of
     files on disk for ever; now the newest are kept and the others' files deleted."""
     settings = {"cpu_slots": 4, "disk": {"enabled": True, "path": str(tmp_path)}}
