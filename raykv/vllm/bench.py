@@ -20,6 +20,12 @@ process), on the same model and settings, with vLLM's prefix cache on as vLLM ru
    prompt's KV is what the writer published, read from the store, promoted and loaded
    (``shared_tier_s``: computed by one engine, loaded by another).
 
+With ``--slow-disk-ms N``, a warm restart from a slow disk: a fourth vLLM with raykv on the
+writer's disk path, its disk ``N`` ms a load (``slow-disk:ms=N``) and the worth-it choice on
+(``take_hits: faster``), asks for every prompt of the TTFT rows once, one after the other, each
+against vLLM alone's recompute of its length (``SlowDiskRestart``): a disk slower than
+recomputing must be passed over within a few requests.
+
 The throughput rows come last, measured in pairs (``paired.py``): vLLM alone, with raykv's CPU
 and disk tiers (``with``) and with all three (``with_shared``: every full block stored, written
 to the disk and put into the store, whose pool's process receives every put over TCP on the
@@ -47,6 +53,7 @@ import mmap
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,7 +76,7 @@ from raykv.transfer.shared_store import (
     connect,
     mooncake_problem,
 )
-from raykv.vllm.local import local_engine, stores_landed, worker_of
+from raykv.vllm.local import local_engine, manager_of, stores_landed, worker_of
 from raykv.vllm.paired import Contender, paired_throughput
 
 Progress = Callable[[str], None]
@@ -96,6 +103,7 @@ class VllmBenchOptions:
     kv_cache_bytes: int = 1 << 30
     seed: int = 0
     enforce_eager: bool = False  # no torch.compile: engines start sooner, steps run slower
+    slow_disk_ms: int = 0  # > 0: the warm restart from a disk this slow a load, too
 
 
 @dataclass(slots=True)
@@ -141,6 +149,27 @@ class VllmThroughput:
 
 
 @dataclass(slots=True)
+class SlowDiskRequest:
+    """One request of the slow-disk restart, in the order asked."""
+
+    prompt_tokens: int
+    ttft_s: float
+    loaded_tokens: int  # from raykv's tiers (0: recomputed)
+    ratio: float  # to vLLM alone's recompute of its length (the median of its repeats)
+
+
+@dataclass(slots=True)
+class SlowDiskRestart:
+    """A warm restart whose disk takes ``disk_ms`` a load, with the worth-it choice on."""
+
+    disk_ms: int
+    requests: list[SlowDiskRequest]
+    within_1_2x_from: int | None  # the first request from which every ratio is at most 1.2
+    skipped_slower: int  # disk hits passed over as slower than recomputing
+    recompute_probes: int  # requests recomputed to price the prefill
+
+
+@dataclass(slots=True)
 class VllmBenchReport:
     model: str
     vllm_version: str
@@ -152,6 +181,7 @@ class VllmBenchReport:
     rows: list[VllmTTFTRow] = field(default_factory=list)
     throughput: VllmThroughput | None = None
     shared_transport: str = "tcp on loopback"
+    slow_disk_restart: SlowDiskRestart | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -314,9 +344,10 @@ class _Run:
         ]
 
     def alone(self) -> dict[int, float]:
-        """vLLM without raykv: each length's fastest recompute."""
+        """vLLM without raykv: each length's fastest recompute (each one's in ``recomputes``)."""
         options, prompts = self.options, self.prompts
         recompute: dict[int, float] = {}
+        self.recomputes: dict[int, list[float]] = {}
         self.say("vLLM alone")
         with local_engine(options.model, None, **self.engine_args) as llm:
             _first_token(llm, prompts.make("warm-up", 64))
@@ -325,6 +356,7 @@ class _Run:
                     self.say(f"vLLM alone: {n} tokens, repeat {r + 1}/{options.repeat}")
                     seconds, _ = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
                     recompute[n] = min(recompute.get(n, float("inf")), seconds)
+                    self.recomputes.setdefault(n, []).append(seconds)
                     llm.reset_prefix_cache()
             return recompute
 
@@ -375,6 +407,34 @@ class _Run:
                     if n not in found or seconds < found[n][0]:
                         found[n] = (seconds, hit, load.seconds)
             return found
+
+    def slow_restart(self) -> SlowDiskRestart:
+        """A fresh vLLM on the writer's disk path, its disk slow and the choice on: every prompt
+        of the TTFT rows once, in turn, against vLLM alone's recompute of its length (the
+        median of its repeats: one request against a typical one, not the fastest)."""
+        recompute = {n: statistics.median(s) for n, s in self.recomputes.items()}
+        options, prompts = self.options, self.prompts
+        ms = options.slow_disk_ms
+        settings = {**self.tiers["disk"], "take_hits": "faster"}
+        extra = {**self.extra, "raykv_faults": [f"slow-disk:ms={ms}"]}
+        asked: list[SlowDiskRequest] = []
+        self.say(f"a warm restart from a disk at {ms} ms a load")
+        with local_engine(options.model, settings, extra, **self.engine_args) as llm:
+            _first_token(llm, prompts.make("warm-up-slow", 64))
+            for r in range(options.repeat):
+                for n in options.prompt_tokens:
+                    self.say(f"slow disk: {n} tokens, request {len(asked) + 1}")
+                    seconds, hit = _first_token(llm, prompts.make(f"ttft-{n}-{r}", n))
+                    asked.append(SlowDiskRequest(n, seconds, hit, seconds / recompute[n]))
+            choice = manager_of(llm).choice
+            skipped = choice.skipped["disk"] if choice is not None else 0
+            probes = choice.recompute_probes if choice is not None else 0
+        settled = None
+        for i in range(len(asked)):
+            if all(request.ratio <= 1.2 for request in asked[i:]):
+                settled = i + 1
+                break
+        return SlowDiskRestart(ms, asked, settled, skipped, probes)
 
 
 WARM_OBJECT_BYTES = 64 << 20  # what the bench puts at a time to make the store's pool resident
@@ -527,6 +587,11 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         gc.collect()
         shared = run.reader("shared") if store is not None else {}
         gc.collect()
+        slow = None
+        if options.slow_disk_ms:
+            settle_files([str(p) for p in Path(directory).rglob("*") if p.is_file()], drop=True)
+            slow = run.slow_restart()
+            gc.collect()
         if options.throughput_requests:
             throughput = _throughput(options, run, store, throughput_bytes, directory, say)
         say("copy limits")
@@ -578,6 +643,7 @@ def run_vllm_bench(options: VllmBenchOptions, progress: Progress | None = None) 
         rows=rows,
         throughput=throughput,
         shared_transport=transport,
+        slow_disk_restart=slow,
     )
 
 

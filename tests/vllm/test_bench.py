@@ -34,7 +34,9 @@ def test_bench_reports_each_tier_loaded(vllm_model, tmp_path, capsys) -> None:
             "4",
             "--throughput-rounds",
             "2",
-            "--enforce-eager",  # seven engines start: each 7 s sooner
+            "--enforce-eager",  # eight engines start: each 7 s sooner
+            "--slow-disk-ms",
+            "50",
             "--disk-path",
             str(tmp_path),
             "--json",
@@ -64,8 +66,13 @@ def test_bench_reports_each_tier_loaded(vllm_model, tmp_path, capsys) -> None:
     assert throughput["ratio"] > 0 and throughput["shared_ratio"] > 0
     assert len(throughput["ratios"]) == len(throughput["shared_ratios"]) == 2
     assert throughput["shared_pool_cpu_s"] >= 0  # read from the pool's process
+    slow = report["slow_disk_restart"]
+    (request,) = slow["requests"]  # one prompt: loaded, as nothing is priced yet
+    assert slow["disk_ms"] == 50 and request["prompt_tokens"] == 200
+    assert request["loaded_tokens"] == whole_blocks and request["ratio"] > 0
     printed = capsys.readouterr().out
     assert "CPU tier" in printed and "shared tier" in printed
+    assert "warm restart from a disk at 50 ms a load" in printed
     assert list(tmp_path.iterdir()) == [out]  # the run's files are gone
 
 
