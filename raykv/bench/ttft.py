@@ -325,31 +325,18 @@ def plot_ttft(report: TTFTReport, path: str) -> None:
 
     lengths = [r.prompt_tokens for r in report.results]
     figure, axes = plt.subplots(figsize=(6.4, 4.2))
-    axes.plot(lengths, [r.recompute_s for r in report.results], "o-", label="recomputed")
-    axes.plot(lengths, [r.cpu_tier_s for r in report.results], "o-", label="from the CPU tier")
-    if all(r.disk_tier_s is not None for r in report.results):
-        axes.plot(lengths, [r.disk_tier_s for r in report.results], "o-", label="from disk")
-    if all(r.restart_s is not None for r in report.results):
-        axes.plot(
-            lengths,
-            [r.restart_s for r in report.results],
-            "o-",
-            label="after a restart (a fresh engine, from disk)",
-        )
-    if all(r.shared_tier_s is not None for r in report.results):
-        axes.plot(
-            lengths,
-            [r.shared_tier_s for r in report.results],
-            "o-",
-            label="from the shared tier (another engine's)",
-        )
-    if all(r.transformers_s is not None for r in report.results):
-        axes.plot(
-            lengths,
-            [r.transformers_s for r in report.results],
-            "s--",
-            label="transformers forward",
-        )
+    series = [
+        ("recompute_s", "recomputed", "o-"),
+        ("cpu_tier_s", "from the CPU tier", "o-"),
+        ("disk_tier_s", "from disk", "o-"),
+        ("restart_s", "after a restart (a fresh engine, from disk)", "o-"),
+        ("shared_tier_s", "from the shared tier (another engine's)", "o-"),
+        ("transformers_s", "transformers forward", "s--"),
+    ]
+    for name, label, style in series:
+        values = [getattr(r, name) for r in report.results]
+        if all(v is not None for v in values):  # a way not measured is not drawn
+            axes.plot(lengths, values, style, label=label)
     axes.set_xlabel("prompt tokens")
     axes.set_ylabel("time to first token (s)")
     axes.set_yscale("log")
