@@ -196,9 +196,18 @@ class PrefixLookup:
                 self._tier_name(m): len(k) for (m, _), k in zip(lowers, promote, strict=True)
             }
             taken = self._choose(state, num_local, (near[0], near[1]), (end, used, by_tier))
-            if taken < end:  # recomputing, or the CPU tier's hit alone, comes sooner
-                end, used, pending = near if taken == near[0] else (start, [], False)
-                promote = [[] for _ in lowers]
+            if taken < end:  # recomputing, or loading less, comes sooner
+                if taken == near[0]:
+                    end, used, pending = near
+                    promote = [[] for _ in lowers]
+                elif taken <= start:
+                    end, used, pending = start, [], False
+                    promote = [[] for _ in lowers]
+                else:  # a boundary decided when it first asked, where the room cut it then
+                    end, used, pending = self._converge(state, start, taken, view, count=False)
+                    promote = (
+                        view.sources(used) if isinstance(view, UnionView) else [[] for _ in lowers]
+                    )
         if end <= start:
             return 0
         near_end, near_used, _ = near

@@ -36,10 +36,11 @@ from raykv.core.step import (
 BlockVerifier = Callable[[int, BlockContent], bool]
 
 _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
-# An idle step (no model work) blocks until a copy or a promotion lands, this long at most,
-# before polling: an idle engine waits on what its requests wait for instead of spinning through
-# empty steps (in one process the spinning thread starved the copy thread of the GIL: 1-block
-# loads took 32 steps), and a request that arrives meanwhile waits no longer than this. Where
+# An idle step (no model work) blocks until a copy or a promotion lands, this long at most for
+# the copies and for each tier below, before polling: an idle engine waits on what its requests
+# wait for instead of spinning through empty steps (in one process the spinning thread starved
+# the copy thread of the GIL: 1-block loads took 32 steps), and a request that arrives
+# meanwhile waits no longer than that. Where
 # only writes run (demotions, publishes: nobody waits for them) it blocks a shorter while, so
 # that an arrival is not held up behind them.
 IDLE_WAIT_S = 0.01

@@ -329,8 +329,9 @@ class TierCosts:
             if self._skips[tier] % PROBE_EVERY == 0:
                 self.probes[tier] += 1
                 option, seconds = next((o, s) for o, s in reversed(passed) if _tier(o) == tier)
-                wait_s = self._wait_s(start, recompute, priced, option.end)
-                return Decision(option.end, seconds, recompute, wait_s)
+                # a probe waits for its tier as long as any wait may last: what it measures
+                # is the tier's whole time
+                return Decision(option.end, seconds, recompute, None)
             self.skipped_slower[tier] += 1
         return best
 

@@ -139,7 +139,13 @@ class ChunkIO:
         tmp = self.files.take_free()
         try:
             if tmp is not None:
-                self.files.subdirectory(key)  # the rename's destination
+                try:
+                    self.files.subdirectory(key)  # the rename's destination
+                except FileNotFoundError:  # the directory went behind raykv's back
+                    self.files.make_again()  # the free files with it
+                    self.files.subdirectory(key)
+                    tmp = None
+            if tmp is not None:
                 try:
                     fd = open_regular(tmp, os.O_WRONLY | self._open_flags)
                 except (ChunkFileError, FileNotFoundError):

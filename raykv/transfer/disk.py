@@ -94,8 +94,9 @@ class DiskTransferEngine(ChunkJobEngine):
         self._base = root
         try:
             # this engine's alone while it lives (another engine on the node takes the next)
-            root, self._lock_fd = claim_directory(root, claim_wait_s)
+            root, lock_fd = claim_directory(root, claim_wait_s)
             self.files = RankDirectory(root, max_free_files)
+            self.files.lock_fd = lock_fd
             self.files.make()
         except OSError as exc:
             raise DiskUnavailable(f"offload.disk.path: cannot use {root!r}: {exc}") from exc
@@ -150,7 +151,8 @@ class DiskTransferEngine(ChunkJobEngine):
             self.files.recycle(key)
 
     def _close(self) -> None:
-        os.close(self._lock_fd)  # the directory is free for a successor
+        if self.files.lock_fd is not None:
+            os.close(self.files.lock_fd)  # the directory is free for a successor
 
     def spoil(self, key: int) -> None:
         """Fault hook (``corrupt-disk``): flip one byte in the middle of ``key``'s pages, in

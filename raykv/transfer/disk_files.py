@@ -226,6 +226,8 @@ class RankDirectory:
         self.special_files = 0
         self._said_special = False
         self._said_gone = False
+        # the descriptor whose lock holds the directory for its engine (``claim_directory``)
+        self.lock_fd: int | None = None
 
     def path(self, key: int) -> str:
         name = f"{key:018x}"
@@ -256,8 +258,10 @@ class RankDirectory:
 
     def make_again(self) -> None:
         """The directory went while this rank held it (``rm -rf`` of the tier's path): make it
-        again, its parents with it, and forget which subdirectories were made; said once in
-        the log. Its files went with it (their reads fail, and their chunks leave the tier)."""
+        again, its parents with it, and its lock taken again (the old one locks a file that is
+        gone: another engine could claim the name); forget which subdirectories were made; said
+        once in the log. Its files went with it (their reads fail, their chunks leave the
+        tier)."""
         with self._free_lock:
             self._made.clear()
             self._free.clear()
@@ -270,6 +274,13 @@ class RankDirectory:
                 )
         make_private_dirs(self.root)
         self.make()
+        if self.lock_fd is not None:
+            fd = _try_lock(self.root)
+            if fd is None:  # another engine took the name meanwhile: both write it now
+                log.warning("disk tier: another engine took %s while it was gone", self.root)
+            else:
+                os.close(self.lock_fd)
+                self.lock_fd = fd
 
     def _real_directory(self, path: str) -> None:
         """``path`` a directory of this user's alone, made where missing; something else there

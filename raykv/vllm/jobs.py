@@ -22,6 +22,7 @@ class ChunkStore(LoadStoreSpec):
     to_shared: list[int] = field(default_factory=list)
     disk_drops: list[int] = field(default_factory=list)
     check_sums: bool = False
+    epoch: int = 0  # the namespace epoch it was made in: its writes go to that one's tiers only
 
 
 @dataclass(slots=True)
@@ -37,3 +38,4 @@ class ChunkLoad(LoadStoreSpec):
     from_shared: list[int] = field(default_factory=list)
     check_sums: bool = False
     refused: bool = False
+    epoch: int = 0  # the namespace epoch it was made in: it promotes from that one's tiers only

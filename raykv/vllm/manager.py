@@ -210,6 +210,12 @@ class RaykvOffloadingManager(OffloadingManager):
         self.metrics.found += 1
         return True
 
+    def _epoch(self) -> int:
+        """The namespace epoch a job is made in: a worker moves its chunks below the CPU tier
+        only under that epoch's engines (a job made before a reset never writes into, or reads
+        from, the namespace after it)."""
+        return self.namespace.epoch if self.namespace is not None else 0
+
     def _agreed(self) -> bool:
         """Whether the tiers below the CPU tier are in use under an agreed namespace (asked of
         the workers' files at most once a step until they are)."""
@@ -219,12 +225,12 @@ class RaykvOffloadingManager(OffloadingManager):
         if self._agreed_step == self._step:
             return False
         self._agreed_step = self._step
-        parts = agreement.poll()
-        if parts is None:
-            return False
         disk, shared, store = self._below
         try:
-            found = agreement.open_tiers(parts, store)
+            parts = agreement.poll()
+            if parts is None:
+                return False
+            found = agreement.open_tiers(parts, store, agreement.disk_roots)
         except (OSError, SharedStoreError) as exc:
             log.error("raykv: the disk and shared tiers stay out of use: %s", exc)
             agreement.parts = None  # composed again, and tried again, next step
@@ -352,6 +358,7 @@ class RaykvOffloadingManager(OffloadingManager):
             from_shared=[i for i, k in enumerate(ks) if k in from_shared],
             check_sums=self.check_sums,
             refused=refused,
+            epoch=self._epoch(),
         )
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -431,6 +438,7 @@ class RaykvOffloadingManager(OffloadingManager):
             to_shared=to_shared,
             disk_drops=drops,
             check_sums=self.check_sums,
+            epoch=self._epoch(),
         )
         return PrepareStoreOutput(
             keys_to_store=[names[k] for k in plan.keys],

@@ -145,7 +145,7 @@ class NamespaceBoard:
         try:
             with open(self._path(name)) as handle:
                 return json.load(handle)
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):  # not there (yet), or unreadable: not posted
             return None
 
     # ---- the epoch ---------------------------------------------------------------------------
@@ -179,9 +179,10 @@ class NamespaceBoard:
         """The namespace the manager composed for ``epoch`` (None: not yet)."""
         return self._read(f"namespace-{epoch}")
 
-    def ready(self, epoch: int, rank: int) -> None:
-        """``rank``'s engines are built under ``epoch``'s namespace."""
-        self._write(f"ready-{epoch}.rank{rank}", True)
+    def ready(self, epoch: int, rank: int, disk_root: str | None) -> None:
+        """``rank``'s engines are built under ``epoch``'s namespace; ``disk_root``: the
+        directory its disk engine holds (another engine on the node may hold the first)."""
+        self._write(f"ready-{epoch}.rank{rank}", {"disk_root": disk_root})
 
     # ---- the manager's side ------------------------------------------------------------------
 
@@ -193,10 +194,13 @@ class NamespaceBoard:
     def publish(self, epoch: int, parts: dict[str, Any]) -> None:
         self._write(f"namespace-{epoch}", parts)
 
-    def all_ready(self, epoch: int) -> bool:
-        return all(
-            os.path.exists(self._path(f"ready-{epoch}.rank{rank}")) for rank in range(self.ranks)
-        )
+    def all_ready(self, epoch: int) -> list[str | None] | None:
+        """Each rank's disk directory once every rank is ready under ``epoch`` (None: not
+        yet)."""
+        found = [self._read(f"ready-{epoch}.rank{rank}") for rank in range(self.ranks)]
+        if any(not isinstance(post, dict) for post in found):
+            return None
+        return [post.get("disk_root") for post in found]
 
     def clear_before(self, epoch: int) -> None:
         """Remove the files of the epochs before ``epoch``."""
@@ -225,7 +229,8 @@ class NamespaceAgreement:
         board: the engine's ``NamespaceBoard``.
         base: what the offloading configuration says of the bytes (``base_parts``).
         open_tiers: the manager's tiers under a namespace (the spec's: the disk files every
-            rank holds, the store's index pointed at it): the keys found on disk.
+            rank holds in the directory it says it holds, the store's index pointed at it): the
+            keys found on disk.
         wait_s: how long lookups ask again while a namespace is being agreed on.
         clock: seconds, monotonic (a test's clock).
     """
@@ -234,7 +239,7 @@ class NamespaceAgreement:
         self,
         board: NamespaceBoard,
         base: dict[str, Any],
-        open_tiers: Callable[[dict[str, Any], Any], list[int]],
+        open_tiers: Callable[[dict[str, Any], Any, list[str | None]], list[int]],
         wait_s: float = AGREE_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -245,7 +250,10 @@ class NamespaceAgreement:
         self.clock = clock
         self.epoch = 0
         self.parts: dict[str, Any] | None = None
-        self._since = clock()
+        self.disk_roots: list[str | None] = []  # each rank's, once all are ready
+        # when lookups started asking again (the first that needed the namespace: an engine
+        # may sit idle for long before its first request, and none steps it meanwhile)
+        self._since: float | None = None
         self._said = False
 
     def poll(self) -> dict[str, Any] | None:
@@ -267,17 +275,25 @@ class NamespaceAgreement:
                 return None
             board.publish(self.epoch, parts)
             self.parts = parts
-        return self.parts if board.all_ready(self.epoch) else None
+        roots = board.all_ready(self.epoch)
+        if roots is None:
+            return None
+        self.disk_roots = roots
+        return self.parts
 
     def waiting(self) -> bool:
-        """Whether lookups still ask again for the namespace (within ``wait_s``)."""
-        return self.clock() - self._since < self.wait_s
+        """Whether lookups still ask again for the namespace (within ``wait_s`` of the first
+        that did)."""
+        now = self.clock()
+        if self._since is None:
+            self._since = now
+        return now - self._since < self.wait_s
 
     def next_epoch(self) -> None:
         """A reset: the workers post what they run now, and a namespace is agreed on again."""
         self.epoch += 1
         self.parts = None
-        self._since = self.clock()
+        self._since = None
         self._said = False
         self.board.start_epoch(self.epoch)
         self.board.clear_before(self.epoch)

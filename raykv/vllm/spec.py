@@ -241,18 +241,26 @@ class RaykvOffloadingSpec(OffloadingSpec):
             )
         return self._manager
 
-    def _open_tiers(self, parts: dict[str, Any], store: shared.StoreView | None) -> list[int]:
+    def _open_tiers(
+        self,
+        parts: dict[str, Any],
+        store: shared.StoreView | None,
+        roots: list[str | None],
+    ) -> list[int]:
         """The manager's tiers below the CPU tier under the namespace ``parts``: the keys whose
-        files every rank holds, oldest first, as many of the newest as the tier's capacity
-        holds (a warm start: names only, the workers check the bytes), the others' files
-        deleted on every rank (no store to the tier has been asked for yet); the store's
-        index asked under it."""
+        files every rank holds in the directory its disk engine holds (``roots``; another
+        engine on the node may hold the first), oldest first, as many of the newest as the
+        tier's capacity holds (a warm start: names only, the workers check the bytes), the
+        others' files deleted there (directories this engine's ranks hold: no store to the
+        tier has been asked for yet); the store's index asked under it."""
         if store is not None:
             store.use_namespace(self.store_namespace(parts, store.where))
         if not self.settings.disk.enabled:
             return []
         namespace.describe(os.path.dirname(self.disk_root(parts, 0)), parts)
-        ranks = [RankDirectory(self.disk_root(parts, rank)) for rank in range(self.world_size)]
+        ranks = [
+            RankDirectory(root or self.disk_root(parts, rank)) for rank, root in enumerate(roots)
+        ]
         listings = [directory.listing() for directory in ranks]
         everywhere = set.intersection(*(set(keys) for keys in listings))
         ordered = [k for k in listings[0] if k in everywhere]
@@ -408,5 +416,7 @@ class WorkerTiers:
                 lower[tier] = FaultyTier(lower[tier], self.faults, tier)
         return lower
 
-    def ready(self, epoch: int) -> None:
-        self.spec.board.ready(epoch, self.spec.rank)
+    def ready(self, epoch: int, lower: dict[str, ChunkJobEngine]) -> None:
+        disk = lower.get("disk")
+        root = getattr(getattr(disk, "files", None), "root", None)  # a fault wrapper passes it
+        self.spec.board.ready(epoch, self.spec.rank, root)

@@ -76,7 +76,7 @@ class _Job:
     failed: list[str] = field(default_factory=list)  # lower tiers whose part of it failed
     bad: list[int] = field(default_factory=list)  # chunks a promotion found bad at the source
     held: list[int] = field(default_factory=list)  # chunks whose reads may still land
-    epoch: int = -1  # the namespace epoch of the lower tiers' engines when it was submitted
+    epoch: int = 0  # the manager's namespace epoch when it made the job
     started: float = field(default_factory=time.perf_counter)
 
     def positions(self, tier: str) -> list[int]:
@@ -138,7 +138,7 @@ class LowerTiers(Protocol):
     def epoch(self) -> int: ...
     def post(self, epoch: int) -> None: ...
     def build(self, epoch: int) -> dict[str, ChunkJobEngine] | None: ...
-    def ready(self, epoch: int) -> None: ...
+    def ready(self, epoch: int, lower: dict[str, ChunkJobEngine]) -> None: ...
 
 
 class RaykvOffloadingWorker(OffloadingWorker):
@@ -182,17 +182,28 @@ class RaykvOffloadingWorker(OffloadingWorker):
         if tiers is None:
             return
         epoch = tiers.epoch()
-        if epoch != self._posted:
-            self._retire_lower()
-            tiers.post(epoch)
-            self._posted = epoch
-        if self._built != epoch:
-            lower = tiers.build(epoch)
-            if lower is None:
-                return
-            self.lower, self._built = lower, epoch
-            if lower:
-                tiers.ready(epoch)
+        try:
+            if epoch != self._posted:
+                self._retire_lower()
+                self._posted = epoch  # once: a post that fails is said, not tried each step
+                tiers.post(epoch)
+            if self._built != epoch:
+                lower = tiers.build(epoch)
+                if lower is None:
+                    return
+                self.lower, self._built = lower, epoch
+                if lower:
+                    tiers.ready(epoch, lower)
+        except Exception as exc:  # the tiers below stay out of use; the CPU tier serves on
+            log.error(
+                "raykv rank %d: the disk and shared tiers stay out of use (namespace epoch "
+                "%d): %s: %s",
+                self.rank,
+                epoch,
+                type(exc).__name__,
+                exc,
+            )
+            self._built = epoch
 
     def _retire_lower(self) -> None:
         """Let the lower tiers' jobs end (bounded), then shut their engines down: a job of
@@ -221,7 +232,7 @@ class RaykvOffloadingWorker(OffloadingWorker):
         if disk is not None and dst_spec.disk_drops:
             disk.drop(dst_spec.disk_drops)  # type: ignore[attr-defined]
         copy = block_copy(src_spec, dst_spec.slots, self.blocks_per_chunk)
-        job = _Job(job_id, dst_spec, copy, is_store=True, stage="copy", epoch=self._built)
+        job = _Job(job_id, dst_spec, copy, is_store=True, stage="copy", epoch=dst_spec.epoch)
         self._jobs[job_id] = job
         self.copies.submit(TransferSpec(job_id, True, copy, check_sums=dst_spec.check_sums))
         return True
@@ -230,11 +241,14 @@ class RaykvOffloadingWorker(OffloadingWorker):
         assert isinstance(src_spec, ChunkLoad)
         self._sync_tiers()
         copy = block_copy(dst_spec, src_spec.slots, self.blocks_per_chunk)
-        job = _Job(job_id, src_spec, copy, is_store=False, stage="copy", epoch=self._built)
+        job = _Job(job_id, src_spec, copy, is_store=False, stage="copy", epoch=src_spec.epoch)
         self._jobs[job_id] = job
         sources = [tier for tier in ("disk", "shared") if job.positions(tier)]
-        if src_spec.refused or any(tier not in self.lower for tier in sources):
-            self._end(job, ok=False)  # no room, or no such tier on this rank: never garbage
+        other_namespace = bool(sources) and job.epoch != self._built
+        if src_spec.refused or other_namespace or any(t not in self.lower for t in sources):
+            # no room, no such tier on this rank, or its tiers are another namespace's now:
+            # never garbage
+            self._end(job, ok=False)
         elif sources:
             job.stage = "promote"
             self._submit_lower(job, sources, promote=True)
