@@ -17,6 +17,14 @@ class ConfigError(ValueError):
     """A configuration problem; the message names each key path at fault and its value."""
 
 
+def whole_chunks(size: int, chunk: int, key: str, what: str, across: str) -> int:
+    """How many chunks of ``chunk`` bytes a tier of ``size`` bytes holds; ``ConfigError``
+    naming ``key`` where it holds none (``what`` a chunk is, ``across`` how many share it)."""
+    if size < chunk:
+        raise ConfigError(f"{key} ({size}) is smaller than {what} ({chunk} bytes across {across})")
+    return size // chunk
+
+
 _UNITS = {
     "": 1,
     "b": 1,

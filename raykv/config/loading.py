@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from raykv.config.base import ConfigError, _Strict
+from raykv.config.base import ConfigError, _Strict, whole_chunks
 from raykv.config.sections import (
     CacheConfig,
     EngineConfig,
@@ -151,13 +151,13 @@ class RaykvConfig(_Strict):
         if o.cpu_bytes is not None:
             # checked again here: a real model's geometry comes from its checkpoint, after
             # the config was read (a chunk of SmolLM2 is 720 KiB)
-            chunk = self.chunk_bytes_total()
-            if o.cpu_bytes < chunk:
-                raise ConfigError(
-                    f"offload.cpu_bytes ({o.cpu_bytes}) is smaller than one chunk of the model "
-                    f"({chunk} bytes across {self.parallel.tensor_parallel_size} ranks)"
-                )
-            return o.cpu_bytes // chunk
+            return whole_chunks(
+                o.cpu_bytes,
+                self.chunk_bytes_total(),
+                "offload.cpu_bytes",
+                "one chunk of the model",
+                f"{self.parallel.tensor_parallel_size} ranks",
+            )
         return max(1, 4 * self.cache.num_gpu_blocks // o.blocks_per_chunk)
 
 

@@ -250,12 +250,33 @@ class PrefixLookup:
     ) -> int:
         """The furthest boundary up to ``limit`` the CPU tier can load from now: every chunk
         it reads ready there, none being loaded by another request (the start: none)."""
-        best, lo, hi = start, start, limit + 1
+        found = self._furthest(
+            state,
+            start,
+            limit + 1,
+            self.directory,
+            lambda used, pending: not pending and not any(k in loading for k in used),
+        )
+        return found[0]
+
+    def _furthest(
+        self,
+        state: RequestOffloadState,
+        start: int,
+        beyond: int,
+        view: Directory | UnionView,
+        ok: Callable[[list[int], bool], bool],
+    ) -> tuple[int, list[int], bool]:
+        """The furthest boundary before ``beyond`` (as ``_converge`` finds it in ``view``) whose
+        keys and pending flag ``ok`` takes; the start (nothing) where none is. A bisection: a
+        boundary that ``ok`` takes is taken by those before it."""
+        best: tuple[int, list[int], bool] = (start, [], False)
+        lo, hi = start, beyond
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            end, used, pending = self._converge(state, start, mid, self.directory, count=False)
-            if not pending and not any(k in loading for k in used):
-                lo, best = mid, end
+            found = self._converge(state, start, mid, view, count=False)
+            if ok(found[1], found[2]):
+                lo, best = mid, found
             else:
                 hi = mid
         return best
@@ -274,16 +295,7 @@ class PrefixLookup:
         room = self.directory.capacity - self.directory.num_held
         if len(set(far[1])) <= room:
             return far
-        lo, hi = start, far[0]  # a boundary at ``lo`` fits (the start: nothing), at ``hi`` not
-        best: tuple[int, list[int], bool] = (start, [], False)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            found = self._converge(state, start, mid, union, count=False)
-            if len(set(found[1])) <= room:
-                lo, best = mid, found
-            else:
-                hi = mid
-        return best
+        return self._furthest(state, start, far[0], union, lambda used, _: len(set(used)) <= room)
 
     def _tier_name(self, mover: DiskMoves | SharedMoves) -> str:
         return "shared" if mover is self.shared_moves else "disk"

@@ -40,9 +40,8 @@ _REMEMBERED = 1 << 16  # reported jobs remembered for re-acking (bounded memory)
 # the copies and for each tier below, before polling: an idle engine waits on what its requests
 # wait for instead of spinning through empty steps (in one process the spinning thread starved
 # the copy thread of the GIL: 1-block loads took 32 steps), and a request that arrives
-# meanwhile waits no longer than that. Where
-# only writes run (demotions, publishes: nobody waits for them) it blocks a shorter while, so
-# that an arrival is not held up behind them.
+# meanwhile waits no longer than that. Where only writes run (demotions, publishes: nobody
+# waits for them) it blocks a shorter while, so that an arrival is not held up behind them.
 IDLE_WAIT_S = 0.01
 WRITES_IDLE_WAIT_S = 0.002
 

@@ -294,12 +294,15 @@ class TierCosts:
         blocks = option.cpu_blocks + option.disk_blocks + option.shared_blocks
         if blocks:
             seconds += self.move_s("cpu", blocks)
-        # promotions from the two tiers run side by side: the slower one is waited for
-        seconds += max(
+        return seconds + self._promotions_s(option)
+
+    def _promotions_s(self, option: Candidate) -> float:
+        """Predicted seconds of ``option``'s promotions from the tiers below: the two tiers'
+        run side by side, so the slower one is waited for."""
+        return max(
             self.move_s("disk", option.disk_blocks) if option.disk_blocks else 0.0,
             self.move_s("shared", option.shared_blocks) if option.shared_blocks else 0.0,
         )
-        return seconds
 
     def priced(self) -> bool:
         """Whether the model is measured: a recompute can be priced."""
@@ -348,14 +351,9 @@ class TierCosts:
         from the tiers below are the wait)."""
         if end <= start:
             return None
-        chosen = next(s for o, s in priced if o.end == end)
-        option = next(o for o, _ in priced if o.end == end)
-        moves = max(
-            self.move_s("disk", option.disk_blocks) if option.disk_blocks else 0.0,
-            self.move_s("shared", option.shared_blocks) if option.shared_blocks else 0.0,
-        )
+        option, chosen = next((o, s) for o, s in priced if o.end == end)
         fallback = min([recompute, *(s for o, s in priced if o.end < end)])
-        return max(0.0, fallback - (chosen - moves))
+        return max(0.0, fallback - (chosen - self._promotions_s(option)))
 
     def summary(self) -> dict[str, float]:
         """The current estimates, for the report."""

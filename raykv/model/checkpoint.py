@@ -18,7 +18,7 @@ import math
 import numbers
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -355,10 +355,16 @@ def fingerprint(path: Path) -> str:
     an edit confined to bytes between the windows (a few layers changed in place) does not: give
     such a checkpoint its own ``offload.disk.path``. About 1 MiB read per file."""
     files = [path] if not path.is_dir() else [*safetensors_files(path), config_file(path)]
+    return files_fingerprint([(file.name, file) for file in files])
+
+
+def files_fingerprint(files: Sequence[tuple[str, Path]]) -> str:
+    """A digest (hex) of these files, each by the name given, its size and the 16 windows of
+    ``fingerprint``."""
     digest = hashlib.blake2b(digest_size=16)
-    for file in files:
+    for name, file in files:
         size = file.stat().st_size
-        digest.update(f"{file.name}\0{size}\0".encode())
+        digest.update(f"{name}\0{size}\0".encode())
         step = max(0, size - _FINGERPRINT_WINDOW) // max(1, _FINGERPRINT_WINDOWS - 1)
         with open(file, "rb") as fh:
             for i in range(_FINGERPRINT_WINDOWS):

@@ -297,8 +297,7 @@ class Directory:
         then evicts the oldest of them first); returns those taken (one ``BlockStored``
         announces them)."""
         fresh = [k for k in dict.fromkeys(keys) if k not in self._slot]
-        room = self._slots.num_free
-        fresh = fresh[len(fresh) - room :] if len(fresh) > room else fresh
+        fresh = fresh[max(0, len(fresh) - self._slots.num_free) :]
         if not fresh:
             return []
         slots = self._slots.allocate(len(fresh))

@@ -134,25 +134,13 @@ class ChunkIO:
                 raise SourceCorrupt(f"CPU slot {slot} changed since its store (key {key:#x})")
         header, whole = self._buffers()
         header[:] = fmt.header(key, crcs)
-        # over a free file where there is one (no file to make), else a new temporary one;
-        # either way renamed into place only once complete
-        tmp = self.files.take_free()
+        tmp: str | None = None
         try:
-            if tmp is not None:
-                try:
-                    self.files.subdirectory(key)  # the rename's destination
-                except FileNotFoundError:  # the directory went behind raykv's back
-                    self.files.make_again()  # the free files with it
-                    self.files.subdirectory(key)
-                    tmp = None
-            if tmp is not None:
-                try:
-                    fd = open_regular(tmp, os.O_WRONLY | self._open_flags)
-                except (ChunkFileError, FileNotFoundError):
-                    self.files.take_away(tmp)  # replaced behind raykv's back: not written over
-                    tmp = None
-            if tmp is None:
-                fd, tmp = self._create(key)
+            try:
+                fd, tmp = self._open_temporary(key)
+            except FileNotFoundError:  # the directory went behind raykv's back
+                self.files.make_again()  # the free files with it
+                fd, tmp = self._open_temporary(key)
             try:
                 if whole is None:
                     parts = [header, data] + ([self._pad] if self._pad else [])
@@ -180,17 +168,20 @@ class ChunkIO:
                 raise DiskFull(str(exc)) from exc
             raise
 
-    def _create(self, key: int) -> tuple[int, str]:
-        """A new temporary file for ``key`` (its descriptor and path); where the directory
-        went behind raykv's back, it is made again first."""
+    def _open_temporary(self, key: int) -> tuple[int, str]:
+        """The file ``key``'s bytes are written into before it is renamed into place (its
+        descriptor and path): a free file where there is one (no file to make), else a new
+        temporary one. ``FileNotFoundError`` where the directory is gone."""
+        tmp = self.files.take_free()
+        if tmp is not None:
+            self.files.subdirectory(key)  # the rename's destination
+            try:
+                return open_regular(tmp, os.O_WRONLY | self._open_flags), tmp
+            except (ChunkFileError, FileNotFoundError):
+                self.files.take_away(tmp)  # replaced behind raykv's back: not written over
+        tmp = self.files.temporary(key)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._open_flags | SAFE_OPEN
-        try:
-            tmp = self.files.temporary(key)
-            return os.open(tmp, flags, 0o600), tmp
-        except FileNotFoundError:
-            self.files.make_again()
-            tmp = self.files.temporary(key)
-            return os.open(tmp, flags, 0o600), tmp
+        return os.open(tmp, flags, 0o600), tmp
 
     def read(self, key: int, slot: int, check: bool) -> None:
         """``key``'s file into slot ``slot``, checked (``check``: recording the checksums it

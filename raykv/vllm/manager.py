@@ -104,7 +104,8 @@ class RaykvOffloadingManager(OffloadingManager):
         self.shared = shared
         self.store = store
         self.namespace = namespace
-        self._below = (disk, shared, store)  # ... and as built, whether in use or not
+        # ... and as built, whether in use or not
+        self._built_tiers, self._store_view = (disk, shared), store
         self._agreed_step = -1  # the step whose lookups last asked for the namespace
         if namespace is not None:
             self.disk = self.shared = self.store = None
@@ -225,7 +226,7 @@ class RaykvOffloadingManager(OffloadingManager):
         if self._agreed_step == self._step:
             return False
         self._agreed_step = self._step
-        disk, shared, store = self._below
+        (disk, shared), store = self._built_tiers, self._store_view
         try:
             parts = agreement.poll()
             if parts is None:
@@ -528,9 +529,8 @@ class RaykvOffloadingManager(OffloadingManager):
         return self.metrics.report({name: tier.stats() for name, tier, _ in self._tiers()}, skipped)
 
     def shutdown(self) -> None:
-        store = self._below[2]
-        if store is not None:
-            store.close()
+        if self._store_view is not None:
+            self._store_view.close()
         self.store = None
         stop_embedded(self.bad_keys.directory)  # where this process started the master
         if self.namespace is not None:
@@ -545,7 +545,7 @@ class RaykvOffloadingManager(OffloadingManager):
         for _, tier, bad in self._tiers():
             tier.reset()
             bad.clear()
-        for tier in self._below[:2]:  # built, not in use yet: nothing in them must outlive it
+        for tier in self._built_tiers:  # built, not in use yet: nothing in them must outlive it
             if tier is not None and tier is not self.disk and tier is not self.shared:
                 tier.reset()
         self._writing_disk.clear()

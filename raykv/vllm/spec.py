@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from raykv.config import ConfigError
+from raykv.config.base import whole_chunks
 from raykv.config.sections import OffloadConfig
 from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, EventLog
 from raykv.faults import FaultyBackend, FaultyTier, RankFaults
@@ -104,12 +105,13 @@ class RaykvOffloadingSpec(OffloadingSpec):
         chunk = self.chunk_bytes * self.world_size
         if chunk <= 0:
             return 1
-        if settings.cpu_bytes < chunk:
-            raise ConfigError(
-                f"{INLINE}.cpu_bytes ({settings.cpu_bytes}) is smaller than one chunk of this "
-                f"model ({chunk} bytes across {self.world_size} workers)"
-            )
-        return settings.cpu_bytes // chunk
+        return whole_chunks(
+            settings.cpu_bytes,
+            chunk,
+            f"{INLINE}.cpu_bytes",
+            "one chunk of this model",
+            f"{self.world_size} workers",
+        )
 
     def _chunk_format(self) -> ChunkFormat:
         return ChunkFormat(self.config.worker_kv_bytes_per_block, self.blocks_per_chunk)
@@ -151,14 +153,13 @@ class RaykvOffloadingSpec(OffloadingSpec):
         file_bytes = ChunkFormat(
             self.config.worker_kv_bytes_per_block, self.blocks_per_chunk
         ).file_bytes
-        chunk = file_bytes * self.world_size
-        capacity = self.settings.disk.capacity
-        if capacity < chunk:
-            raise ConfigError(
-                f"{INLINE}.disk.capacity ({capacity}) is smaller than one chunk's files of this "
-                f"model ({chunk} bytes across {self.world_size} workers)"
-            )
-        return capacity // chunk
+        return whole_chunks(
+            self.settings.disk.capacity,
+            file_bytes * self.world_size,
+            f"{INLINE}.disk.capacity",
+            "one chunk's files of this model",
+            f"{self.world_size} workers",
+        )
 
     @staticmethod
     def _device() -> str:

@@ -80,23 +80,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 def files_fingerprint(path: str) -> str:
     """Where the loaded model cannot be found: the weight files under ``path`` (any format
-    vLLM loads), each by name, size and its first and last 64 KiB. An update in memory then goes
-    unseen (said in the log where this is used)."""
+    vLLM loads), as raykv's own engine fingerprints a checkpoint's files. An update in memory
+    then goes unseen (said in the log where this is used)."""
+    from raykv.model.checkpoint import files_fingerprint as of_files
+
     root = Path(path)
-    files = (
-        [root]
-        if root.is_file()
-        else sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
-    )
-    digest = hashlib.blake2b(digest_size=16)
-    for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.relative_to(root) if file != root else file.name}\0{size}\0".encode())
-        with open(file, "rb") as handle:
-            digest.update(handle.read(64 << 10))
-            handle.seek(max(0, size - (64 << 10)))
-            digest.update(handle.read(64 << 10))
-    return digest.hexdigest()
+    if root.is_file():
+        return of_files([(root.name, root)])
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    return of_files([(str(file.relative_to(root)), file) for file in files])
 
 
 def model_configuration(vllm_config: Any) -> dict[str, Any]:
