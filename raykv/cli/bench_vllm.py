@@ -5,32 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from raykv.cli.common import check_output, int_list, non_negative_int, positive_int, write_json
 from raykv.config import ConfigError
-
-
-def model_directory(model: str) -> str:
-    """A Hugging Face directory for ``model``: itself, or a preset's or GGUF file's, made once
-    in raykv's weights cache (vLLM reads directories)."""
-    from raykv.model.checkpoint import resolve
-    from raykv.model.hf_directory import hf_directory
-    from raykv.model.spec import UnsupportedModel
-
-    try:
-        path = resolve(model)
-    except UnsupportedModel as exc:
-        raise ConfigError(f"--model: {exc}") from None
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"--model {model}: no config.json (a Hugging Face directory?)")
-        return str(path)
-    cache = os.environ.get("RAYKV_WEIGHTS_CACHE") or str(Path.home() / ".cache" / "raykv")
-    return str(hf_directory(path, cache))
+from raykv.model.hf_directory import model_directory
 
 
 def _cmd_bench_vllm(args: argparse.Namespace, console: Console) -> int:

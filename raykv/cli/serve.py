@@ -14,6 +14,8 @@ from raykv.cli.common import add_real_model_args, check_device, load_real_model_
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from raykv.serve.app import ServeOptions, Server
 
+    if args.engine is not None:  # the flag over the config's serve.engine
+        args.set = [*(args.set or []), f"serve.engine={args.engine}"]
     cfg = load_real_model_config(args)
     check_device(cfg, "ray", args.address)
     options = ServeOptions.of(
@@ -49,6 +51,12 @@ def register(sub: Any) -> None:
     srv.add_argument("--host", help="where to listen (default: serve.host, loopback)")
     srv.add_argument("--port", type=int, help="default: serve.port, 8000")
     srv.add_argument("--replicas", type=positive_int, help="engine replicas (serve.replicas)")
+    srv.add_argument(
+        "--engine",
+        choices=("raykv", "vllm"),
+        help="what computes under each replica (serve.engine): raykv's own engine (the "
+        "default) or vLLM's, with raykv's tiers as its offloading spec (make vllm)",
+    )
     srv.add_argument(
         "--router",
         help="how requests pick a replica: kv (where the prompt's KV already is; the default "

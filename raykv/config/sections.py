@@ -7,6 +7,7 @@ import os
 from typing import Literal
 
 from pydantic import (
+    ConfigDict,
     Field,
     field_validator,
     model_validator,
@@ -432,6 +433,52 @@ class RouterWeightsConfig(_Strict):
     )
 
 
+class VllmEngineConfig(_Strict):
+    """``serve.vllm``: vLLM's own engine arguments for ``serve.engine: vllm``, under vLLM's own
+    names (``vllm.EngineArgs``). The common ones are typed here; any other is passed through
+    after ``raykv serve`` checks it names an engine argument of the installed vLLM. What raykv
+    decides itself (the model, the connector, the KV event stream, the hash seed) is refused by
+    name there."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, frozen=False)
+
+    block_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens per KV block. None: 128 on the CPU platform (its attention takes "
+        "multiples of 32), 16 on GPUs. The router hashes prompts in blocks of this size.",
+    )
+    dtype: str = Field(default="auto", description="The weights' and activations' dtype.")
+    max_model_len: int | None = Field(
+        default=None, gt=0, description="The context; None: the model's own."
+    )
+    enforce_eager: bool = Field(
+        default=False, description="No torch.compile or CUDA graphs (starts sooner)."
+    )
+    tensor_parallel_size: int = Field(default=1, gt=0, description="vLLM's TP ranks a replica.")
+    max_num_seqs: int | None = Field(default=None, gt=0, description="Requests a step at most.")
+    max_num_batched_tokens: int | None = Field(
+        default=None, gt=0, description="Tokens a step at most (the router's step budget)."
+    )
+    kv_cache_memory_bytes: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="The KV cache's size. None on the CPU platform: 1GiB (vLLM refuses to "
+        "start there without a cap); on GPUs vLLM's gpu_memory_utilization decides.",
+    )
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    enable_prefix_caching: bool = Field(
+        default=True, description="vLLM's GPU prefix cache (raykv's tiers sit under it)."
+    )
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
+        default="sha256",
+        description="vLLM's block hash; the router computes it too. With the xxhash ones raykv "
+        "gives every replica and the router one random seed per serve start (PYTHONHASHSEED, "
+        "when it is not set): the tiers' files then match only within one start.",
+    )
+    seed: int = Field(default=0, description="vLLM's sampling seed.")
+
+
 class ServeConfig(_Strict):
     """``raykv serve``: where to listen, how many replicas, how requests pick one. The API key
     is never read from a file: ``--api-key`` or RAYKV_API_KEY."""
@@ -439,6 +486,18 @@ class ServeConfig(_Strict):
     host: str = Field(default="127.0.0.1", description="Where to listen (loopback by default).")
     port: int = Field(default=8000, gt=0, lt=65536, description="Where to listen.")
     replicas: int = Field(default=1, gt=0, description="Engine replicas.")
+    engine: Literal["raykv", "vllm"] = Field(
+        default="raykv",
+        description="What computes under each replica: raykv's own engine, or vLLM's "
+        "(AsyncLLM with raykv's tiers as its offloading spec; make vllm installs it).",
+    )
+    replica_cpus: int = Field(
+        default=1,
+        gt=0,
+        description="CPU cores each vLLM replica takes (its Ray resources, and on vLLM's CPU "
+        "platform its compute threads): replicas never share a core.",
+    )
+    vllm: VllmEngineConfig = VllmEngineConfig()
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom resources each replica asks for beside its CPU (e.g. a node "

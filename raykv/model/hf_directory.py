@@ -63,3 +63,22 @@ def hf_directory(gguf: Path, cache_dir: str | Path) -> Path:
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def model_directory(model: str) -> str:
+    """A Hugging Face directory for ``model``: itself, or a preset's or GGUF file's, made once
+    in raykv's weights cache (vLLM reads directories)."""
+    from raykv.config import ConfigError
+    from raykv.model.checkpoint import resolve
+    from raykv.model.spec import UnsupportedModel
+
+    try:
+        path = resolve(model)
+    except UnsupportedModel as exc:
+        raise ConfigError(f"--model: {exc}") from None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {model}: no config.json (a Hugging Face directory?)")
+        return str(path)
+    cache = os.environ.get("RAYKV_WEIGHTS_CACHE") or str(Path.home() / ".cache" / "raykv")
+    return str(hf_directory(path, cache))

@@ -20,6 +20,11 @@ APP_NAME = "raykv"
 ENGINE_DEPLOYMENT = "raykv-engine"
 INGRESS_DEPLOYMENT = "raykv-ingress"
 
+# vLLM's block size where serve.vllm leaves it: its CPU attention takes multiples of 32 (and
+# chose 128 for SmolLM2 itself); 16 is its default on GPUs
+CPU_BLOCK_SIZE = 128
+GPU_BLOCK_SIZE = 16
+
 # request routers by name: raykv's KV-aware one, and as the baselines Serve's default (power
 # of two choices) and Ray Serve LLM's text prefix tree
 ROUTERS = {
@@ -114,7 +119,10 @@ def _loopback(host: str) -> bool:
 
 def served_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
     """``cfg`` with the checkpoint's geometry and the tokenizer's EOS (what every replica runs),
-    and the model's file."""
+    and the model's file (for vLLM replicas: ``cfg`` with vLLM's block size settled, and the
+    Hugging Face directory vLLM loads)."""
+    if cfg.serve.engine == "vllm":
+        return _served_vllm_config(cfg)
     from raykv.model.checkpoint import configure, with_stop_tokens
     from raykv.model.tokenizer import Tokenizer
 
@@ -125,6 +133,51 @@ def served_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
     # a server runs for days: finished requests are forgotten (their outputs went out)
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"keep_finished": False})})
     return cfg, str(path)
+
+
+def _served_vllm_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
+    import json
+    from pathlib import Path
+
+    from raykv.model.hf_directory import model_directory
+
+    try:
+        from raykv.vllm.serving import check_section, cpu_platform
+    except ImportError as exc:
+        raise ConfigError(
+            f"serve.engine: vllm needs vLLM ({exc}); make vllm installs vLLM's CPU build"
+        ) from None
+    directory = model_directory(str(cfg.model.path))
+    section = cfg.serve.vllm
+    check_section(section.model_dump())
+    updates: dict[str, Any] = {}
+    if section.block_size is None:
+        updates["block_size"] = CPU_BLOCK_SIZE if cpu_platform() else GPU_BLOCK_SIZE
+    hf = json.loads((Path(directory) / "config.json").read_text())
+    context = section.max_model_len or hf.get("max_position_embeddings")
+    model = {"max_positions": context, "vocab_size": hf.get("vocab_size") or cfg.model.vocab_size}
+    cfg = cfg.model_copy(
+        update={
+            "serve": cfg.serve.model_copy(update={"vllm": section.model_copy(update=updates)}),
+            "model": cfg.model.model_copy(update=model),
+        }
+    )
+    return cfg, directory
+
+
+def vllm_hash_seed(cfg: RaykvConfig) -> str:
+    """The seed vLLM's block hashes start from, the same in every replica and the router:
+    PYTHONHASHSEED where set; for the xxhash algorithms (whose seed must stay secret) a random
+    one for this serve; else empty (vLLM's fixed default)."""
+    import os
+    import secrets
+
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if cfg.serve.vllm.prefix_caching_hash_algo.startswith("xxhash"):
+        return str(secrets.randbelow(2**32))  # an int: Python itself reads PYTHONHASHSEED
+    return ""
 
 
 def model_name(cfg: RaykvConfig) -> str:
@@ -142,10 +195,12 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from raykv.cluster.rank_actor import rank_bundle
-    from raykv.serve.ingress import ingress_deployment
     from raykv.serve.replica import EngineReplica
 
     tp = cfg.parallel.tensor_parallel_size
+    if cfg.serve.engine == "vllm":
+        engine = _vllm_deployment(cfg, options, model_file)
+        return _ingress(cfg, model_file, options, engine)
     engine = serve.deployment(EngineReplica).options(
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
@@ -166,6 +221,44 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         # long for it (20 s by default)
         graceful_shutdown_timeout_s=STOP_MARGIN_S + cfg.offload.disk.spill_on_stop_s,
     )
+    return _ingress(cfg, model_file, options, engine.bind(cfg.model_dump(mode="json"), model_file))
+
+
+def _vllm_deployment(cfg: RaykvConfig, options: ServeOptions, model_dir: str) -> Any:
+    """The engine deployment of vLLM replicas, bound: each one process (vLLM starts its engine
+    core beside it) with ``serve.replica_cpus`` cores per vLLM rank, or a GPU per rank."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from raykv.serve.vllm_replica import VllmReplica
+
+    tp = cfg.serve.vllm.tensor_parallel_size
+    actor: dict[str, Any] = {"num_cpus": cfg.serve.replica_cpus * tp}
+    if cfg.parallel.device == "cuda":
+        actor = {"num_cpus": 1, "num_gpus": tp}
+    if options.replica_resources:
+        actor["resources"] = dict(options.replica_resources)
+    seed = vllm_hash_seed(cfg)
+    engine = serve.deployment(VllmReplica).options(
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=options.replicas,
+        ray_actor_options=actor,
+        max_ongoing_requests=MAX_ONGOING_PER_REPLICA,
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTERS[options.router_name],
+            request_router_kwargs=router_kwargs(cfg, options.router_name, seed),
+        ),
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=STOP_MARGIN_S + cfg.offload.disk.spill_on_stop_s,
+    )
+    return engine.bind(cfg.model_dump(mode="json"), model_dir, seed)
+
+
+def _ingress(cfg: RaykvConfig, model_file: str, options: ServeOptions, engine: Any) -> Any:
+    """The ingress deployment in front of the bound ``engine`` deployment."""
+    from raykv.serve.ingress import ingress_deployment
+
     ingress = ingress_deployment().options(
         name=INGRESS_DEPLOYMENT,
         ray_actor_options={"num_cpus": 0},
@@ -177,7 +270,7 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
         "max_request_bytes": cfg.serve.max_request_bytes,
     }
     return ingress.bind(
-        engine.bind(cfg.model_dump(mode="json"), model_file),
+        engine,
         model_name(cfg),
         model_file,
         options.api_key,
@@ -188,8 +281,18 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
     )
 
 
-def kv_layout(cfg: RaykvConfig) -> KVLayout:
+def kv_layout(cfg: RaykvConfig, hash_seed: str = "") -> KVLayout:
     """How the engine of ``cfg`` turns a prompt into KV keys (what a router hashes)."""
+    if cfg.serve.engine == "vllm":
+        section = cfg.serve.vllm
+        assert section.block_size is not None  # settled by served_config
+        return KVLayout(
+            section.block_size,
+            cfg.offload.blocks_per_chunk if cfg.offload.enabled else 1,
+            (0,),
+            f"vllm:{section.prefix_caching_hash_algo}",
+            hash_seed or None,
+        )
     groups = [i for i, g in enumerate(cfg.cache.groups) if g.kind == "full_attention"]
     return KVLayout(
         cfg.cache.block_size,
@@ -198,26 +301,36 @@ def kv_layout(cfg: RaykvConfig) -> KVLayout:
     )
 
 
-def router_kwargs(cfg: RaykvConfig, router: str) -> dict[str, Any]:
+def router_kwargs(cfg: RaykvConfig, router: str, hash_seed: str = "") -> dict[str, Any]:
     """What the KV-aware router needs to hash prompts as the engine does, its weights, and
     the engine's step token budget."""
     if router != "kv":
         return {}
-    layout = kv_layout(cfg)
+    layout = kv_layout(cfg, hash_seed)
+    step_tokens = cfg.engine.max_num_batched_tokens
+    if cfg.serve.engine == "vllm":
+        step_tokens = cfg.serve.vllm.max_num_batched_tokens or 0
     return {
         "block_size": layout.block_size,
         "blocks_per_chunk": layout.blocks_per_chunk,
         "groups": list(layout.groups),
         "weights": cfg.serve.router_weights.model_dump(),
-        "step_tokens": cfg.engine.max_num_batched_tokens,
+        "step_tokens": step_tokens,
+        "hasher": layout.hasher,
+        "hash_seed": layout.hash_seed,
     }
 
 
 def ray_resources(cfg: RaykvConfig, replicas: int) -> tuple[int, int | None]:
     """CPUs and GPUs an embedded Ray needs for ``replicas``: one CPU per replica, its ranks'
     (a CPU or a GPU each), and one for the ingress and Serve."""
-    tp = cfg.parallel.tensor_parallel_size
     cuda = cfg.parallel.device == "cuda"
+    if cfg.serve.engine == "vllm":
+        tp = cfg.serve.vllm.tensor_parallel_size
+        if cuda:
+            return replicas + 1, replicas * tp
+        return replicas * cfg.serve.replica_cpus * tp + 1, None
+    tp = cfg.parallel.tensor_parallel_size
     return replicas * (1 + (0 if cuda else tp)) + 1, (replicas * tp if cuda else None)
 
 

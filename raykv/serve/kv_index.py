@@ -158,6 +158,19 @@ class KVLayout:
     block_size: int
     blocks_per_chunk: int
     groups: tuple[int, ...] = (0,)
+    # whose block hashes: raykv's engine's, or vLLM's (``vllm:ALGO``, with its seed; None:
+    # vLLM's default seed)
+    hasher: str = "raykv"
+    hash_seed: str | None = None
+
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
+        """The block hashes of a prompt, as its engine computes them."""
+        if self.hasher == "raykv":
+            return block_hashes(token_ids, self.block_size, salted_root(cache_salt))
+        from raykv.vllm.block_hashes import prompt_hashes
+
+        algo = self.hasher.removeprefix("vllm:")
+        return prompt_hashes(token_ids, self.block_size, cache_salt, algo, self.hash_seed)
 
     @property
     def tokens_per_chunk(self) -> int:
@@ -184,7 +197,7 @@ class PromptKeys:
         """The keys of a prompt of ``token_ids`` under ``cache_salt`` (its tenant's: no other
         tenant's block is a hit for it, here as in the engine)."""
         bs, bpc = layout.block_size, layout.blocks_per_chunk
-        hashes = block_hashes(token_ids, bs, salted_root(cache_salt))
+        hashes = layout.hashes(token_ids, cache_salt)
         usable = max(0, len(token_ids) - 1) // bs
         gpu = [tuple(make_key(h, g) for g in layout.groups) for h in hashes[:usable]]
         chunks = usable // bpc

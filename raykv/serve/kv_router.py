@@ -156,8 +156,12 @@ class KVAwareRouter(RequestRouter):
         groups: tuple[int, ...] = (0,),
         weights: dict[str, float] | None = None,
         step_tokens: int = 0,
+        hasher: str = "raykv",
+        hash_seed: str | None = None,
     ) -> None:
-        self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups))
+        self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups), hasher, hash_seed)
+        if hasher != "raykv":  # vLLM's hashing: imported now, not on the first request's path
+            self.layout.hashes([], None)
         # a weight the caller leaves out (one written before it existed) keeps its default
         chosen = {**RouterWeightsConfig().model_dump(), **(weights or {})}
         self.weights = RouteWeights(**chosen, step_tokens=step_tokens)

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -39,12 +40,13 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from raykv.core.kv_events import MEDIUM_CPU, BlockStored
+from raykv.core.kv_events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED, BlockStored
 from raykv.offload.directory import HIT, HIT_PENDING, MISS, Directory
 from raykv.transfer.shared_store import SharedStoreError
 from raykv.vllm.failures import CPU_TIER, DISK_TIER, EVERY_TIER, HELD_SLOT, SHARED_TIER, BadKeys
 from raykv.vllm.jobs import ChunkLoad, ChunkStore
 from raykv.vllm.keys import raykv_key
+from raykv.vllm.load_report import LoadReport, LoadReporter
 from raykv.vllm.metrics import TierMetrics
 from raykv.vllm.namespace import NamespaceAgreement
 from raykv.vllm.room import PromotionRoom
@@ -55,7 +57,17 @@ log = logging.getLogger(__name__)
 
 # how long the slot of a read that may still land stays out of use (raykv's engine's hold)
 LATE_READ_HOLD_S = 120.0
-_MEDIUM = {MEDIUM_CPU: Medium.CPU}  # anything else (the disk, the store) is vLLM's STORAGE
+# each tier as vLLM's KV events name it (medium, locality, ownership): the CPU tier is vLLM's
+# CPU; the disk tier STORAGE on this machine; the shared tier STORAGE in the cluster's store,
+# which any replica loads from (a consumer credits it to every replica). The ownership names
+# the tier for consumers that tell two STORAGE tiers apart (raykv's router does).
+OWNER_DISK = "raykv-disk"
+OWNER_SHARED = "raykv-shared"
+_MEDIUM: dict[str, tuple[Medium, Locality | None, str | None]] = {
+    MEDIUM_CPU: (Medium.CPU, None, None),
+    MEDIUM_DISK: (Medium.STORAGE, Locality.LOCAL, OWNER_DISK),
+    MEDIUM_SHARED: (Medium.STORAGE, Locality.REMOTE, OWNER_SHARED),
+}
 # which tiers a worker's report of a bad chunk concerns
 _LEAVES = {
     EVERY_TIER: ("cpu", "disk", "shared"),
@@ -110,6 +122,10 @@ class RaykvOffloadingManager(OffloadingManager):
         if namespace is not None:
             self.disk = self.shared = self.store = None
         self.retry_steps = retry_steps
+        # where each completed load's tokens per tier go (a raykv serve replica), if anywhere
+        self.reporter: LoadReporter | None = None
+        self.tokens_per_chunk = 0  # set by the spec with the reporter
+        self._load_tokens: dict[str, tuple[int, int, int]] = {}
         self.kill_master_at = set(kill_master_at)
         self.choice = choice
         self.bad_keys = bad_keys
@@ -344,6 +360,10 @@ class RaykvOffloadingManager(OffloadingManager):
                     shared.prepare_load(in_store)
                 slot_of.update(zip(plan.keys, plan.slots, strict=True))
         self._loads[req_context.req_id] = (in_cpu, on_disk, in_store)
+        if self.reporter is not None and not refused:
+            self._load_tokens[req_context.req_id] = _tier_tokens(
+                self.tokens_per_chunk, ks, (set(in_cpu), set(on_disk), set(in_store))
+            )
         self.room.loading(req_context.req_id, refused)
         if self.choice is not None and not refused:
             ends = [req_context.get_offload_key_position(key) for key in keys]
@@ -371,9 +391,12 @@ class RaykvOffloadingManager(OffloadingManager):
         self._forget_bad()  # the workers named the chunks a failed load found bad first
         pinned, from_disk, from_shared = self._loads.pop(req_context.req_id, ([], [], []))
         promoted = from_disk + from_shared
+        went_bad = self._bad_cpu.intersection([*pinned, *promoted])
         if self.choice is not None:
-            went_bad = self._bad_cpu.intersection([*pinned, *promoted])
             self.choice.loaded(req_context.req_id, ok=not went_bad)
+        tokens = self._load_tokens.pop(req_context.req_id, None)
+        if self.reporter is not None and tokens is not None:
+            self.reporter.report(LoadReport(req_context.req_id, *tokens, ok=not went_bad))
         if promoted:
             bad = self._bad_cpu.intersection(promoted)
             good = [k for k in promoted if k not in bad]
@@ -487,10 +510,17 @@ class RaykvOffloadingManager(OffloadingManager):
             for event in tier.take_events():
                 keys = [names[k] for k in event.keys if k in names]
                 if keys:
+                    medium, locality, owner = _MEDIUM[event.medium]
+                    stored = isinstance(event, BlockStored)
                     yield OffloadingEvent(
                         keys=keys,
-                        medium=_MEDIUM.get(event.medium, Medium.STORAGE),
-                        removed=not isinstance(event, BlockStored),
+                        medium=medium,
+                        removed=not stored,
+                        locality=locality,
+                        ownership=owner,
+                        # each store is removed again one day: vLLM's self-describing events
+                        # keep the chunk's tokens and hashes until then
+                        removal_expected=stored,
                     )
 
     def _named(self, keys: Collection[OffloadKey]) -> list[int]:
@@ -529,6 +559,8 @@ class RaykvOffloadingManager(OffloadingManager):
         return self.metrics.report({name: tier.stats() for name, tier, _ in self._tiers()}, skipped)
 
     def shutdown(self) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
         if self._store_view is not None:
             self._store_view.close()
         self.store = None
@@ -560,3 +592,17 @@ class RaykvOffloadingManager(OffloadingManager):
             self.disk = self.shared = self.store = None
             self.namespace.next_epoch()
             self._agreed_step = -1
+
+
+def _tier_tokens(
+    tokens_per_chunk: int, ks: list[int], tiers: tuple[set[int], set[int], set[int]]
+) -> tuple[int, int, int]:
+    """Prompt tokens a load of chunks ``ks`` takes from the CPU tier, the disk and the store
+    (a first chunk that overlaps the GPU hit counts whole here: the replica cuts it)."""
+    counts = [0, 0, 0]
+    for k in ks:
+        for tier, held in enumerate(tiers):
+            if k in held:
+                counts[tier] += tokens_per_chunk
+                break
+    return counts[0], counts[1], counts[2]

@@ -38,6 +38,7 @@ from raykv.transfer.rank import piece_copies
 from raykv.transfer.shared_store import StoreEndpoint, chunks_in_segment
 from raykv.vllm import metrics, namespace, shared, weights
 from raykv.vllm.failures import BadKeys, report_failed_loads
+from raykv.vllm.load_report import REPORTS_KEY, LoadReporter
 from raykv.vllm.manager import RaykvOffloadingManager
 from raykv.vllm.run_directory import engine_run_directory
 from raykv.vllm.settings import INLINE, fault_settings, offload_settings
@@ -240,6 +241,10 @@ class RaykvOffloadingSpec(OffloadingSpec):
                     else None
                 ),
             )
+            endpoint = self.extra_config.get(REPORTS_KEY)
+            if endpoint:
+                self._manager.reporter = LoadReporter(str(endpoint))
+                self._manager.tokens_per_chunk = self.tokens_per_block[0] * self.blocks_per_chunk
         return self._manager
 
     def _open_tiers(
