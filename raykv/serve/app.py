@@ -199,8 +199,9 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
 
     tp = cfg.parallel.tensor_parallel_size
     if cfg.serve.engine == "vllm":
-        engine = _vllm_deployment(cfg, options, model_file)
-        return _ingress(cfg, model_file, options, engine)
+        seed = vllm_hash_seed(cfg)
+        engine = _vllm_deployment(cfg, options, model_file, seed)
+        return _ingress(cfg, model_file, options, engine, seed)
     engine = serve.deployment(EngineReplica).options(
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
@@ -224,7 +225,7 @@ def build_app(cfg: RaykvConfig, model_file: str, options: ServeOptions) -> Any:
     return _ingress(cfg, model_file, options, engine.bind(cfg.model_dump(mode="json"), model_file))
 
 
-def _vllm_deployment(cfg: RaykvConfig, options: ServeOptions, model_dir: str) -> Any:
+def _vllm_deployment(cfg: RaykvConfig, options: ServeOptions, model_dir: str, seed: str) -> Any:
     """The engine deployment of vLLM replicas, bound: each one process (vLLM starts its engine
     core beside it) with ``serve.replica_cpus`` cores per vLLM rank, or a GPU per rank."""
     from ray import serve
@@ -238,7 +239,6 @@ def _vllm_deployment(cfg: RaykvConfig, options: ServeOptions, model_dir: str) ->
         actor = {"num_cpus": 1, "num_gpus": tp}
     if options.replica_resources:
         actor["resources"] = dict(options.replica_resources)
-    seed = vllm_hash_seed(cfg)
     engine = serve.deployment(VllmReplica).options(
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
@@ -255,7 +255,9 @@ def _vllm_deployment(cfg: RaykvConfig, options: ServeOptions, model_dir: str) ->
     return engine.bind(cfg.model_dump(mode="json"), model_dir, seed)
 
 
-def _ingress(cfg: RaykvConfig, model_file: str, options: ServeOptions, engine: Any) -> Any:
+def _ingress(
+    cfg: RaykvConfig, model_file: str, options: ServeOptions, engine: Any, hash_seed: str = ""
+) -> Any:
     """The ingress deployment in front of the bound ``engine`` deployment."""
     from raykv.serve.ingress import ingress_deployment
 
@@ -269,6 +271,9 @@ def _ingress(cfg: RaykvConfig, model_file: str, options: ServeOptions, engine: A
         "vocab_size": cfg.model.vocab_size,
         "max_request_bytes": cfg.serve.max_request_bytes,
     }
+    hashing = None
+    if cfg.serve.engine == "vllm" and options.router_name == "kv":
+        hashing = (cfg.serve.vllm.prefix_caching_hash_algo, hash_seed or None)
     return ingress.bind(
         engine,
         model_name(cfg),
@@ -278,6 +283,7 @@ def _ingress(cfg: RaykvConfig, model_file: str, options: ServeOptions, engine: A
         cfg.model.cache_dir,
         limits,
         options.cache_isolation,
+        hashing,
     )
 
 

@@ -82,12 +82,20 @@ class OpenAIIngress:
         cache_dir: str | None = None,
         limits: dict[str, Any] | None = None,
         cache_isolation: str = "per_key",
+        hashing: tuple[str, str | None] | None = None,
     ) -> None:
         """``api_key``: one key, or several separated by commas; ``text_prompts``: give a
         token-id prompt its text too (the text-prefix router reads nothing else);
         ``cache_dir``: where a GGUF file's tokenizer is kept converted; ``limits``: an
-        ``IngressLimits`` as a dict; ``cache_isolation``: ``serve.cache_isolation``."""
+        ``IngressLimits`` as a dict; ``cache_isolation``: ``serve.cache_isolation``;
+        ``hashing``: vLLM's block hash (algorithm, seed) where the KV router hashes prompts as
+        vLLM replicas do (imported here, before the ingress serves: the router is made in this
+        process on the first request, and would route by load alone while it imported)."""
         bind_replica_grpc_to_node()  # before Serve starts it, once this returns
+        if hashing is not None:
+            from raykv.vllm.block_hashes import warm
+
+            warm(*hashing)
         self.engine = engine
         self._text_prompts = text_prompts
         self.model_name = model_name

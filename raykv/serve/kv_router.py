@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -149,6 +150,14 @@ class KVAwareRouter(RequestRouter):
     layout and the weights from ``RequestRouterConfig.request_router_kwargs``). No FIFO mixin:
     a replica chosen for one request's prompt must serve that request, not the queue's head."""
 
+    def _warm_hashing(self) -> None:
+        try:
+            self.layout.hashes([], None)
+        except Exception:
+            logger.exception("the router cannot hash prompts as vLLM does; it routes by load")
+            return
+        self._hashing_ready.set()
+
     def initialize_state(
         self,
         block_size: int = 16,
@@ -160,8 +169,13 @@ class KVAwareRouter(RequestRouter):
         hash_seed: str | None = None,
     ) -> None:
         self.layout = KVLayout(block_size, blocks_per_chunk, tuple(groups), hasher, hash_seed)
-        if hasher != "raykv":  # vLLM's hashing: imported now, not on the first request's path
-            self.layout.hashes([], None)
+        # vLLM's hashing takes seconds to import: in a thread, requests going by power of two
+        # choices until it is ready (never a first request waiting for an import)
+        self._hashing_ready = threading.Event()
+        if hasher == "raykv":
+            self._hashing_ready.set()
+        else:
+            threading.Thread(target=self._warm_hashing, name="raykv-hashing", daemon=True).start()
         # a weight the caller leaves out (one written before it existed) keeps its default
         chosen = {**RouterWeightsConfig().model_dump(), **(weights or {})}
         self.weights = RouteWeights(**chosen, step_tokens=step_tokens)
@@ -263,6 +277,9 @@ class KVAwareRouter(RequestRouter):
         token_ids = _token_ids(pending_request)
         if token_ids is None:
             self.decisions.inc(tags={"way": "no_prompt"})
+            return _pow2(candidate_replicas, self._queue_of)
+        if not self._hashing_ready.is_set():
+            self.decisions.inc(tags={"way": "pow2"})
             return _pow2(candidate_replicas, self._queue_of)
         keys = PromptKeys.of(token_ids, self.layout, _cache_salt(pending_request))
         scored = []

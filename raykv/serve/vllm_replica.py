@@ -281,6 +281,7 @@ class VllmReplica:
             "engine": "vllm",
             "cores": self._claim.cores if self._claim is not None else [],
             "block_size": self.engine.block_size if self.engine is not None else 0,
+            "engine_core": (self.engine.engine_core_pids() or [0])[0] if self.engine else 0,
         }
 
     def stats(self) -> dict[str, int]:

@@ -220,6 +220,14 @@ class VllmEngine:
                 delta.cached_tokens = output.num_cached_tokens or 0
             yield delta
 
+    def engine_core_pids(self) -> list[int]:
+        """The process ids of vLLM's engine core processes (empty where vLLM hides them)."""
+        try:
+            manager = self.llm.engine_core.resources.engine_manager
+            return [process.pid for process in manager.processes if process.pid]
+        except AttributeError:
+            return []
+
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
