@@ -5,6 +5,11 @@
 # zero mismatches, then stops exactly the processes this script started.
 #
 # Usage: scripts/job_submit_check.sh [extra raykv run args...]   (run from the repository root)
+#        scripts/job_submit_check.sh serve [extra raykv serve args...]
+#   serve: submits `raykv serve --config configs/serve-vllm.yaml` (vLLM replicas; make vllm)
+#   instead, waits for /health, asks one completion twice (the second is cached), stops the job
+#   with `ray job stop` (SIGTERM: the replicas stop, their tiers written through to disk) and
+#   checks it ended and left no replica process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV_BIN="$(pwd)/.venv/bin"
@@ -23,10 +28,71 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# the head's job agent comes up a little after `ray start` returns: until then a submission is
+# refused ("No available agent to submit job"), before anything is submitted, so it is retried
+wait_for_agent() {
+  for _ in $(seq 1 30); do
+    ray job list --address "http://127.0.0.1:$DASH_PORT" > /dev/null 2>&1 && return 0
+    sleep 2
+  done
+}
+
 echo "== starting a Ray head on 127.0.0.1:$GCS_PORT (dashboard $DASH_PORT)"
 ray start --head --node-ip-address 127.0.0.1 --port "$GCS_PORT" --num-cpus 4 \
   --include-dashboard true --dashboard-host 127.0.0.1 --dashboard-port "$DASH_PORT" \
   --temp-dir "$TMP" --disable-usage-stats > "$TMP/start.log" 2>&1 || { cat "$TMP/start.log"; exit 1; }
+
+wait_for_agent
+
+if [ "${1:-}" = "serve" ]; then
+  shift
+  SERVE_PORT=$((DASH_PORT + 1))
+  echo "== ray job submit: raykv serve --config configs/serve-vllm.yaml (port $SERVE_PORT)"
+  for _ in $(seq 1 30); do
+    ray job submit --address "http://127.0.0.1:$DASH_PORT" --working-dir . --no-wait \
+      --submission-id "raykv-serve-$GCS_PORT" -- \
+      raykv serve --config configs/serve-vllm.yaml --port "$SERVE_PORT" \
+      --set serve.replicas=1 --set "offload.disk.path=$TMP/disk" "$@" > "$TMP/job.log" 2>&1 \
+      && break
+    grep -q "No available agent" "$TMP/job.log" || { cat "$TMP/job.log"; exit 1; }
+    sleep 5
+  done
+  grep -q "submitted successfully" "$TMP/job.log" || { cat "$TMP/job.log"; exit 1; }
+  for _ in $(seq 1 300); do
+    curl -sf "http://127.0.0.1:$SERVE_PORT/health" > /dev/null && break
+    sleep 1
+  done
+  curl -sf "http://127.0.0.1:$SERVE_PORT/health" > /dev/null \
+    || { ray job logs --address "http://127.0.0.1:$DASH_PORT" "raykv-serve-$GCS_PORT" | tail -40; exit 1; }
+  "$VENV_BIN/python" - "$SERVE_PORT" <<'PY'
+import json, sys, time, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}/v1"
+model = json.load(urllib.request.urlopen(base + "/models"))["data"][0]["id"]
+body = {"model": model, "prompt": "the river and the stone " * 60, "max_tokens": 4,
+        "temperature": 0}
+def ask():
+    request = urllib.request.Request(base + "/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(request, timeout=120))["usage"]
+ask()
+time.sleep(1)
+details = ask()["prompt_tokens_details"]
+assert details["cached_tokens"] > 0, details
+print("== cached on the second ask:", details)
+PY
+  ray job stop --address "http://127.0.0.1:$DASH_PORT" "raykv-serve-$GCS_PORT"
+  for _ in $(seq 1 120); do
+    status=$(ray job status --address "http://127.0.0.1:$DASH_PORT" "raykv-serve-$GCS_PORT" \
+      2>/dev/null | tail -1 | tr '[:lower:]' '[:upper:]')
+    case "$status" in *STOPPED*|*SUCCEEDED*|*FAILED*) break ;; esac
+    sleep 1
+  done
+  echo "== $status"
+  case "$status" in *STOPPED*|*SUCCEEDED*) ;; *) exit 1 ;; esac
+  sleep 5  # the replica's stop: its engine core goes with it
+  if pgrep -f "EngineCore" > /dev/null; then echo "an engine core outlived the job"; exit 1; fi
+  exit 0
+fi
 
 echo "== ray job submit"
 ray job submit --address "http://127.0.0.1:$DASH_PORT" --working-dir . -- \

@@ -13,7 +13,9 @@ and its CPU tier come from the usage the server reports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,6 +30,8 @@ from raykv.workload.requests import RequestSpec
 DEPENDENCY_WINDOW = 64
 WARMUP_REQUESTS_PER_REPLICA = 2
 REQUEST_TIMEOUT_S = 600.0
+# how long vLLM's own server may take to start (import, engine, model, API)
+VLLM_START_S = 300.0
 
 
 @dataclass(slots=True)
@@ -241,12 +245,14 @@ async def _one(client: Any, model: str, spec: RequestSpec) -> RequestResult:
         return RequestResult(spec.req_id, ttft, 0, len(spec.prompt), 0, 0, replica)
     details = usage.prompt_tokens_details
     extra = (details.model_extra or {}) if details is not None else {}
+    # vLLM's own server reports only cached_tokens (its prefix cache and its connector's)
+    cached = (details.cached_tokens or 0) if details is not None else 0
     return RequestResult(
         spec.req_id,
         ttft,
         usage.completion_tokens,
         usage.prompt_tokens,
-        int(extra.get("gpu_cache_tokens", 0)),
+        int(extra.get("gpu_cache_tokens", cached)),
         int(extra.get("cpu_tier_tokens", 0)),
         replica,
         disk_tier_tokens=int(extra.get("disk_tier_tokens", 0)),
@@ -331,6 +337,75 @@ def bench_router(
         if cfg.offload.shared.enabled:
             stop_shared_store()
     return summarize(router, results, wall)
+
+
+def bench_vllm_server(
+    cfg: RaykvConfig,
+    specs: Sequence[RequestSpec],
+    concurrency: int,
+    port: int,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> ServeBenchResult:
+    """The baseline of ``--router vllm``: the workload sent straight to vLLM's own OpenAI
+    server (``python -m vllm.entrypoints.openai.api_server``), one engine with the settings and
+    the cores of one ``serve.engine: vllm`` replica, no Ray Serve in front; stopped after."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from raykv.serve.app import served_config
+    from raykv.serve.cores import CoreClaim
+    from raykv.vllm.serving import api_server_command, cpu_platform
+
+    served, model_dir = served_config(cfg)
+    cpu = cpu_platform()
+    command = api_server_command(
+        model_dir, served.serve.vllm.model_dump(), served.offload, port, cpu
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    claim = None
+    if cpu:
+        tp = served.serve.vllm.tensor_parallel_size
+        claim = CoreClaim.claim(served.serve.replica_cpus * tp)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = claim.bind_list(tp)
+        env["OMP_NUM_THREADS"] = str(max(1, len(claim.cores) // tp))
+    log_dir = tempfile.mkdtemp(prefix="raykv-bench-vllm-")
+    log_path = os.path.join(log_dir, "server.log")
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + VLLM_START_S
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    with open(log_path) as log_file:
+                        tail = log_file.read()[-2000:]
+                    raise RuntimeError(f"vLLM's server did not start:\n{tail}") from None
+                time.sleep(1)
+        url = base + "/v1"
+        asyncio.run(drive(url, "none", warmup_specs(served, 1), 1))
+        results, wall = asyncio.run(drive(url, "none", specs, concurrency, on_done))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        if claim is not None:
+            claim.release()
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return summarize("vllm", results, wall)
 
 
 def format_serve_table(results: Sequence[ServeBenchResult], title: str, affinity: int = 0) -> Any:

@@ -288,9 +288,14 @@ def _shared_config(args: argparse.Namespace, shared: bool | None) -> RaykvConfig
     return load_real_model_config(argparse.Namespace(**{**vars(args), "set": sets}))
 
 
+# the router name of the baseline without Ray Serve (--engine vllm)
+VLLM_BASELINE = "vllm"
+
+
 def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     from raykv.bench.serve import (
         bench_router,
+        bench_vllm_server,
         format_serve_table,
         pool,
         reuse_bounds,
@@ -303,10 +308,18 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
     from raykv.workload.requests import make_workload
 
     check_output("--json", args.json)
+    if args.engine is not None:
+        args.set = [*(args.set or []), f"serve.engine={args.engine}"]
     routers = list(dict.fromkeys(r.strip() for r in args.router.split(",") if r.strip()))
     for router in routers:
-        if router not in ROUTERS:
-            raise ConfigError(f"--router {router!r}: expected some of {', '.join(ROUTERS)}")
+        if router == VLLM_BASELINE and args.engine != "vllm":
+            raise ConfigError(
+                f"--router {VLLM_BASELINE}: vLLM's own server is the baseline of --engine vllm"
+            )
+        if router not in ROUTERS and router != VLLM_BASELINE:
+            raise ConfigError(
+                f"--router {router!r}: expected some of {', '.join([*ROUTERS, VLLM_BASELINE])}"
+            )
     kind, _, trace = args.workload.partition(":")
     if kind == "trace" and not Path(trace).is_file():  # before a model loads, not after
         raise ConfigError(f"--workload {args.workload}: no trace file at {trace!r}")
@@ -330,15 +343,24 @@ def _cmd_bench_serve(args: argparse.Namespace, console: Console) -> int:
             if args.repeat > 1:
                 tag += f" (run {i // len(ways) + 1} of {args.repeat})"
             with progress_bar(err, len(specs), f"{tag}: {len(specs)} requests") as advance:
-                result = bench_router(
-                    configs[way.shared],
-                    way.router,
-                    args.replicas,
-                    specs,
-                    args.concurrency,
-                    args.port,
-                    on_done=lambda _: advance(1),
-                )
+                if way.router == VLLM_BASELINE:
+                    result = bench_vllm_server(
+                        configs[way.shared],
+                        specs,
+                        args.concurrency,
+                        args.port,
+                        on_done=lambda _: advance(1),
+                    )
+                else:
+                    result = bench_router(
+                        configs[way.shared],
+                        way.router,
+                        args.replicas,
+                        specs,
+                        args.concurrency,
+                        args.port,
+                        on_done=lambda _: advance(1),
+                    )
             result.router = way.label
             for request in result.requests_list:  # which run, in --per-request's rows
                 request.run = len(runs[way])
@@ -538,7 +560,15 @@ def register(bench: Any) -> None:
     add_real_model_args(bs)
     bs.add_argument("--replicas", type=positive_int, default=2, help="engine replicas")
     bs.add_argument(
-        "--router", default="kv,pow2,prefix", help="routers to compare, comma-separated"
+        "--engine",
+        choices=("raykv", "vllm"),
+        help="what computes under each replica (serve.engine; default raykv)",
+    )
+    bs.add_argument(
+        "--router",
+        default="kv,pow2,prefix",
+        help="routers to compare, comma-separated; with --engine vllm also vllm: the same "
+        "requests straight to vLLM's own OpenAI server, one engine on one replica's cores",
     )
     bs.add_argument(
         "--workload",

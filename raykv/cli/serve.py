@@ -31,7 +31,12 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     err = Console(stderr=True)
     server = Server(cfg, options, address=args.address)  # bad options refused here, by name
     with err.status(f"starting {options.replicas} replica(s) of {cfg.model.path}..."):
-        server.start()
+        try:
+            server.start()
+        except RuntimeError as exc:  # Serve gave up on the replicas (their logs say why)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            err.print(f"raykv serve: the replicas did not start: {first}", highlight=False)
+            return 1
     try:
         auth = " (API key required)" if options.api_key else ""
         where = f"{server.url}/v1{auth}"

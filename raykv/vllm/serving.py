@@ -24,7 +24,7 @@ from raykv.config.sections import OffloadConfig
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.vllm.load_report import REPORTS_KEY
 from raykv.vllm.local import SPEC
-from raykv.vllm.settings import DECIDED_BY_VLLM
+from raykv.vllm.settings import DECIDED_BY_VLLM, INLINE, offload_settings
 
 # vLLM's engine arguments raykv sets itself, with what sets them
 OWNED_BY_RAYKV = {
@@ -38,6 +38,8 @@ OWNED_BY_RAYKV = {
 # start there without a cap)
 CPU_KV_CACHE_BYTES = 1 << 30
 TOPIC = "kv"
+# raykv's CPU tier per replica where offload sets no size (the spec wants one)
+DEFAULT_CPU_TIER = "1GiB"
 
 
 class RequestNotServable(ValueError):
@@ -80,17 +82,8 @@ def engine_arguments(
         arguments.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
     block_size = arguments.get("block_size")
     if offload.enabled:
-        raykv = offload.model_dump(mode="json", exclude_unset=True)
-        for key in DECIDED_BY_VLLM:
-            raykv.pop(key, None)
-        if offload.cpu_bytes is None and offload.cpu_slots is None:
-            raise ConfigError("offload.cpu_bytes: set the CPU tier's size (e.g. 1GiB)")
-        extra: dict[str, Any] = {
-            **SPEC,
-            "raykv": raykv,
-            "block_size": block_size * offload.blocks_per_chunk,
-            "self_describing_kv_events": True,
-        }
+        extra = spec_extra_config(offload, block_size)
+        extra["self_describing_kv_events"] = True
         if reports_endpoint:
             extra[REPORTS_KEY] = reports_endpoint
         arguments["kv_transfer_config"] = KVTransferConfig(
@@ -106,11 +99,62 @@ def engine_arguments(
     return AsyncEngineArgs(model=model, disable_log_stats=False, **arguments)
 
 
+def spec_extra_config(offload: OffloadConfig, block_size: int) -> dict[str, Any]:
+    """vLLM's ``kv_connector_extra_config`` for raykv's spec with the ``offload`` section (its
+    keys as ``raykv run`` reads them, less what vLLM decides inside it), checked as the spec
+    will check it: ConfigError naming the ``offload.`` key at fault."""
+    raykv = offload.model_dump(mode="json", exclude_unset=True)
+    for key in DECIDED_BY_VLLM:
+        raykv.pop(key, None)
+    if offload.cpu_bytes is None and offload.cpu_slots is None:
+        raykv["cpu_bytes"] = DEFAULT_CPU_TIER  # the spec has no size of its own to fall back on
+    try:
+        offload_settings({INLINE: raykv})
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"{INLINE}.", "offload.")) from None
+    return {**SPEC, INLINE: raykv, "block_size": block_size * offload.blocks_per_chunk}
+
+
 def cpu_platform() -> bool:
     """Whether vLLM runs on its CPU platform here."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def api_server_command(
+    model: str, section: Mapping[str, Any], offload: OffloadConfig, port: int, cpu_platform: bool
+) -> list[str]:
+    """The command line of vLLM's own OpenAI server with the settings a replica of
+    ``serve.vllm`` and ``offload`` runs (the baseline of ``raykv bench serve --router vllm``):
+    the same engine arguments, raykv's tiers as its offloading spec, on loopback."""
+    import json
+    import sys
+
+    check_section(section)
+    arguments = {k: v for k, v in section.items() if v is not None}
+    if cpu_platform:
+        arguments.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"]
+    command += ["--disable-uvicorn-access-log"]
+    for key, value in arguments.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict | list):
+            command += [flag, json.dumps(value)]
+        else:
+            command += [flag, str(value)]
+    if offload.enabled:
+        config = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec_extra_config(offload, arguments["block_size"]),
+        }
+        command += ["--kv-transfer-config", json.dumps(config)]
+    return command
 
 
 def check_section(section: Mapping[str, Any]) -> None:
