@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import shutil
 import time
@@ -327,6 +328,15 @@ def bench_router(
 
     # the config's serve: section (replica resources, router weights) as raykv serve takes it
     options = ServeOptions.of(cfg.serve, port=port, replicas=replicas, router=router)
+    disk_dir = None
+    if cfg.offload.enabled and cfg.offload.disk.enabled and cfg.offload.disk.path:
+        # each run's disk tier starts empty too, in a directory of its own under the path
+        import tempfile
+
+        os.makedirs(cfg.offload.disk.path, exist_ok=True)
+        disk_dir = tempfile.mkdtemp(prefix="bench-run-", dir=cfg.offload.disk.path)
+        disk = cfg.offload.disk.model_copy(update={"path": disk_dir})
+        cfg = cfg.model_copy(update={"offload": cfg.offload.model_copy(update={"disk": disk})})
     server = Server(cfg, options).start()
     try:
         url = server.url + "/v1"
@@ -336,6 +346,8 @@ def bench_router(
         server.stop()
         if cfg.offload.shared.enabled:
             stop_shared_store()
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
     return summarize(router, results, wall)
 
 
@@ -349,7 +361,6 @@ def bench_vllm_server(
     """The baseline of ``--router vllm``: the workload sent straight to vLLM's own OpenAI
     server (``python -m vllm.entrypoints.openai.api_server``), one engine with the settings and
     the cores of one ``serve.engine: vllm`` replica, no Ray Serve in front; stopped after."""
-    import os
     import signal
     import subprocess
     import tempfile

@@ -24,6 +24,10 @@ INGRESS_DEPLOYMENT = "raykv-ingress"
 # chose 128 for SmolLM2 itself); 16 is its default on GPUs
 CPU_BLOCK_SIZE = 128
 GPU_BLOCK_SIZE = 16
+# vLLM's step token budget where serve.vllm leaves max_num_batched_tokens to it (its OpenAI
+# server's default with chunked prefill on its CPU platform; GPUs' is larger, which only makes
+# the router count more of a queue as spilled than the engine does)
+VLLM_STEP_TOKENS = 2048
 
 # request routers by name: raykv's KV-aware one, and as the baselines Serve's default (power
 # of two choices) and Ray Serve LLM's text prefix tree
@@ -317,7 +321,7 @@ def router_kwargs(cfg: RaykvConfig, router: str, hash_seed: str = "") -> dict[st
     layout = kv_layout(cfg, hash_seed)
     step_tokens = cfg.engine.max_num_batched_tokens
     if cfg.serve.engine == "vllm":
-        step_tokens = cfg.serve.vllm.max_num_batched_tokens or 0
+        step_tokens = cfg.serve.vllm.max_num_batched_tokens or VLLM_STEP_TOKENS
     return {
         "block_size": layout.block_size,
         "blocks_per_chunk": layout.blocks_per_chunk,

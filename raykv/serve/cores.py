@@ -48,17 +48,17 @@ class CoreClaim:
             held.append((core, sock))
         if len(held) == count:
             return cls([c for c, _ in held], [s for _, s in held], shared=False)
-        for _, sock in held:
-            sock.close()
-        cores = allowed[: min(count, len(allowed))]
+        mine = [c for c, _ in held]
+        others = [c for c in allowed if c not in mine]
+        cores = sorted(mine + others[: max(0, min(count, len(allowed)) - len(mine))])
         log.warning(
             "only %d of the %d cores this replica asks for are free on this machine; it "
             "shares cores %s with another replica",
             len(held),
             count,
-            cores,
+            sorted(set(cores) - set(mine)),
         )
-        return cls(cores, [], shared=True)
+        return cls(cores, [s for _, s in held], shared=True)
 
     def bind_list(self, ranks: int = 1) -> str:
         """The cores as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` takes them: one comma list per

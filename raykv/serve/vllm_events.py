@@ -254,7 +254,7 @@ class EventSubscriber:
             try:
                 seq, events = _frames(frames)
                 self.mirror.apply(seq, events)
-            except EventFormatError as exc:
+            except Exception as exc:  # a message not understood never ends the reading
                 self.errors += 1
                 if self.errors <= 3:
                     log.warning("a KV event message was not read: %s", exc)

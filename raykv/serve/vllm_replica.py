@@ -22,8 +22,8 @@ import contextlib
 import itertools
 import logging
 import os
-import shutil
-import tempfile
+import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +36,7 @@ from raykv.model.tokenizer import Tokenizer
 from raykv.serve.cores import CoreClaim
 from raykv.serve.grpc_bind import bind_replica_grpc_to_node
 from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
-from raykv.serve.kv_index import Snapshot, WireEvent
+from raykv.serve.kv_index import KVLayout, PromptKeys, Snapshot, WireEvent, prompt_hit
 from raykv.serve.messages import EngineRequest, EngineUpdate, TokenInfo
 from raykv.serve.replica import ENGINE_STOPPED, TEXT_THREADS, _replica_id, _resident_bytes
 from raykv.serve.text_stream import TextStream
@@ -71,17 +71,21 @@ class VllmReplica:
         self._streams = 0
         self._counts = _Counts()
         self.mirror = VllmKVMirror()
-        self._sockets = tempfile.mkdtemp(prefix="raykv-vllm-replica-")
+        # Linux's abstract socket names: nothing on disk to leave behind, however it ends
+        self._sockets = f"@raykv-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._claim: CoreClaim | None = None
         self._pusher: FeedPusher | None = None
         self.subscriber: EventSubscriber | None = None
         self.reports: Any = None
         self.engine: Any = None
         self._text = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="raykv-text")
+        started = time.time()
         try:
             await self._start(cfg, model_dir, hash_seed)
         except BaseException:
             self.close()
+            # vLLM's engine core that failed to start leaves its shared memory behind
+            sweep_orphan_shared_memory(started)
             raise
 
     async def _start(self, cfg: RaykvConfig, model_dir: str, hash_seed: str) -> None:
@@ -94,10 +98,15 @@ class VllmReplica:
             self._claim = CoreClaim.claim(cfg.serve.replica_cpus * tp)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._claim.bind_list(tp)
             os.environ["OMP_NUM_THREADS"] = str(max(1, len(self._claim.cores) // tp))
+        # the engine core inherits this process's environment: its block hash seed is the
+        # router's (a PYTHONHASHSEED the worker was started with would make every key differ)
         if hash_seed:
-            os.environ["PYTHONHASHSEED"] = hash_seed  # the engine core process inherits it
-        events = f"ipc://{self._sockets}/kv-events"
-        reports = f"ipc://{self._sockets}/load-reports"
+            os.environ["PYTHONHASHSEED"] = hash_seed
+        else:
+            os.environ.pop("PYTHONHASHSEED", None)
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no telemetry leaves a replica
+        events = f"ipc://{self._sockets}-kv-events"
+        reports = f"ipc://{self._sockets}-load-reports"
         from raykv.vllm.load_report import LoadReports
 
         self.reports = LoadReports(reports) if cfg.offload.enabled else None
@@ -118,6 +127,13 @@ class VllmReplica:
         self._streams = 0
         self._counts = _Counts()
         self._ids = itertools.count()
+        self.layout = KVLayout(
+            self.engine.block_size,
+            layout_chunk,
+            (0,),
+            f"vllm:{cfg.serve.vllm.prefix_caching_hash_algo}",
+            hash_seed or None,
+        )
         if self.replica:
             self._start_feed()
 
@@ -152,6 +168,7 @@ class VllmReplica:
             yield EngineUpdate(error="the replica is shutting down", status=503)
             return
         if self.engine is None or self.engine.errored:
+            self._engine_lost()
             yield EngineUpdate(error=ENGINE_STOPPED, status=503)
             return
         engine_id = f"raykv{next(self._ids)}"  # the client's id may repeat; no dash (vLLM adds)
@@ -168,7 +185,10 @@ class VllmReplica:
         text = TextStream(self._decode, list(request.stop))
         counts = self._counts
         prompt = len(request.token_ids)
-        counts.prefill_tokens += prompt
+        # what is left to compute, as raykv's engine counts its load: the prompt less what the
+        # replica's prefix cache and tiers hold of it (as its own KV events say)
+        pending = self._to_compute(request)
+        counts.prefill_tokens += pending
         prefilling, finished = True, False
         self._streams += 1
         try:
@@ -182,19 +202,25 @@ class VllmReplica:
             async for delta in stream:
                 if prefilling and (delta.token_ids or delta.finish_reason):
                     prefilling = False
-                    counts.prefill_tokens -= prompt
+                    counts.prefill_tokens -= pending
                     counts.decoding += 1
                 update = await loop.run_in_executor(
                     self._text, self._text_of, text, delta.token_ids, delta.logprobs
                 )
                 reason = delta.finish_reason
+                if reason == "error":  # vLLM could not compute this request (its log says why)
+                    finished = True
+                    yield EngineUpdate(error=ENGINE_FAILED, status=500)
+                    return
                 if text.stopped:
                     await self.engine.abort(engine_id)
                     reason = "stop"
                 if reason is not None:
                     update.text += await loop.run_in_executor(self._text, text.finish)
                     update.finish_reason = _finish_reason(reason)
-                    self._usage(update, engine_id, prompt, len(text.tokens), delta.cached_tokens)
+                    await self._usage(
+                        update, engine_id, prompt, len(text.tokens), delta.cached_tokens
+                    )
                     finished = True
                     yield update
                     return
@@ -205,31 +231,41 @@ class VllmReplica:
             yield EngineUpdate(error=str(exc), status=400, param=exc.field)
         except asyncio.CancelledError:
             raise
+        except ValueError as exc:  # vLLM's own refusal of the request (its validation)
+            finished = True
+            yield EngineUpdate(error=f"vLLM refuses this request: {exc}", status=400)
         except Exception:
             log.exception("vLLM failed request %s", engine_id)
             finished = True
             stopped = self.engine.errored
+            if stopped:
+                self._engine_lost()
             yield EngineUpdate(
                 error=ENGINE_STOPPED if stopped else ENGINE_FAILED, status=503 if stopped else 500
             )
         finally:
             self._streams -= 1
             if prefilling:
-                counts.prefill_tokens -= prompt
+                counts.prefill_tokens -= pending
             else:
                 counts.decoding -= 1
             if not finished:  # the client went away: vLLM stops computing for it
                 with contextlib.suppress(Exception):
                     await self.engine.abort(engine_id)
 
-    def _usage(
+    def _to_compute(self, request: EngineRequest) -> int:
+        keys = PromptKeys.of(request.token_ids, self.layout, request.cache_salt)
+        shared = self.mirror.kv.shared
+        return prompt_hit(keys, self.mirror.kv, self.layout, shared=shared).computed_tokens
+
+    async def _usage(
         self, update: EngineUpdate, engine_id: str, prompt: int, completion: int, cached: int
     ) -> None:
         from raykv.vllm.load_report import REPORT_WAIT_S, TierTokens
 
         report = None
         if self.reports is not None and cached:
-            report = self.reports.take(engine_id, REPORT_WAIT_S)
+            report = await self.reports.take_async(engine_id, REPORT_WAIT_S)
         tiers = TierTokens.split(cached, report)
         update.prompt_tokens = prompt
         update.completion_tokens = completion
@@ -269,7 +305,18 @@ class VllmReplica:
         """Serve's health check: raises once vLLM's engine has died (Serve replaces this
         replica)."""
         if not self._closed and (self.engine is None or self.engine.errored):
+            self._engine_lost()
             raise RuntimeError("vLLM's engine has stopped (see this replica's log)")
+
+    def _engine_lost(self) -> None:
+        """vLLM's engine died: the KV feed goes at once (routers then count this replica's KV
+        as empty and its load as unknown, instead of sending it the prompts it held until Serve
+        replaces it)."""
+        if self._pusher is not None:
+            self._pusher.stop()
+            with contextlib.suppress(Exception):
+                ray.kill(self._pusher.feed)
+            self._pusher = None
 
     def ping(self) -> bool:
         return not self._closed and self.engine is not None and not self.engine.errored
@@ -317,7 +364,46 @@ class VllmReplica:
         self._text.shutdown(wait=False, cancel_futures=True)
         if self._claim is not None:
             self._claim.release()
-        shutil.rmtree(self._sockets, ignore_errors=True)
+
+
+def sweep_orphan_shared_memory(
+    since: float, directory: str = "/dev/shm", prefixes: tuple[str, ...] = ("psm_",)
+) -> list[str]:
+    """Remove the POSIX shared memory segments (``psm_*``, Python's; with ``prefixes`` also its
+    semaphores, ``sem.mp-*``) made since ``since`` that no live process has open or mapped: what
+    a vLLM engine core that died while starting leaves (a quarter of a GiB each here), or one
+    killed with its replica. Returns what it removed."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefixes)]
+    except OSError:
+        return []
+    candidates = []
+    for name in names:
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mtime >= since - 1:
+                candidates.append(path)
+    if not candidates:
+        return []
+    in_use: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            in_use.update(p for p in candidates if p in maps.read())
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target in candidates:
+                        in_use.add(target)
+    removed = []
+    for path in candidates:
+        if path not in in_use:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        log.warning("removed %d shared memory segments a dead vLLM engine left", len(removed))
+    return removed
 
 
 def _finish_reason(reason: str) -> str:

@@ -7,15 +7,19 @@ connector's part per tier. Only the manager knows that split, and it runs in vLL
 core, a process of its own. So the manager pushes one small message per completed load over a
 loopback ZeroMQ socket (``kv_connector_extra_config["raykv_load_reports"]``), and the replica
 keeps them by request until its request ends. The push never blocks the scheduler: a report
-that cannot be sent at once is dropped (the replica then counts that request's tier tokens as
-the CPU tier's).
+that cannot be sent at once is dropped (the replica then counts that request's cached tokens as
+vLLM's prefix cache's).
 
-Reports are sent when a load completes, at least one forward pass before the request's first
-token leaves the engine core, so the replica has it by the time it answers.
+A request's report is sent when its load completes, at least one forward pass before its first
+token leaves the engine core; a request that loaded nothing gets an empty one when it finishes.
+The replica waits for a missing report a few milliseconds at most, off its event loop. The first
+chunk of a load counts whole: where vLLM's prefix cache ended inside it (``blocks_per_chunk`` above
+1) the split gives the overlap to the tiers, cut from the CPU tier's count first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -122,11 +126,22 @@ class LoadReports:
             # vLLM names a request by the id it was given and a dash with 8 characters of its
             # own; the replica's ids have no dash
             head, dash, _ = report.request_id.rpartition("-")
+            key = head if dash else report.request_id
             with self._arrived:
-                self._kept[head if dash else report.request_id] = report
+                if not report.ok or key not in self._kept:  # a load's split stays (its end's
+                    self._kept[key] = report  # empty report comes after it)
                 while len(self._kept) > MAX_KEPT:
                     self._kept.popitem(last=False)
                 self._arrived.notify_all()
+
+    async def take_async(self, request_id: str, wait_s: float) -> LoadReport | None:
+        """``take`` without holding the caller's event loop: at once when the report is here,
+        else waiting in a thread."""
+        with self._arrived:
+            if request_id in self._kept:
+                return self._kept.pop(request_id)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.take, request_id, wait_s)
 
     def take(self, request_id: str, wait_s: float = 0.0) -> LoadReport | None:
         """The report of ``request_id`` (forgotten here), waiting up to ``wait_s`` for it."""

@@ -126,6 +126,7 @@ class RaykvOffloadingManager(OffloadingManager):
         self.reporter: LoadReporter | None = None
         self.tokens_per_chunk = 0  # set by the spec with the reporter
         self._load_tokens: dict[str, tuple[int, int, int]] = {}
+        self._reported: dict[str, bool] = {}  # requests whose load was reported, until they end
         self.kill_master_at = set(kill_master_at)
         self.choice = choice
         self.bad_keys = bad_keys
@@ -397,6 +398,7 @@ class RaykvOffloadingManager(OffloadingManager):
         tokens = self._load_tokens.pop(req_context.req_id, None)
         if self.reporter is not None and tokens is not None:
             self.reporter.report(LoadReport(req_context.req_id, *tokens, ok=not went_bad))
+            self._reported[req_context.req_id] = True
         if promoted:
             bad = self._bad_cpu.intersection(promoted)
             good = [k for k in promoted if k not in bad]
@@ -500,6 +502,8 @@ class RaykvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if self.reporter is not None and not self._reported.pop(req_context.req_id, False):
+            self.reporter.report(LoadReport(req_context.req_id, 0, 0, 0))  # loaded nothing
         self.room.finished(req_context.req_id)
         if self.choice is not None:
             self.choice.finished(req_context.req_id)
@@ -530,8 +534,10 @@ class RaykvOffloadingManager(OffloadingManager):
         return ks
 
     def _trim_names(self) -> None:
+        if any(tier.events.buffered for _, tier, _ in self._tiers()):
+            return  # an eviction not yet taken still needs its key's name
         # names of keys no tier holds any more are dropped once the map outgrows the tiers
-        # (once a step, whether or not vLLM takes events)
+        # (once a step, whether or not vLLM takes events: not while events wait to be taken)
         tiers = [tier for _, tier, _ in self._tiers()]
         if len(self._names) > 2 * sum(tier.capacity for tier in tiers):
             self._names = {k: v for k, v in self._names.items() if any(k in t for t in tiers)}

@@ -32,12 +32,13 @@ OWNED_BY_RAYKV = {
     "kv_transfer_config": "raykv's offload section",
     "kv_events_config": "the replica (its KV event stream feeds the router)",
     "disable_log_stats": "the replica",
-    "skip_tokenizer_init": "the replica (raykv's ingress tokenizes)",
 }
 # the KV cache's size on vLLM's CPU platform where serve.vllm does not set it (vLLM refuses to
 # start there without a cap)
 CPU_KV_CACHE_BYTES = 1 << 30
 TOPIC = "kv"
+# how long a replica's stop waits for vLLM's engine core to end before it is killed
+SHUTDOWN_S = 30.0
 # raykv's CPU tier per replica where offload sets no size (the spec wants one)
 DEFAULT_CPU_TIER = "1GiB"
 
@@ -221,7 +222,7 @@ class VllmEngine:
             raise RequestNotServable(
                 f"the prompt's {num_prompt} tokens leave no room for an answer in the model's "
                 f"context of {self.max_model_len} tokens",
-                "messages",
+                "prompt",
             )
         if max_tokens is not None and num_prompt + max_tokens > self.max_model_len:
             raise RequestNotServable(
@@ -231,9 +232,9 @@ class VllmEngine:
             )
         if sampling.logprobs is not None and sampling.logprobs > self.max_logprobs:
             raise RequestNotServable(
-                f"top_logprobs {sampling.logprobs}: this vLLM engine reports at most "
-                f"{self.max_logprobs}",
-                "top_logprobs",
+                f"{sampling.logprobs} top log-probabilities asked; this vLLM engine reports at "
+                f"most {self.max_logprobs} (its max_logprobs)",
+                "logprobs",
             )
 
     async def generate(
@@ -280,7 +281,9 @@ class VllmEngine:
         return bool(self.llm.errored)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        # long enough for the engine core to end on its own: force-killed (vLLM's default
+        # after 5 s) it leaves its semaphores and shared memory in /dev/shm
+        self.llm.shutdown(timeout=SHUTDOWN_S)
 
 
 def _logprobs(token_ids: Any, positions: Any, top_n: int) -> list[TokenLogprobs]:

@@ -41,6 +41,8 @@ def served(model: Path, *extra: str) -> list[str]:
         "offload.cpu_bytes=48MiB",
         "offload.events=true",
         "offload.take_hits=always",
+        # below the ingress's own limit (20): a request between the two reaches vLLM's check
+        "serve.vllm.max_logprobs=5",
         *extra,
     ]
 
@@ -105,7 +107,7 @@ def test_the_openai_client_streams_and_gets_logprobs_and_the_tier_split(client) 
     tokens = choice.logprobs.content
     assert len(tokens) == first.usage.completion_tokens == 8
     for token in tokens:
-        assert len(token.top_logprobs) == 3
+        assert len(token.top_logprobs) == 3  # within vLLM's max_logprobs (5)
         ranked = [t.logprob for t in token.top_logprobs]
         assert ranked == sorted(ranked, reverse=True)
         assert token.logprob <= ranked[0] + 1e-4  # greedy: the sampled token is the top one
@@ -173,9 +175,15 @@ def test_another_tenant_gets_nothing_of_the_first_tenants_cache(server) -> None:
 
 
 def test_what_vllm_refuses_is_a_400_naming_the_field(client) -> None:
+    # 8 passes the ingress (20 at most) and the replica's vLLM refuses it (max_logprobs 5)
     with pytest.raises(openai.BadRequestError) as caught:
-        chat(client, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=25)
-    assert "top_logprobs" in str(caught.value)
+        chat(client, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=8)
+    assert caught.value.body["param"] == "top_logprobs"
+    assert "max_logprobs" in str(caught.value)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, logprobs=8)
+    assert caught.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError) as caught:
         chat(client, [{"role": "user", "content": prompt_text(2, words=200)}], max_tokens=4000)
     assert "max_tokens" in str(caught.value)
@@ -232,6 +240,11 @@ def test_a_killed_replica_ends_its_stream_in_an_error_and_the_other_serves_on(cl
     ):
         assert time.monotonic() < deadline, "Serve did not replace the killed replica"
         time.sleep(1)
+    # a process killed outright leaves what vLLM's engine core had in /dev/shm (its
+    # semaphores): nothing alive maps them any more
+    from raykv.serve.vllm_replica import sweep_orphan_shared_memory
+
+    sweep_orphan_shared_memory(0, prefixes=("psm_", "sem.mp-"))
 
 
 def _alive(pid: int) -> bool:
