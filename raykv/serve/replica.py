@@ -34,13 +34,13 @@ from raykv.cluster.engine_actor import EngineServer
 from raykv.cluster.rank_actor import ranks_ready, spawn_ranks
 from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestRefused, RequestStatus
-from raykv.core.step import TokenLogprobs
 from raykv.model.tokenizer import Tokenizer
 from raykv.serve.grpc_bind import bind_replica_grpc_to_node
 from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
 from raykv.serve.kv_index import Snapshot, WireEvent, to_wire
-from raykv.serve.messages import EngineRequest, EngineUpdate, TokenInfo
+from raykv.serve.messages import EngineRequest, EngineUpdate
 from raykv.serve.text_stream import TextStream
+from raykv.serve.token_text import TokenText
 from raykv.transfer.pool_files import PoolFiles, sweep_stale
 from raykv.workload.requests import RequestSpec
 
@@ -104,6 +104,7 @@ class EngineReplica:
         workers = spawn_ranks(cfg_json, pg, self._pool_files, FIRST_RANK_BUNDLE)
         ranks_ready(workers)
         self.replica = _replica_id()
+        self.texts = TokenText(self.tokenizer, self.replica)
         labels = {"replica": self.replica} if self.replica else None
         self.server = EngineServer(
             cfg_json,
@@ -170,7 +171,7 @@ class EngineReplica:
         if refusal is not None:
             yield _error_update(refusal)
             return
-        text = TextStream(self._decode, list(request.stop))
+        text = TextStream(self.texts.decode, list(request.stop))
         finished = False
         try:
             while True:
@@ -185,7 +186,7 @@ class EngineReplica:
                     yield _error_update(item)
                     return
                 tokens, logprobs, status, cached = item
-                update = await self._in_text_thread(self._text_of, text, tokens, logprobs)
+                update = await self._in_text_thread(self.texts.update, text, tokens, logprobs)
                 if text.stopped:
                     await loop.run_in_executor(self._engine_calls, self.server.abort, engine_id)
                     update.finish_reason = "stop"
@@ -221,22 +222,6 @@ class EngineReplica:
 
     async def _in_text_thread(self, work: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._text, work, *args)
-
-    def _text_of(
-        self, text: TextStream, tokens: list[int], logprobs: list[TokenLogprobs] | None
-    ) -> EngineUpdate:
-        """The update for ``tokens`` (a text thread's work: decoding, stop strings, and each
-        token's text with its alternatives' when logprobs were asked for)."""
-        before = len(text.tokens)
-        update = EngineUpdate(text.push(tokens), replica=self.replica)
-        update.token_ids = text.tokens[before:]
-        if logprobs is not None:
-            pieces = text.token_texts(before, len(text.tokens))
-            update.logprobs = [
-                self._token_info(t, piece, lp)
-                for t, piece, lp in zip(update.token_ids, pieces, logprobs, strict=False)
-            ]
-        return update
 
     def _admit(self, engine_id: str, request: EngineRequest, stream: _Stream) -> _Refusal | None:
         """Check the request against the engine and submit it (in a thread: it waits for the
@@ -292,9 +277,6 @@ class EngineReplica:
                 hi = probe.max_tokens - 1
         return lo
 
-    def _decode(self, token_ids: Any) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
-
     # ---- the engine's side (its loop thread, under its lock) ---------------------------------
 
     def _pump(self) -> None:
@@ -345,16 +327,6 @@ class EngineReplica:
             req.num_shared_hit_tokens,
         )
         stream.put((new, logprobs, status, cached))
-
-    def _token_info(self, token_id: int, text: str, lp: TokenLogprobs) -> TokenInfo:
-        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        alternatives = [(t, self._decode([t]), v, self._bytes_of(t)) for t, v in top]
-        return TokenInfo(token_id, text, lp.logprob, alternatives, self._bytes_of(token_id))
-
-    def _bytes_of(self, token_id: int) -> bytes:
-        if self.tokenizer is None:
-            return b""
-        return self.tokenizer.token_bytes(token_id)
 
     # ---- routing and health -----------------------------------------------------------------
 

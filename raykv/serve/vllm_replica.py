@@ -37,9 +37,10 @@ from raykv.serve.cores import CoreClaim
 from raykv.serve.grpc_bind import bind_replica_grpc_to_node
 from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
 from raykv.serve.kv_index import KVLayout, PromptKeys, Snapshot, WireEvent, prompt_hit
-from raykv.serve.messages import EngineRequest, EngineUpdate, TokenInfo
+from raykv.serve.messages import EngineRequest, EngineUpdate
 from raykv.serve.replica import ENGINE_STOPPED, TEXT_THREADS, _replica_id, _resident_bytes
 from raykv.serve.text_stream import TextStream
+from raykv.serve.token_text import TokenText
 from raykv.serve.vllm_events import EventSubscriber, VllmKVMirror
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class VllmReplica:
         self.cfg = cfg
         self.tokenizer = Tokenizer.of(model_dir, cfg.model.cache_dir)
         self.replica = _replica_id()
+        self.texts = TokenText(self.tokenizer, self.replica)
         self._closed = False
         self._streams = 0
         self._counts = _Counts()
@@ -182,7 +184,7 @@ class VllmReplica:
             yield EngineUpdate(error=str(exc), status=400, param=getattr(exc, "field", None))
             return
         loop = asyncio.get_running_loop()
-        text = TextStream(self._decode, list(request.stop))
+        text = TextStream(self.texts.decode, list(request.stop))
         counts = self._counts
         prompt = len(request.token_ids)
         # what is left to compute, as raykv's engine counts its load: the prompt less what the
@@ -205,7 +207,7 @@ class VllmReplica:
                     counts.prefill_tokens -= pending
                     counts.decoding += 1
                 update = await loop.run_in_executor(
-                    self._text, self._text_of, text, delta.token_ids, delta.logprobs
+                    self._text, self.texts.update, text, delta.token_ids, delta.logprobs
                 )
                 reason = delta.finish_reason
                 if reason == "error":  # vLLM could not compute this request (its log says why)
@@ -273,31 +275,6 @@ class VllmReplica:
         update.cpu_tier_tokens = tiers.cpu
         update.disk_tier_tokens = tiers.disk
         update.shared_tier_tokens = tiers.shared
-
-    def _text_of(
-        self, text: TextStream, tokens: list[int], logprobs: list[Any] | None
-    ) -> EngineUpdate:
-        before = len(text.tokens)
-        update = EngineUpdate(text.push(tokens), replica=self.replica)
-        update.token_ids = text.tokens[before:]
-        if logprobs is not None:
-            pieces = text.token_texts(before, len(text.tokens))
-            update.logprobs = [
-                self._token_info(t, piece, lp)
-                for t, piece, lp in zip(update.token_ids, pieces, logprobs, strict=False)
-            ]
-        return update
-
-    def _token_info(self, token_id: int, text: str, lp: Any) -> TokenInfo:
-        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        alternatives = [(t, self._decode([t]), v, self._bytes_of(t)) for t, v in top]
-        return TokenInfo(token_id, text, lp.logprob, alternatives, self._bytes_of(token_id))
-
-    def _decode(self, token_ids: Any) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
-
-    def _bytes_of(self, token_id: int) -> bytes:
-        return self.tokenizer.token_bytes(token_id) if self.tokenizer is not None else b""
 
     # ---- routing and health -----------------------------------------------------------------
 

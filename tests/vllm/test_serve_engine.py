@@ -18,9 +18,9 @@ from tests.vllm.conftest import prompt_text
 
 openai = pytest.importorskip("openai")
 
-import ray  # noqa: E402
 
 from raykv.config import load_config  # noqa: E402
+from tests.serve.test_replicas import engine_handle, kill_replica  # noqa: E402
 
 PORT = 8131
 KEYS = "alpha-key,beta-key"
@@ -71,14 +71,6 @@ def chat(client, messages, **kwargs):
     model = client.models.list().data[0].id
     kwargs.setdefault("max_tokens", 8)
     return client.chat.completions.create(model=model, messages=messages, temperature=0, **kwargs)
-
-
-def engine_handle():
-    from ray import serve
-
-    from raykv.serve.app import APP_NAME, ENGINE_DEPLOYMENT
-
-    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
 
 
 def replica_infos(tries: int = 40) -> dict[str, dict]:
@@ -189,15 +181,6 @@ def test_what_vllm_refuses_is_a_400_naming_the_field(client) -> None:
     assert "max_tokens" in str(caught.value)
     # and the replica serves on
     assert chat(client, [{"role": "user", "content": "still there?"}]).choices[0].message
-
-
-def kill_replica(unique_id: str) -> None:
-    (named,) = [
-        a
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if unique_id in a["name"] and a["name"].startswith("SERVE_REPLICA")
-    ]
-    ray.kill(ray.get_actor(named["name"], namespace=named["namespace"]), no_restart=True)
 
 
 def test_a_killed_replica_ends_its_stream_in_an_error_and_the_other_serves_on(client) -> None:
