@@ -466,7 +466,13 @@ class VllmEngineConfig(_Strict):
         description="The KV cache's size. None on the CPU platform: 1GiB (vLLM refuses to "
         "start there without a cap); on GPUs vLLM's gpu_memory_utilization decides.",
     )
-    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="The share of a GPU's memory vLLM may use (its KV cache takes the rest of "
+        "it); None: vLLM's default. Not used on the CPU platform.",
+    )
     enable_prefix_caching: bool = Field(
         default=True, description="vLLM's GPU prefix cache (raykv's tiers sit under it)."
     )
