@@ -153,6 +153,13 @@ class FeedPusher:
         with contextlib.suppress(RuntimeError):
             self._thread.join(timeout=PUSH_TIMEOUT_S + 1)
 
+    def end(self) -> None:
+        """End the thread and the feed actor: routers then count the replica's KV as empty
+        and its load as unknown (its engine is gone, or going)."""
+        self.stop()
+        with contextlib.suppress(Exception):
+            ray.kill(self.feed)
+
 
 def start_feed(name: str, namespace: str, placement: Any = None) -> Any:
     """Create the named feed actor (owned by the caller, so it goes when the caller does), in

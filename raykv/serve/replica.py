@@ -304,9 +304,7 @@ class EngineReplica:
         for stream in list(self._streams.values()):
             stream.put(_Refusal(ENGINE_STOPPED, 503))
         if self._pusher is not None:
-            self._pusher.stop()
-            with contextlib.suppress(Exception):
-                ray.kill(self._pusher.feed)
+            self._pusher.end()
 
     def _hand(self, stream: _Stream, req: Request, status: str | None) -> None:
         """The request's tokens since the last hand-over (with their logprobs, when it asked
@@ -392,9 +390,7 @@ class EngineReplica:
             return
         self._closed = True
         if self._pusher is not None:
-            self._pusher.stop()
-            with contextlib.suppress(Exception):
-                ray.kill(self._pusher.feed)
+            self._pusher.end()
         with contextlib.suppress(Exception):
             self.server.shutdown()
         self._text.shutdown(wait=False, cancel_futures=True)

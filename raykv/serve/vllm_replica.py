@@ -290,9 +290,7 @@ class VllmReplica:
         as empty and its load as unknown, instead of sending it the prompts it held until Serve
         replaces it)."""
         if self._pusher is not None:
-            self._pusher.stop()
-            with contextlib.suppress(Exception):
-                ray.kill(self._pusher.feed)
+            self._pusher.end()
             self._pusher = None
 
     def ping(self) -> bool:
@@ -328,9 +326,7 @@ class VllmReplica:
             return
         self._closed = True
         if self._pusher is not None:
-            self._pusher.stop()
-            with contextlib.suppress(Exception):
-                ray.kill(self._pusher.feed)
+            self._pusher.end()
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 self.engine.shutdown()  # its core writes what it stores through to the disk tier

@@ -12,31 +12,26 @@ pytest.importorskip("ray.serve")
 
 from raykv.core.step import TokenLogprobs
 from raykv.serve.answers import AnswerShape
-from raykv.serve.replica import EngineReplica
 from raykv.serve.text_stream import TextStream
+from raykv.serve.token_text import TokenText
 from tests.serve.test_text_stream import EURO, decode, ids
 
 
-class Replica:
-    """What ``EngineReplica._text_of`` reads of a replica (its decoder, its id)."""
+class StandIn(TokenText):
+    """Both replicas' token text (``TokenText``) on the stand-in tokenizer's decoder."""
 
-    replica = "r"
-    tokenizer = None
-    _token_info = EngineReplica._token_info
-    _bytes_of = EngineReplica._bytes_of
-
-    def _decode(self, token_ids):
+    def decode(self, token_ids):
         return decode(list(token_ids))
 
 
 def test_issue28_10_split_characters_keep_tokens_and_offsets_on_the_text() -> None:
-    replica = Replica()
-    text = TextStream(replica._decode)
+    texts = StandIn(None, "r")
+    text = TextStream(texts.decode)
     pushes = [ids("a "), [1000], [1001], ids(" b"), [1000, 1001], ids("!")]
     updates = []
     for tokens in pushes:
         logprobs = [TokenLogprobs(-0.5, {t: -0.5}) for t in tokens]
-        updates.append(EngineReplica._text_of(replica, text, tokens, logprobs))
+        updates.append(texts.update(text, tokens, logprobs))
     answer = "".join(u.text for u in updates) + text.finish()
     assert answer == f"a {EURO} b{EURO}!"
     infos = [i for u in updates for i in u.logprobs]
