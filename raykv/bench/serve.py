@@ -13,7 +13,6 @@ and its CPU tier come from the usage the server reports.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import shutil
@@ -361,13 +360,12 @@ def bench_vllm_server(
     """The baseline of ``--router vllm``: the workload sent straight to vLLM's own OpenAI
     server (``python -m vllm.entrypoints.openai.api_server``), one engine with the settings and
     the cores of one ``serve.engine: vllm`` replica, no Ray Serve in front; stopped after."""
-    import signal
-    import subprocess
     import tempfile
-    import urllib.request
+    from pathlib import Path
 
     from raykv.serve.app import served_config
     from raykv.serve.cores import CoreClaim
+    from raykv.vllm.api_server import running
     from raykv.vllm.serving import api_server_command, cpu_platform
 
     served, model_dir = served_config(cfg)
@@ -380,39 +378,14 @@ def bench_vllm_server(
     if cpu:
         tp = served.serve.vllm.tensor_parallel_size
         claim = CoreClaim.claim(served.serve.replica_cpus * tp)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = claim.bind_list(tp)
-        env["OMP_NUM_THREADS"] = str(max(1, len(claim.cores) // tp))
+        env.update(claim.vllm_env(tp))
     log_dir = tempfile.mkdtemp(prefix="raykv-bench-vllm-")
-    log_path = os.path.join(log_dir, "server.log")
-    with open(log_path, "w") as log_file:
-        server = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + VLLM_START_S
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    with open(log_path) as log_file:
-                        tail = log_file.read()[-2000:]
-                    raise RuntimeError(f"vLLM's server did not start:\n{tail}") from None
-                time.sleep(1)
-        url = base + "/v1"
-        asyncio.run(drive(url, "none", warmup_specs(served, 1), 1))
-        results, wall = asyncio.run(drive(url, "none", specs, concurrency, on_done))
+        with running(command, port, Path(log_dir) / "server.log", env, VLLM_START_S) as base:
+            url = base + "/v1"
+            asyncio.run(drive(url, "none", warmup_specs(served, 1), 1))
+            results, wall = asyncio.run(drive(url, "none", specs, concurrency, on_done))
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
         if claim is not None:
             claim.release()
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -146,7 +146,7 @@ def _served_vllm_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
     from raykv.model.hf_directory import model_directory
 
     try:
-        from raykv.vllm.serving import check_section, cpu_platform, spec_extra_config
+        from raykv.vllm.serving import check_section, cpu_platform, spec_settings
     except ImportError as exc:
         raise ConfigError(
             f"serve.engine: vllm needs vLLM ({exc}); make vllm installs vLLM's CPU build"
@@ -157,7 +157,7 @@ def _served_vllm_config(cfg: RaykvConfig) -> tuple[RaykvConfig, str]:
     if section.block_size is None:
         updates["block_size"] = CPU_BLOCK_SIZE if cpu_platform() else GPU_BLOCK_SIZE
     if cfg.offload.enabled:  # what the spec would refuse in each replica, refused here
-        spec_extra_config(cfg.offload, updates.get("block_size", section.block_size))
+        spec_settings(cfg.offload)
     directory = model_directory(str(cfg.model.path))
     hf = json.loads((Path(directory) / "config.json").read_text())
     context = section.max_model_len or hf.get("max_position_embeddings")

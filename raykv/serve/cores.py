@@ -67,6 +67,14 @@ class CoreClaim:
         groups = [self.cores[i * per : (i + 1) * per] or self.cores[-1:] for i in range(ranks)]
         return "|".join(",".join(map(str, group)) for group in groups)
 
+    def vllm_env(self, ranks: int = 1) -> dict[str, str]:
+        """The environment that binds a vLLM engine of ``ranks`` ranks to these cores on its
+        CPU platform: ``VLLM_CPU_OMP_THREADS_BIND`` and each rank's thread count."""
+        return {
+            "VLLM_CPU_OMP_THREADS_BIND": self.bind_list(ranks),
+            "OMP_NUM_THREADS": str(max(1, len(self.cores) // ranks)),
+        }
+
     def release(self) -> None:
         for sock in self._sockets:
             with contextlib.suppress(OSError):

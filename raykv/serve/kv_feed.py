@@ -172,3 +172,26 @@ def start_feed(name: str, namespace: str, placement: Any = None) -> Any:
             placement, placement_group_bundle_index=0
         )
     return ray.remote(KVFeed).options(**options).remote()
+
+
+def replica_feed(
+    replica: str,
+    collect: Callable[[bool], tuple[list[WireEvent] | Snapshot, Load]],
+    placement: Any = None,
+) -> FeedPusher:
+    """The KV feed of the Serve replica ``replica`` (this process), named for it so routers
+    find it, and the pusher that feeds it from ``collect`` and makes a new one if it dies;
+    the feed sits in bundle 0 of ``placement`` where given."""
+    from ray import serve
+
+    app_name = serve.get_replica_context().replica_id.deployment_id.app_name
+    name = feed_name(app_name, replica)
+    namespace = ray.get_runtime_context().namespace
+
+    def create() -> Any:
+        try:
+            return start_feed(name, namespace, placement)
+        except ValueError:  # the name is taken: a feed that lives after all, or the dead
+            return ray.get_actor(name, namespace)  # one not yet released (its push fails)
+
+    return FeedPusher(create(), collect, recreate=create)

@@ -36,7 +36,7 @@ from raykv.config import RaykvConfig
 from raykv.core.request import Request, RequestRefused, RequestStatus
 from raykv.model.tokenizer import Tokenizer
 from raykv.serve.grpc_bind import bind_replica_grpc_to_node
-from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
+from raykv.serve.kv_feed import FeedPusher, Load, replica_feed
 from raykv.serve.kv_index import Snapshot, WireEvent, to_wire
 from raykv.serve.messages import EngineRequest, EngineUpdate
 from raykv.serve.text_stream import TextStream
@@ -124,25 +124,8 @@ class EngineReplica:
         self.server.on_step = self._pump
         self.server.on_stopped = self._fail_all
         self.server.start()
-        if self.replica:
-            self._start_feed(pg)
-
-    def _start_feed(self, pg: Any) -> None:
-        """The replica's KV feed (``serve.kv_feed``), named for its Serve replica id, and the
-        thread that pushes to it (and makes a new one if it dies)."""
-        from ray import serve
-
-        app_name = serve.get_replica_context().replica_id.deployment_id.app_name
-        name = feed_name(app_name, self.replica)
-        namespace = ray.get_runtime_context().namespace
-
-        def create() -> Any:
-            try:
-                return start_feed(name, namespace, pg)
-            except ValueError:  # the name is taken: a feed that lives after all, or the dead
-                return ray.get_actor(name, namespace)  # one not yet released (its push fails)
-
-        self._pusher = FeedPusher(create(), self._collect_kv, recreate=create)
+        if self.replica:  # its KV feed (``serve.kv_feed``), beside it in its placement group
+            self._pusher = replica_feed(self.replica, self._collect_kv, pg)
 
     def _collect_kv(self, whole: bool) -> tuple[list[WireEvent] | Snapshot, Load]:
         """The engine's KV events since the last call (or, ``whole``, its state as a whole),

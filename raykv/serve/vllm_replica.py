@@ -35,7 +35,7 @@ from raykv.config import RaykvConfig
 from raykv.model.tokenizer import Tokenizer
 from raykv.serve.cores import CoreClaim
 from raykv.serve.grpc_bind import bind_replica_grpc_to_node
-from raykv.serve.kv_feed import FeedPusher, Load, feed_name, start_feed
+from raykv.serve.kv_feed import FeedPusher, Load, replica_feed
 from raykv.serve.kv_index import KVLayout, PromptKeys, Snapshot, WireEvent, prompt_hit
 from raykv.serve.messages import EngineRequest, EngineUpdate
 from raykv.serve.replica import ENGINE_STOPPED, TEXT_THREADS, _replica_id, _resident_bytes
@@ -65,14 +65,13 @@ class VllmReplica:
         the same for every replica and the router (empty: vLLM's default)."""
         bind_replica_grpc_to_node()
         cfg = RaykvConfig.model_validate(cfg_json)
-        self.cfg = cfg
         self.tokenizer = Tokenizer.of(model_dir, cfg.model.cache_dir)
         self.replica = _replica_id()
         self.texts = TokenText(self.tokenizer, self.replica)
         self._closed = False
         self._streams = 0
         self._counts = _Counts()
-        self.mirror = VllmKVMirror()
+        self._ids = itertools.count()
         # Linux's abstract socket names: nothing on disk to leave behind, however it ends
         self._sockets = f"@raykv-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._claim: CoreClaim | None = None
@@ -98,8 +97,7 @@ class VllmReplica:
         if cpu:
             tp = cfg.serve.vllm.tensor_parallel_size
             self._claim = CoreClaim.claim(cfg.serve.replica_cpus * tp)
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._claim.bind_list(tp)
-            os.environ["OMP_NUM_THREADS"] = str(max(1, len(self._claim.cores) // tp))
+            os.environ.update(self._claim.vllm_env(tp))
         # the engine core inherits this process's environment: its block hash seed is the
         # router's (a PYTHONHASHSEED the worker was started with would make every key differ)
         if hash_seed:
@@ -126,9 +124,6 @@ class VllmReplica:
         loop = asyncio.get_running_loop()
         # building the engine starts its process and loads the model: not on the loop
         self.engine = await loop.run_in_executor(None, VllmEngine, arguments)
-        self._streams = 0
-        self._counts = _Counts()
-        self._ids = itertools.count()
         self.layout = KVLayout(
             self.engine.block_size,
             layout_chunk,
@@ -137,22 +132,7 @@ class VllmReplica:
             hash_seed or None,
         )
         if self.replica:
-            self._start_feed()
-
-    def _start_feed(self) -> None:
-        from ray import serve
-
-        app_name = serve.get_replica_context().replica_id.deployment_id.app_name
-        name = feed_name(app_name, self.replica)
-        namespace = ray.get_runtime_context().namespace
-
-        def create() -> Any:
-            try:
-                return start_feed(name, namespace)
-            except ValueError:
-                return ray.get_actor(name, namespace)
-
-        self._pusher = FeedPusher(create(), self._collect_kv, recreate=create)
+            self._pusher = replica_feed(self.replica, self._collect_kv)
 
     def _collect_kv(self, whole: bool) -> tuple[list[WireEvent] | Snapshot, Load]:
         load = Load(self._counts.prefill_tokens, self._counts.decoding)

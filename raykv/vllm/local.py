@@ -19,19 +19,25 @@ def one_process() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+def connector_config(raykv: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """vLLM's connector config, as the dictionary ``--kv-transfer-config`` takes, with raykv's
+    spec and settings ``raykv`` (``extra``: more of ``kv_connector_extra_config``); a failed
+    load is recomputed."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {**SPEC, "raykv": raykv, **extra},
+    }
+
+
 def transfer_config(raykv: dict[str, Any] | None, **extra: Any) -> Any:
-    """vLLM's connector config with raykv's spec and settings ``raykv`` (None: no offloading);
-    a failed load is recomputed."""
+    """``connector_config`` as vLLM's ``KVTransferConfig`` (None: no offloading)."""
     from vllm.config import KVTransferConfig
 
     if raykv is None:
         return None
-    return KVTransferConfig(
-        kv_connector="OffloadingConnector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={**SPEC, "raykv": raykv, **extra},
-    )
+    return KVTransferConfig(**connector_config(raykv, **extra))
 
 
 @contextlib.contextmanager

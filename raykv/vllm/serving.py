@@ -23,7 +23,7 @@ from raykv.config import ConfigError
 from raykv.config.sections import OffloadConfig
 from raykv.core.step import SamplingSpec, TokenLogprobs
 from raykv.vllm.load_report import REPORTS_KEY
-from raykv.vllm.local import SPEC
+from raykv.vllm.local import connector_config
 from raykv.vllm.settings import DECIDED_BY_VLLM, INLINE, offload_settings
 
 # vLLM's engine arguments raykv sets itself, with what sets them
@@ -63,6 +63,23 @@ class VllmDelta:
     cached_tokens: int = 0
 
 
+def _engine_settings(
+    section: Mapping[str, Any], offload: OffloadConfig, cpu_platform: bool, **spec_extra: Any
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """vLLM's engine arguments of ``serve.vllm`` (None values left to vLLM; on the CPU
+    platform the KV cache capped) and the connector config of raykv's spec with ``offload``
+    (None: offloading off), what a replica and vLLM's own server both run."""
+    check_section(section)
+    arguments = {k: v for k, v in section.items() if v is not None}
+    if cpu_platform:
+        arguments.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    if not offload.enabled:
+        return arguments, None
+    raykv = spec_settings(offload)
+    chunk = arguments["block_size"] * offload.blocks_per_chunk
+    return arguments, connector_config(raykv, block_size=chunk, **spec_extra)
+
+
 def engine_arguments(
     model: str,
     section: Mapping[str, Any],
@@ -72,27 +89,18 @@ def engine_arguments(
     reports_endpoint: str | None,
     cpu_platform: bool,
 ) -> Any:
-    """vLLM's ``AsyncEngineArgs`` for a replica: ``section`` is ``serve.vllm`` (vLLM's names,
-    None values left to vLLM), ``offload`` raykv's tiers (off: vLLM alone)."""
+    """vLLM's ``AsyncEngineArgs`` for a replica: ``section`` is ``serve.vllm`` (vLLM's names),
+    ``offload`` raykv's tiers (off: vLLM alone); its KV events (self-describing, raykv's tiers
+    among them) on ``events_endpoint``, its loads' tier split to ``reports_endpoint``."""
     from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    check_section(section)
-    arguments = {k: v for k, v in section.items() if v is not None}
-    if cpu_platform:
-        arguments.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
-    block_size = arguments.get("block_size")
-    if offload.enabled:
-        extra = spec_extra_config(offload, block_size)
-        extra["self_describing_kv_events"] = True
-        if reports_endpoint:
-            extra[REPORTS_KEY] = reports_endpoint
-        arguments["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        )
+    spec_extra: dict[str, Any] = {"self_describing_kv_events": True}
+    if reports_endpoint:
+        spec_extra[REPORTS_KEY] = reports_endpoint
+    arguments, connector = _engine_settings(section, offload, cpu_platform, **spec_extra)
+    if connector is not None:
+        arguments["kv_transfer_config"] = KVTransferConfig(**connector)
     if events_endpoint:
         arguments["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=events_endpoint, topic=TOPIC
@@ -100,10 +108,10 @@ def engine_arguments(
     return AsyncEngineArgs(model=model, disable_log_stats=False, **arguments)
 
 
-def spec_extra_config(offload: OffloadConfig, block_size: int) -> dict[str, Any]:
-    """vLLM's ``kv_connector_extra_config`` for raykv's spec with the ``offload`` section (its
-    keys as ``raykv run`` reads them, less what vLLM decides inside it), checked as the spec
-    will check it: ConfigError naming the ``offload.`` key at fault."""
+def spec_settings(offload: OffloadConfig) -> dict[str, Any]:
+    """raykv's settings for its spec inside vLLM from the ``offload`` section (its keys as
+    ``raykv run`` reads them, less what vLLM decides inside it), checked as the spec will
+    check them: ConfigError naming the ``offload.`` key at fault."""
     raykv = offload.model_dump(mode="json", exclude_unset=True)
     for key in DECIDED_BY_VLLM:
         raykv.pop(key, None)
@@ -113,7 +121,7 @@ def spec_extra_config(offload: OffloadConfig, block_size: int) -> dict[str, Any]
         offload_settings({INLINE: raykv})
     except ConfigError as exc:
         raise ConfigError(str(exc).replace(f"{INLINE}.", "offload.")) from None
-    return {**SPEC, INLINE: raykv, "block_size": block_size * offload.blocks_per_chunk}
+    return raykv
 
 
 def cpu_platform() -> bool:
@@ -132,10 +140,7 @@ def api_server_command(
     import json
     import sys
 
-    check_section(section)
-    arguments = {k: v for k, v in section.items() if v is not None}
-    if cpu_platform:
-        arguments.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    arguments, connector = _engine_settings(section, offload, cpu_platform)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     command += ["--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"]
     command += ["--disable-uvicorn-access-log"]
@@ -147,14 +152,8 @@ def api_server_command(
             command += [flag, json.dumps(value)]
         else:
             command += [flag, str(value)]
-    if offload.enabled:
-        config = {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": spec_extra_config(offload, arguments["block_size"]),
-        }
-        command += ["--kv-transfer-config", json.dumps(config)]
+    if connector is not None:
+        command += ["--kv-transfer-config", json.dumps(connector)]
     return command
 
 

@@ -11,18 +11,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from raykv.vllm.local import SPEC
+from raykv.vllm.api_server import ServerDidNotStart, running
+from raykv.vllm.local import connector_config
 from tests.vllm.conftest import prompt_text
 
 openai = pytest.importorskip("openai")
@@ -41,12 +38,7 @@ def vllm_serve(model: Path, raykv: dict, log: Path) -> Iterator[str]:
     """``vllm serve`` on loopback with raykv's spec; its base URL. Stopped (its process group,
     which it started) after."""
     port = free_port()
-    config = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {**SPEC, "raykv": raykv},
-    }
+    config = connector_config(raykv)
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -57,34 +49,11 @@ def vllm_serve(model: Path, raykv: dict, log: Path) -> Iterator[str]:
     # --enforce-eager: no torch.compile, so the server is up about 20 s sooner; raykv's
     # halves and their copies are the same either way
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited ({server.returncode}):\n{log.read_text()[-3000:]}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{url}/health", timeout=2) as reply,
-            ):
-                if reply.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not up in {START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield f"{url}/v1"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        with running(command, port, log, env, START_S) as url:
+            yield f"{url}/v1"
+    except ServerDidNotStart as exc:
+        pytest.fail(str(exc))
 
 
 def test_vllm_serve_loads_a_repeated_prompt_from_raykv(vllm_model, tmp_path) -> None:
